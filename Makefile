@@ -1,0 +1,42 @@
+# Two commands are the contract: `make demo` and `make test`, each on a fresh machine.
+# GPU users pick their torch: `make test TORCH="torch==2.6.0 --index-url https://download.pytorch.org/whl/cu124"`
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit bench clean install
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch goes in first and is then pinned via constraints, so no later dependency
+# can replace it with a newer multi-GB CUDA build.
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Until the `shardwise demo` job exists (CLI issue), the demo is a 2-process training example.
+demo: $(STAMP)
+	$(PY) -m torch.distributed.run --nproc_per_node 2 --master_port 0 examples/quickstart.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

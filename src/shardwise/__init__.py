@@ -1,0 +1,38 @@
+"""shardwise: one config value takes a PyTorch model from one process to DDP, ZeRO-2,
+FSDP2 or HSDP — with parity to single-process training as the check.
+
+    info = shardwise.init_distributed()
+    model = shardwise.wrap(MyModel(), shardwise.ParallelConfig(strategy="full_shard"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)  # after wrap
+"""
+
+from shardwise.config import STRATEGIES, ParallelConfig
+from shardwise.distributed import DistInfo, get_dist_info, init_distributed, shutdown
+from shardwise.mesh import MeshSpec, resolve_mesh
+from shardwise.precision import PRESETS, Precision
+from shardwise.strategies import WrapInfo, sync_module_states, unwrap, wrap, wrap_info
+from shardwise.wrap import WrapPlan, WrapUnit, plan_wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "STRATEGIES",
+    "DistInfo",
+    "MeshSpec",
+    "ParallelConfig",
+    "Precision",
+    "WrapInfo",
+    "WrapPlan",
+    "WrapUnit",
+    "__version__",
+    "get_dist_info",
+    "init_distributed",
+    "plan_wrap",
+    "resolve_mesh",
+    "shutdown",
+    "sync_module_states",
+    "unwrap",
+    "wrap",
+    "wrap_info",
+]

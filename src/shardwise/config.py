@@ -1,0 +1,244 @@
+"""The typed schema for parallelism: `ParallelConfig` and the value translations it needs.
+
+Owns: field definitions, the accepted spellings of each field (our names, torch's
+`ShardingStrategy`, FSDP1's `CPUOffload`/`BackwardPrefetch`), and validation that does
+not need to know the world size. Errors are raised when the config is built, before
+any process group exists.
+
+Must not: read environment variables, touch torch.distributed, or know the world size
+(that is `mesh.py`'s job, when the config meets a running job).
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+from shardwise.precision import Precision, resolve_precision
+
+StrategyName = Literal[
+    "ddp", "no_shard", "shard_grad_op", "full_shard", "hybrid_shard", "hybrid_shard_zero2"
+]
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)
+
+# FSDP1's ShardingStrategy member names, so configs from FSDP1-era tools keep working.
+_FSDP1_STRATEGY_NAMES = {
+    "FULL_SHARD": "full_shard",
+    "SHARD_GRAD_OP": "shard_grad_op",
+    "NO_SHARD": "no_shard",
+    "HYBRID_SHARD": "hybrid_shard",
+    "_HYBRID_SHARD_ZERO2": "hybrid_shard_zero2",
+    "HYBRID_SHARD_ZERO2": "hybrid_shard_zero2",
+}
+# Common spellings users bring from other frameworks.
+_STRATEGY_ALIASES = {
+    "fsdp": "full_shard",
+    "zero3": "full_shard",
+    "zero2": "shard_grad_op",
+    "hsdp": "hybrid_shard",
+}
+
+WrapPolicy = Iterable[type[nn.Module]] | Callable[..., bool] | str | None
+
+
+def closest(value: str, choices: Iterable[str]) -> str:
+    """' Did you mean X?' for the closest choice, or '' when nothing is close."""
+    match = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def normalize_strategy(value: object) -> str:
+    """Our canonical strategy name for a name, alias, FSDP1 name or `ShardingStrategy`."""
+    name = getattr(value, "name", value)  # torch's ShardingStrategy enum members
+    if not isinstance(name, str):
+        raise TypeError(
+            f"ParallelConfig.strategy must be a string or torch ShardingStrategy, "
+            f"got {type(value).__name__} ({value!r})."
+        )
+    if name in _FSDP1_STRATEGY_NAMES:
+        return _FSDP1_STRATEGY_NAMES[name]
+    key = name.lower().replace("-", "_")
+    if key in STRATEGIES:
+        return key
+    if key in _STRATEGY_ALIASES:
+        return _STRATEGY_ALIASES[key]
+    known = [*STRATEGIES, *_FSDP1_STRATEGY_NAMES]
+    raise ValueError(
+        f"ParallelConfig.strategy={name!r} is not a known strategy.{closest(key, known)} "
+        f"Choose one of {list(STRATEGIES)} (FSDP1 names {sorted(_FSDP1_STRATEGY_NAMES)} "
+        "are accepted too)."
+    )
+
+
+def resolve_cpu_offload(value: object) -> CPUOffloadPolicy | None:
+    """FSDP2 offload policy for `cpu_offload`: bool, CPUOffloadPolicy or FSDP1 CPUOffload."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return CPUOffloadPolicy()
+    if isinstance(value, CPUOffloadPolicy):
+        return value
+    if isinstance(value, OffloadPolicy):  # torch's "no offload" base policy
+        return None
+    try:
+        from torch.distributed.fsdp import CPUOffload
+    except ImportError:  # pragma: no cover
+        CPUOffload = None  # noqa: N806
+    if CPUOffload is not None and isinstance(value, CPUOffload):
+        return CPUOffloadPolicy() if value.offload_params else None
+    raise TypeError(
+        f"ParallelConfig.cpu_offload got {type(value).__name__} ({value!r}); expected a bool, "
+        "torch's CPUOffloadPolicy, or FSDP1's CPUOffload."
+    )
+
+
+def resolve_backward_prefetch(value: object) -> tuple[int, str | None]:
+    """Backward prefetch depth for FSDP2, and a warning where FSDP1's meaning has no twin.
+
+    FSDP2 always prefetches the next unit in backward (depth 1, issued before the
+    current unit's gradient computation — FSDP1's BACKWARD_PRE); deeper explicit
+    prefetch is available, turning it off is not.
+    """
+    name = getattr(value, "name", value)  # FSDP1 BackwardPrefetch members
+    if isinstance(name, bool):
+        raise TypeError(
+            f"ParallelConfig.backward_prefetch={value!r}: use 'pre', 'post', None or a depth >= 1."
+        )
+    if isinstance(name, int):
+        if name < 1:
+            raise ValueError(
+                f"ParallelConfig.backward_prefetch={name} must be a depth >= 1 "
+                "(or 'pre', 'post', None). FSDP2 cannot disable backward prefetch."
+            )
+        return name, None
+    if name is None:
+        return 1, (
+            "ParallelConfig.backward_prefetch=None has no FSDP2 equivalent: FSDP2 always "
+            "prefetches one unit ahead in backward. Using depth 1."
+        )
+    if isinstance(name, str):
+        key = name.lower().removeprefix("backward_")
+        if key == "pre":
+            return 1, None
+        if key == "post":
+            return 1, (
+                "ParallelConfig.backward_prefetch='post' (FSDP1 BACKWARD_POST) has no exact "
+                "FSDP2 equivalent; using FSDP2's pre-gradient prefetch of depth 1."
+            )
+    raise ValueError(
+        f"ParallelConfig.backward_prefetch={value!r} is not valid. Use 'pre', 'post', None, "
+        "a depth >= 1, or FSDP1's BackwardPrefetch."
+    )
+
+
+def resolve_forward_prefetch(value: object) -> int:
+    """Forward prefetch depth: False/0 = none (FSDP2's default), True = 1, or a depth."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int) and value >= 0:
+        return value
+    raise ValueError(
+        f"ParallelConfig.forward_prefetch={value!r} is not valid. Use a bool or a depth >= 0."
+    )
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How `shardwise.wrap` parallelises a model. Defaults do the right thing on one CPU."""
+
+    strategy: str = "full_shard"
+    """One of ddp, no_shard, shard_grad_op, full_shard, hybrid_shard, hybrid_shard_zero2
+    (torch's ShardingStrategy members and names are accepted and normalised)."""
+    dp_shard: int = -1
+    """Ranks each shard group spans. -1: all ranks for full_shard/shard_grad_op; for
+    hybrid strategies the ranks of one node when that gives a 2-D mesh, else the most
+    balanced split. Replication across groups is world_size // dp_shard."""
+    mixed_precision: Any = "fp32"
+    """'fp32', 'bf16', 'fp16', a mapping of param/reduce/output dtypes, shardwise.Precision,
+    torch's MixedPrecisionPolicy, or FSDP1's MixedPrecision."""
+    cpu_offload: Any = False
+    """Keep sharded parameters, gradients and optimizer state on CPU: bool,
+    CPUOffloadPolicy or FSDP1's CPUOffload. Not available with ddp."""
+    sync_module_states: bool = True
+    """Start every rank from rank 0's parameters and buffers."""
+    reshard_after_forward: bool | int | None = None
+    """Override the strategy's choice for non-root units (True frees gathered parameters
+    after forward; an int reshards to that many ranks). None: from the strategy."""
+    backward_prefetch: Any = "pre"
+    """'pre', 'post', None, a depth >= 1, or FSDP1's BackwardPrefetch."""
+    forward_prefetch: bool | int = False
+    """Prefetch the next unit(s) in forward: bool or a depth."""
+    auto_wrap_policy: Any = None
+    """Which submodules become their own shard units: a set of module classes, or None
+    (the root only)."""
+    force_wrap: bool = False
+    """Apply the strategy even at world size 1 (the model is otherwise returned unwrapped)."""
+    find_unused_parameters: bool = False
+    """ddp only: tolerate parameters that get no gradient in a step (costs a graph walk)."""
+    bucket_cap_mb: float = 25.0
+    """ddp only: gradient bucket size in MiB."""
+
+    # Resolved forms, filled in by validation.
+    _precision: Precision = field(init=False, repr=False, compare=False)
+    _offload: CPUOffloadPolicy | None = field(init=False, repr=False, compare=False)
+    _backward_depth: int = field(init=False, repr=False, compare=False)
+    _forward_depth: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        validate_parallel_config(self)
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision
+
+    @property
+    def offload_policy(self) -> CPUOffloadPolicy | None:
+        return self._offload
+
+    @property
+    def backward_prefetch_depth(self) -> int:
+        return self._backward_depth
+
+    @property
+    def forward_prefetch_depth(self) -> int:
+        return self._forward_depth
+
+
+def validate_parallel_config(cfg: ParallelConfig) -> None:
+    """Every check that does not need the world size, in one place; normalises fields."""
+    cfg.strategy = normalize_strategy(cfg.strategy)
+    if isinstance(cfg.dp_shard, bool) or not isinstance(cfg.dp_shard, int):
+        raise TypeError(f"ParallelConfig.dp_shard must be an int, got {cfg.dp_shard!r}.")
+    if cfg.dp_shard == 0 or cfg.dp_shard < -1:
+        raise ValueError(
+            f"ParallelConfig.dp_shard={cfg.dp_shard} is not a valid group size. "
+            "Use a positive number of ranks, or -1 to infer it."
+        )
+    cfg._precision = resolve_precision(cfg.mixed_precision)
+    cfg._offload = resolve_cpu_offload(cfg.cpu_offload)
+    if cfg._offload is not None and cfg.strategy == "ddp":
+        raise ValueError(
+            "ParallelConfig.cpu_offload is set with strategy='ddp', but DDP keeps a full "
+            "replica on every device and cannot offload. Use a sharded strategy "
+            "(full_shard, shard_grad_op, hybrid_shard) or set cpu_offload=False."
+        )
+    cfg._backward_depth, prefetch_warning = resolve_backward_prefetch(cfg.backward_prefetch)
+    if prefetch_warning and cfg.strategy != "ddp":
+        warnings.warn(prefetch_warning, stacklevel=3)
+    cfg._forward_depth = resolve_forward_prefetch(cfg.forward_prefetch)
+    raf = cfg.reshard_after_forward
+    if raf is not None and not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1):
+        raise ValueError(
+            f"ParallelConfig.reshard_after_forward={raf!r} is not valid. Use True, False, None "
+            "(from the strategy) or a positive number of ranks to reshard to."
+        )
+    if not cfg.bucket_cap_mb > 0:
+        raise ValueError(
+            f"ParallelConfig.bucket_cap_mb={cfg.bucket_cap_mb} must be > 0 (MiB per DDP bucket)."
+        )

@@ -1,0 +1,144 @@
+"""The parallel degrees (replicate × shard) and the named `DeviceMesh` built from them.
+
+Owns: turning (strategy, dp_shard, world size) into one validated `MeshSpec`, and
+building torch's DeviceMesh from it. Resolution is a pure function, so every error can be
+raised (and tested) before a process group exists.
+
+Must not: wrap models or read the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+REPLICATE_DIM = "dp_replicate"
+SHARD_DIM = "dp_shard"
+
+_HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """How the world is split: `dp_replicate` groups, each sharding over `dp_shard` ranks."""
+
+    strategy: str
+    dp_replicate: int
+    dp_shard: int
+    reshard_after_forward: bool | int
+    """For non-root FSDP units; irrelevant for ddp."""
+    engine: str
+    """'ddp' (DistributedDataParallel) or 'fsdp' (fully_shard)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def is_2d(self) -> bool:
+        return self.strategy == "no_shard" or self.strategy in _HYBRID
+
+    def __str__(self) -> str:
+        return (
+            f"{self.strategy}: {self.dp_replicate} replica group(s) x {self.dp_shard} shard "
+            f"rank(s) = world {self.world_size}, engine={self.engine}, "
+            f"reshard_after_forward={self.reshard_after_forward}"
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    def build(self, device_type: str) -> DeviceMesh | None:
+        """The DeviceMesh for fully_shard (None for ddp, which uses the default group)."""
+        if self.engine == "ddp":
+            return None
+        if self.is_2d:
+            # FSDP2 treats a 2-D mesh as (replicate, shard): HSDP, or no_shard with shard size 1.
+            return init_device_mesh(
+                device_type,
+                (self.dp_replicate, self.dp_shard),
+                mesh_dim_names=(REPLICATE_DIM, SHARD_DIM),
+            )
+        return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=(SHARD_DIM,))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _hybrid_shard_degree(dp_shard: int, world: int, local_world: int, strategy: str) -> int:
+    usable = [d for d in divisors(world) if 1 < d < world]
+    if not usable:
+        raise ValueError(
+            f"ParallelConfig.strategy={strategy!r} needs a 2-D mesh (at least 2 replica groups "
+            f"of at least 2 ranks), but world size {world} has no such split. Use "
+            "'full_shard' (or 'shard_grad_op') for this world size, or launch a world size "
+            "with a divisor other than 1 and itself (e.g. 4 = 2x2)."
+        )
+    if dp_shard == -1:
+        # Shard within a node (fast links), replicate across nodes, when that is 2-D.
+        if local_world in usable:
+            return local_world
+        # One node: the most balanced split, larger side sharding (less memory per rank).
+        return min(usable, key=lambda d: (abs(d - math.sqrt(world)), -d))
+    if world % dp_shard != 0:
+        raise ValueError(
+            f"ParallelConfig.dp_shard={dp_shard} does not divide the world size {world}. "
+            f"Choose a divisor of {world} ({', '.join(map(str, usable))}) or -1 to infer."
+        )
+    if dp_shard not in usable:
+        raise ValueError(
+            f"ParallelConfig.dp_shard={dp_shard} with strategy={strategy!r} at world size "
+            f"{world} gives a {world // dp_shard}x{dp_shard} mesh, which is not hybrid. Choose "
+            f"dp_shard in {usable}, or use "
+            f"{'full_shard' if dp_shard == world else 'no_shard or ddp'} instead."
+        )
+    return dp_shard
+
+
+def resolve_mesh(
+    strategy: str,
+    dp_shard: int,
+    world_size: int,
+    *,
+    local_world_size: int | None = None,
+    reshard_after_forward: bool | int | None = None,
+) -> MeshSpec:
+    """Validate the degrees against the world size and fix every -1."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1.")
+    local_world = local_world_size or world_size
+    if strategy == "ddp" or strategy == "no_shard":
+        if dp_shard not in (-1, 1):
+            raise ValueError(
+                f"ParallelConfig.dp_shard={dp_shard} with strategy={strategy!r}: this strategy "
+                "replicates everything, so dp_shard must be -1 or 1. To shard, use "
+                "'full_shard' or 'hybrid_shard'."
+            )
+        shard, replicate = 1, world_size
+    elif strategy in ("full_shard", "shard_grad_op"):
+        if dp_shard not in (-1, world_size):
+            hint = (
+                f"use strategy='hybrid_shard' with dp_shard={dp_shard}"
+                if world_size % dp_shard == 0
+                else "choose a divisor of the world size with a hybrid strategy"
+            )
+            raise ValueError(
+                f"ParallelConfig.dp_shard={dp_shard} with strategy={strategy!r}: this strategy "
+                f"shards over all {world_size} ranks, so dp_shard must be -1 or {world_size}. "
+                f"To shard within smaller groups, {hint}."
+            )
+        shard, replicate = world_size, 1
+    elif strategy in _HYBRID:
+        shard = _hybrid_shard_degree(dp_shard, world_size, local_world, strategy)
+        replicate = world_size // shard
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}")
+
+    default_raf = strategy in ("full_shard", "hybrid_shard")
+    raf = default_raf if reshard_after_forward is None else reshard_after_forward
+    engine = "ddp" if strategy == "ddp" else "fsdp"
+    return MeshSpec(strategy, replicate, shard, raf, engine)

@@ -1,0 +1,128 @@
+"""Reference models: a small GPT-style decoder used by the parity tests, bench and examples.
+
+Owns: `GPTConfig` and `GPT` (token embedding tied to the output head, pre-LayerNorm
+blocks of causal self-attention and MLP). Small enough for CPU tests, scalable to the
+benchmark sizes.
+
+Must not: depend on any other shardwise module; models stay plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(kw_only=True, frozen=True)
+class GPTConfig:
+    vocab_size: int = 64
+    """Tokens in the vocabulary."""
+    seq_len: int = 16
+    """Longest sequence the position embedding covers."""
+    d_model: int = 32
+    """Width of the residual stream."""
+    n_heads: int = 4
+    """Attention heads; must divide d_model."""
+    n_layers: int = 2
+    """Transformer blocks."""
+    mlp_ratio: int = 4
+    """MLP hidden width as a multiple of d_model."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output head."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be >= 1.")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"GPTConfig.n_heads={self.n_heads} must divide d_model={self.d_model}."
+            )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        # No qkv bias: the key bias gets an exactly-zero gradient (softmax is shift
+        # invariant per query), so Adam would turn its rounding noise into updates.
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only LM. `forward(idx, targets=None)` returns logits, or the mean loss."""
+
+    _no_split_modules = ("Block",)
+
+    def __init__(self, cfg: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg = cfg or GPTConfig()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by depth."""
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+            elif name.endswith("proj.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,240 @@
+"""Apply a strategy: `wrap(model, config)` with DistributedDataParallel or FSDP2's fully_shard.
+
+Owns: the order of operations when wrapping (checks → device → sync from rank 0 →
+plan → shard → prefetch wiring), the refusal of already-wrapped models, and the record
+of what was done (`wrap_info`).
+
+Must not: hand-write collectives or sharding (torch does both), or read config files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.config import ParallelConfig
+from shardwise.distributed import DistInfo, env_world_size, get_dist_info
+from shardwise.mesh import MeshSpec, resolve_mesh
+from shardwise.precision import apply_autocast
+from shardwise.wrap.plan import WrapPlan, plan_wrap
+
+_INFO_ATTR = "_shardwise_wrap_info"
+_BROADCAST_BUCKET_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class WrapInfo:
+    """What `wrap` did to a model: the resolved mesh and plan (None when left unwrapped)."""
+
+    config: ParallelConfig
+    dist: DistInfo
+    mesh_spec: MeshSpec | None
+    plan: WrapPlan | None
+    device_mesh: Any = None
+
+    @property
+    def wrapped(self) -> bool:
+        return self.mesh_spec is not None
+
+    def __str__(self) -> str:
+        if self.mesh_spec is None:
+            return f"unwrapped at world size {self.dist.world_size} ({self.config.precision})"
+        return f"{self.mesh_spec}\n{self.plan}" if self.plan else str(self.mesh_spec)
+
+
+def wrap_info(model: nn.Module) -> WrapInfo | None:
+    """The `WrapInfo` `wrap` attached to `model`, or None if it did not wrap it."""
+    return cast(WrapInfo | None, getattr(model, _INFO_ATTR, None))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 wraps in place, so it is the model)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _sharded_description(module: nn.Module) -> str | None:
+    if isinstance(module, DistributedDataParallel):
+        return "DistributedDataParallel"
+    if isinstance(module, FSDPModule):
+        return "fully_shard (FSDP2)"
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        FullyShardedDataParallel = None  # noqa: N806
+    if FullyShardedDataParallel is not None and isinstance(module, FullyShardedDataParallel):
+        return "FullyShardedDataParallel (FSDP1)"
+    if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+        return "DTensor parameters (already sharded)"
+    return None
+
+
+def check_not_wrapped(model: nn.Module) -> None:
+    """Refuse a model that is already wrapped or partly sharded, naming the submodule."""
+    for fqn, module in model.named_modules():
+        how = _sharded_description(module)
+        if how is not None:
+            where = f"submodule {fqn!r}" if fqn else f"the model ({type(model).__name__})"
+            raise ValueError(
+                f"shardwise.wrap: {where} is already wrapped by {how}. wrap() applies the "
+                "strategy itself and cannot nest wrappers: pass the plain, unwrapped model "
+                "(build it fresh, or use shardwise.unwrap(model) for a DDP-wrapped one)."
+            )
+
+
+def _check_process_group(config: ParallelConfig) -> DistInfo:
+    world_env = env_world_size()
+    if not dist.is_initialized():
+        if world_env > 1:
+            raise RuntimeError(
+                f"shardwise.wrap: WORLD_SIZE={world_env} is set in the environment but no "
+                "process group is initialised, so the ranks cannot talk to each other. Call "
+                "shardwise.init_distributed() before shardwise.wrap()."
+            )
+        if config.force_wrap:
+            raise RuntimeError(
+                "shardwise.wrap: ParallelConfig.force_wrap=True needs a process group even "
+                "at world size 1. Call shardwise.init_distributed() first (it makes a "
+                "one-rank group when no launcher is present)."
+            )
+    return get_dist_info()
+
+
+def sync_module_states(model: nn.Module, src: int = 0) -> None:
+    """Overwrite every rank's parameters and buffers with rank `src`'s, bucketed by dtype."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if not t.is_meta]
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            bucket: list[torch.Tensor] = []
+            size = 0
+            for t in [*group, None]:
+                if t is not None:
+                    bucket.append(t)
+                    size += t.numel() * t.element_size()
+                if bucket and (t is None or size >= _BROADCAST_BUCKET_BYTES):
+                    flat = torch.cat([b.detach().reshape(-1) for b in bucket])
+                    dist.broadcast(flat, src=src)
+                    offset = 0
+                    for b in bucket:
+                        b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                        offset += b.numel()
+                    bucket, size = [], 0
+
+
+def _apply_ddp(model: nn.Module, config: ParallelConfig, info: DistInfo) -> nn.Module:
+    precision = config.precision
+    apply_autocast(model, precision, info.device.type)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[info.device.index] if info.device.type == "cuda" else None,
+        find_unused_parameters=config.find_unused_parameters,
+        bucket_cap_mb=config.bucket_cap_mb,
+        init_sync=config.sync_module_states,
+    )
+    reduce_dtype = precision.reduce_dtype
+    if reduce_dtype in (torch.bfloat16, torch.float16):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = (
+            default_hooks.bf16_compress_hook
+            if reduce_dtype == torch.bfloat16
+            else default_hooks.fp16_compress_hook
+        )
+        ddp.register_comm_hook(None, hook)
+    return ddp
+
+
+def _wire_prefetch(units: list[FSDPModule], root: FSDPModule, config: ParallelConfig) -> None:
+    """Explicit FSDP2 prefetch, assuming units run forward in plan (registration) order."""
+    back, fwd = config.backward_prefetch_depth, config.forward_prefetch_depth
+    if back > 1:
+        for i, unit in enumerate(units):
+            unit.set_modules_to_backward_prefetch(units[max(0, i - back) : i][::-1])
+        root.set_modules_to_backward_prefetch(units[::-1][:back])
+    if fwd > 0:
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + fwd])
+        root.set_modules_to_forward_prefetch(units[:fwd])
+
+
+def _apply_fsdp(
+    model: nn.Module, config: ParallelConfig, info: DistInfo, spec: MeshSpec
+) -> tuple[nn.Module, WrapPlan, Any]:
+    mesh = spec.build(info.device.type)
+    plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
+    modules = dict(model.named_modules())
+    mp_policy = config.precision.to_fsdp_policy()
+    offload = config.offload_policy
+    if offload is not None and info.device.type != "cuda":
+        # Pinned memory needs an accelerator; on CPU the offload is a no-op move.
+        offload = type(offload)(pin_memory=False)
+    extra: dict[str, Any] = {"offload_policy": offload} if offload is not None else {}
+    sharded: list[FSDPModule] = []
+    # Post-order: children before parents, so each unit owns only what no unit below owns.
+    for unit in plan.units:
+        fully_shard(
+            modules[unit.fqn],
+            mesh=mesh,
+            reshard_after_forward=unit.reshard_after_forward,
+            mp_policy=mp_policy,
+            **extra,
+        )
+        sharded.append(cast(FSDPModule, modules[unit.fqn]))
+    _wire_prefetch(sharded[:-1], sharded[-1], config)
+    return model, plan, mesh
+
+
+def wrap(model: nn.Module, config: ParallelConfig | None = None) -> nn.Module:
+    """Parallelise `model` as `config` says and return the module to train.
+
+    Order (each step needs the previous one): refuse already-wrapped models → move to
+    this rank's device → make every rank hold rank 0's weights (before sharding, so each
+    shard is cut from the same tensor) → plan units → shard (post-order, root last) →
+    wire prefetch. At world size 1 the model comes back unwrapped, with its precision
+    applied through autocast, unless `config.force_wrap`. Build the optimizer *after*
+    this call, from the returned model's parameters.
+    """
+    config = config if config is not None else ParallelConfig()
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(
+            f"shardwise.wrap(config=...) expects a ParallelConfig, got {type(config).__name__}."
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shardwise.wrap expects an nn.Module, got {type(model).__name__}.")
+    check_not_wrapped(model)
+    info = _check_process_group(config)
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if not on_meta and config.offload_policy is None:
+        model.to(info.device)
+
+    if info.world_size == 1 and not config.force_wrap:
+        apply_autocast(model, config.precision, info.device.type)
+        setattr(model, _INFO_ATTR, WrapInfo(config, info, None, None))
+        return model
+
+    spec = resolve_mesh(
+        config.strategy,
+        config.dp_shard,
+        info.world_size,
+        local_world_size=info.local_world_size,
+        reshard_after_forward=config.reshard_after_forward,
+    )
+    if spec.engine == "ddp":
+        wrapped = _apply_ddp(model, config, info)
+        setattr(wrapped, _INFO_ATTR, WrapInfo(config, info, spec, None))
+        return wrapped
+
+    if config.sync_module_states:
+        sync_module_states(model)
+    wrapped, plan, mesh = _apply_fsdp(model, config, info, spec)
+    setattr(wrapped, _INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))
+    return wrapped

@@ -1,0 +1,194 @@
+"""Run a function in N processes on CPU/gloo, the way shardwise tests itself.
+
+Owns: spawning ranks with torchrun's environment on a free port, collecting each
+rank's return value, re-raising a rank's exception with its rank and traceback, and
+killing every process on failure or timeout (no orphans: children also die with the
+parent on Linux).
+
+Must not: know about strategies or models. Public API: `run_distributed`, `RankError`,
+`free_port`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+__all__ = ["RankError", "free_port", "run_distributed"]
+
+
+class RankError(RuntimeError):
+    """A rank of `run_distributed` raised, crashed or timed out."""
+
+    def __init__(self, message: str, rank: int | None, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    env: dict[str, str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    conn: Connection,
+    init: bool,
+    backend: str,
+    timeout_s: float,
+    threads: int,
+) -> None:
+    _die_with_parent()
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(threads)
+    from shardwise.distributed import init_distributed, shutdown
+
+    try:
+        if init:
+            init_distributed(backend=backend, device="cpu", timeout_s=timeout_s)
+        result = fn(*args, **kwargs)
+        # Plain pickle copies tensor data; torch's multiprocessing reducers would pass
+        # shared-memory handles that vanish when this process exits.
+        conn.send_bytes(pickle.dumps(("ok", result)))
+    except BaseException as exc:
+        message = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        conn.send_bytes(pickle.dumps(message))
+    finally:
+        try:
+            if init:
+                shutdown()
+        finally:
+            conn.close()
+
+
+def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+    init_process_group: bool = True,
+    env: Mapping[str, str] | None = None,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` spawned ranks; return the results by rank.
+
+    Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT as torchrun would
+    set them and, unless `init_process_group=False`, a process group from
+    `shardwise.init_distributed` whose collectives time out after `timeout_s`.
+    `fn`, its arguments and results must be picklable (define `fn` at module level).
+
+    Raises `RankError` naming the first rank that raised (with its traceback), a rank
+    that died without reporting, or the ranks still running at the deadline; every
+    child is killed before it returns or raises.
+    """
+    if world_size < 1:
+        raise ValueError(f"run_distributed(world_size={world_size}) must be >= 1.")
+    if timeout_s <= 0:
+        raise ValueError(f"run_distributed(timeout_s={timeout_s}) must be > 0 seconds.")
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs: list[mp.process.BaseProcess] = []
+    conns: dict[int, Connection] = {}
+    for rank in range(world_size):
+        rank_env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            **(env or {}),
+        }
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_worker,
+            args=(fn, rank, rank_env, args, dict(kwargs or {}), child_end, init_process_group,
+                  backend, timeout_s, threads_per_rank),
+            name=f"shardwise-rank{rank}",
+            daemon=True,
+        )
+        p.start()
+        child_end.close()
+        procs.append(p)
+        conns[rank] = parent_end
+    try:
+        return _collect(procs, conns, timeout_s)
+    finally:
+        _kill_all(procs)
+
+
+def _collect(
+    procs: list[mp.process.BaseProcess], conns: dict[int, Connection], timeout_s: float
+) -> list[Any]:
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    pending = dict(conns)
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RankError(
+                f"run_distributed timed out after {timeout_s:.0f}s waiting for rank(s) "
+                f"{sorted(pending)} to return (finished: {sorted(results)}). A rank is "
+                "probably blocked in a collective that another rank never entered.",
+                rank=min(pending),
+            )
+        for conn in wait(list(pending.values()), timeout=min(remaining, 1.0)):
+            rank = next(r for r, c in pending.items() if c is conn)
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                procs[rank].join(timeout=5)
+                code = procs[rank].exitcode
+                raise RankError(
+                    f"rank {rank} died without reporting (exit code {code}); the other "
+                    "ranks were killed.",
+                    rank=rank,
+                ) from None
+            del pending[rank]
+            if msg[0] == "error":
+                raise RankError(
+                    f"rank {rank} raised {msg[1]}\n--- rank {rank} traceback ---\n{msg[2]}",
+                    rank=rank,
+                    remote_traceback=msg[2],
+                )
+            results[rank] = msg[1]
+    return [results[r] for r in range(len(procs))]
