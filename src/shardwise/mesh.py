@@ -10,7 +10,6 @@ Must not: wrap models or read the environment.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -82,8 +81,9 @@ def _hybrid_shard_degree(dp_shard: int, world: int, local_world: int, strategy: 
         # Shard within a node (fast links), replicate across nodes, when that is 2-D.
         if local_world in usable:
             return local_world
-        # One node: the most balanced split, larger side sharding (less memory per rank).
-        return min(usable, key=lambda d: (abs(d - math.sqrt(world)), -d))
+        # One node: the most balanced split, the larger side sharding (less memory per
+        # rank): the smallest usable divisor >= sqrt(world).
+        return min(d for d in usable if d * d >= world)
     if world % dp_shard != 0:
         raise ValueError(
             f"ParallelConfig.dp_shard={dp_shard} does not divide the world size {world}. "

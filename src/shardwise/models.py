@@ -126,3 +126,15 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def random_lm_batches(
+    cfg: GPTConfig, steps: int, batch_size: int, *, seed: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` batches of (inputs, next-token targets) drawn uniformly from the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches

@@ -1,0 +1,574 @@
+"""Overhead of `shardwise.wrap` against the hand-written torch it replaces.
+
+Measures, for each strategy (ddp, full_shard), one GPT and one parallel plan trained two
+ways in the same run:
+
+- **shardwise**: `shardwise.wrap(model, ParallelConfig(strategy=..., auto_wrap_policy={Block}))`;
+- **handwritten**: `DistributedDataParallel(model)`, or `fully_shard(block, mesh=...)` for each
+  block then `fully_shard(model, reshard_after_forward=False)` — the plan shardwise makes.
+
+Step time: both variants are built in each rank and stepped alternately (the order within
+each pair is drawn from a seeded RNG, the same on every rank), after a barrier, timed with
+`time.perf_counter` (plus `torch.cuda.synchronize` on GPU). A step's time is the slowest
+rank's; the figure is the median over steps, and the ratio is shardwise / handwritten.
+
+Peak memory: on CUDA, `max_memory_allocated` minus `memory_allocated` before the variant is
+built, for build + a few steps, one variant at a time. On CPU there is no allocator peak
+counter and a process's peak RSS never goes down, so each variant is built and trained in
+its own freshly spawned ranks, which report peak RSS (`ru_maxrss`) minus the RSS just before
+the model was built. The largest rank counts. Both the delta ratio (the meaningful one) and
+the raw peak ratio are reported.
+
+Run from the repository root:
+
+    python bench/overhead.py                      # ddp + full_shard, world 2 (gloo on CPU)
+    python bench/overhead.py --smoke              # tiny model, a few steps: seconds
+    python bench/overhead.py --strategies full_shard --precision bf16 --out overhead.json
+    python bench/overhead.py --device cuda --world 1   # one GPU: in-process, force_wrap
+
+Run it directly, not under torchrun: it spawns its own ranks (`shardwise.testing`).
+
+Prints one JSON object on stdout (and writes it to --out), a summary line per strategy on
+stderr. Ratios, not absolute times, are the figures to compare on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+import shardwise
+from shardwise.models import GPT, Block, GPTConfig
+from shardwise.testing import run_distributed
+
+Kind = Literal["shardwise", "handwritten"]
+KINDS: tuple[Kind, Kind] = ("shardwise", "handwritten")
+STRATEGIES = ("ddp", "full_shard")
+TARGETS = {"step_time_ratio": 1.01, "memory_ratio": 1.005}
+_REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """Everything a rank needs; picklable, so it travels to spawned ranks."""
+
+    strategies: tuple[str, ...]
+    world: int
+    device: str
+    precision: str
+    steps: int
+    """Timed steps per variant."""
+    warmup: int
+    """Untimed steps per variant before timing."""
+    mem_steps: int
+    """Steps per variant in the peak-memory measurement."""
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    batch: int
+    """Sequences per rank per step."""
+    vocab: int
+    seed: int
+    timeout_s: float
+
+    @property
+    def gpt(self) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=self.vocab,
+            seq_len=self.seq_len,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_layers=self.n_layers,
+        )
+
+
+@dataclass
+class _Variant:
+    """One trainable copy of the model: wrapped one way, with its own optimizer."""
+
+    kind: Kind
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    autocast_dtype: torch.dtype | None
+    """Set where the step itself must enter autocast (hand-written DDP in bf16)."""
+
+
+# --- building the two variants ------------------------------------------------------
+
+
+def _build_model(cfg: BenchConfig) -> GPT:
+    torch.manual_seed(cfg.seed)  # both variants start from the same weights
+    return GPT(cfg.gpt)
+
+
+def _wrap_shardwise(model: nn.Module, strategy: str, cfg: BenchConfig) -> nn.Module:
+    config = shardwise.ParallelConfig(
+        strategy=strategy,
+        auto_wrap_policy={Block},
+        mixed_precision=cfg.precision,
+        # At world 1 wrap() would hand the model back unwrapped; force the strategy.
+        force_wrap=dist.get_world_size() == 1,
+    )
+    return shardwise.wrap(model, config)
+
+
+def _mp_policy(precision: str) -> MixedPrecisionPolicy:
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _wrap_handwritten(
+    model: GPT, strategy: str, cfg: BenchConfig, device: torch.device
+) -> nn.Module:
+    model.to(device)
+    if strategy == "ddp":
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp_policy = _mp_policy(cfg.precision)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    # The root's parameters are needed again at the start of backward: keep them gathered.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    return model
+
+
+def _make_variant(kind: Kind, strategy: str, cfg: BenchConfig, device: torch.device) -> _Variant:
+    model = _build_model(cfg)
+    if kind == "shardwise":
+        wrapped, autocast = _wrap_shardwise(model, strategy, cfg), None
+    else:
+        wrapped = _wrap_handwritten(model, strategy, cfg, device)
+        # shardwise puts DDP's forward under autocast; FSDP2 casts through mp_policy.
+        use_autocast = strategy == "ddp" and cfg.precision == "bf16"
+        autocast = torch.bfloat16 if use_autocast else None
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    return _Variant(kind, wrapped, optimizer, autocast)
+
+
+def _local_numel(model: nn.Module) -> int:
+    return sum(
+        p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()
+    )
+
+
+# --- stepping -------------------------------------------------------------------------
+
+
+def _batch(cfg: BenchConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(cfg.seed + 1000 + dist.get_rank())
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len + 1), generator=gen)
+    tokens = tokens.to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train_step(v: _Variant, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    v.optimizer.zero_grad(set_to_none=True)
+    ctx = (
+        torch.autocast(x.device.type, dtype=v.autocast_dtype)
+        if v.autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    with ctx:
+        loss = v.model(x, y)
+    loss.backward()
+    v.optimizer.step()
+    return loss.detach()
+
+
+def _timed_step(v: _Variant, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, Any]:
+    cuda = batch[0].device.type == "cuda"
+    dist.barrier()  # every rank starts the step together, whichever variant ran before
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss = _train_step(v, batch)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, loss
+
+
+def _pair_orders(seed: int, pairs: int) -> list[tuple[int, int]]:
+    """Which variant goes first in each pair; seeded, so every rank agrees."""
+    rng = random.Random(seed)
+    return [(0, 1) if rng.random() < 0.5 else (1, 0) for _ in range(pairs)]
+
+
+def _time_strategy(strategy: str, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+    """Both variants stepped alternately; this rank's per-step times for each."""
+    params = _build_model(cfg).num_params()
+    variants = [_make_variant(kind, strategy, cfg, device) for kind in KINDS]
+    batch = _batch(cfg, device)
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    last_loss: dict[str, Any] = {}
+    orders = _pair_orders(cfg.seed, cfg.warmup + cfg.steps)
+    for step, order in enumerate(orders):
+        for i in order:
+            seconds, loss = _timed_step(variants[i], batch)
+            if step >= cfg.warmup:
+                times[variants[i].kind].append(seconds)
+            last_loss[variants[i].kind] = loss
+    return {
+        "params": params,
+        "local_params": {v.kind: _local_numel(v.model) for v in variants},
+        "final_loss": {kind: float(loss) for kind, loss in last_loss.items()},
+        "step_times_s": times,
+    }
+
+
+# --- peak memory ------------------------------------------------------------------------
+
+
+def _current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the peak so far is the best baseline there is
+        return _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # KiB on Linux
+
+
+def _measure_peak(
+    kind: Kind, strategy: str, cfg: BenchConfig, device: torch.device
+) -> dict[str, int]:
+    """Peak memory of building and training one variant, relative to just before it."""
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        baseline = _current_rss_bytes()
+    variant = _make_variant(kind, strategy, cfg, device)
+    batch = _batch(cfg, device)
+    for _ in range(cfg.mem_steps):
+        _train_step(variant, batch)
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = _peak_rss_bytes()
+    del variant, batch
+    gc.collect()
+    return {"baseline_bytes": baseline, "peak_bytes": peak, "delta_bytes": peak - baseline}
+
+
+# --- rank entry points (module level: spawned ranks unpickle them by name) --------------
+
+
+def _in_process_group(cfg: BenchConfig, body: Callable[[torch.device], Any]) -> Any:
+    """Run `body(device)` inside a process group, making one only if none exists."""
+    owned = not dist.is_initialized()
+    info = shardwise.init_distributed(device=cfg.device, timeout_s=cfg.timeout_s)
+    try:
+        return body(info.device)
+    finally:
+        if owned:
+            shardwise.shutdown()
+
+
+def _timing_rank(cfg: BenchConfig) -> dict[str, Any]:
+    """Per strategy: step times of both variants, then (CUDA only) their peak memory."""
+
+    def body(device: torch.device) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for strategy in cfg.strategies:
+            out[strategy] = _time_strategy(strategy, cfg, device)
+            gc.collect()  # the timed variants are gone before memory is measured
+            if device.type == "cuda":
+                out[strategy]["memory"] = {
+                    kind: _measure_peak(kind, strategy, cfg, device) for kind in KINDS
+                }
+        return out
+
+    return _in_process_group(cfg, body)
+
+
+def _memory_rank(cfg: BenchConfig, strategy: str, kind: Kind) -> dict[str, int]:
+    return _in_process_group(cfg, lambda device: _measure_peak(kind, strategy, cfg, device))
+
+
+def _launch(fn: Callable[..., Any], cfg: BenchConfig, *args: Any, fresh: bool) -> list[Any]:
+    """Results by rank: in this process when one rank will do, else in spawned ranks."""
+    if cfg.world == 1 and not fresh:
+        return [fn(cfg, *args)]
+    return run_distributed(
+        fn,
+        cfg.world,
+        args=(cfg, *args),
+        timeout_s=cfg.timeout_s,
+        # On CUDA the rank makes its own (nccl) group; the harness only makes gloo ones.
+        init_process_group=cfg.device == "cpu",
+    )
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def _median_slowest_rank(per_rank: Sequence[list[float]]) -> tuple[float, list[float]]:
+    slowest = [max(step) for step in zip(*per_rank, strict=True)]
+    return statistics.median(slowest), slowest
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _strategy_report(strategy: str, ranks: list[dict], memory: dict[str, list[dict]]) -> dict:
+    median: dict[str, float] = {}
+    steps: dict[str, list[float]] = {}
+    for kind in KINDS:
+        median[kind], steps[kind] = _median_slowest_rank(
+            [r[strategy]["step_times_s"][kind] for r in ranks]
+        )
+    paired = [a / b for a, b in zip(steps["shardwise"], steps["handwritten"], strict=True)]
+    peak = {k: max(memory[k], key=lambda m: m["peak_bytes"]) for k in KINDS}
+    delta = {k: max(m["delta_bytes"] for m in memory[k]) for k in KINDS}
+    step_ratio = _ratio(median["shardwise"], median["handwritten"])
+    memory_ratio = _ratio(delta["shardwise"], delta["handwritten"])
+    rank0 = ranks[0][strategy]
+    return {
+        "params": rank0["params"],
+        "local_params_rank0": rank0["local_params"],
+        "median_step_s": median,
+        "step_time_ratio": step_ratio,
+        "paired_step_time_ratio_median": statistics.median(paired),
+        "peak_memory": {
+            "delta_bytes": delta,
+            "peak_bytes": {k: peak[k]["peak_bytes"] for k in KINDS},
+            "per_rank": memory,
+        },
+        "memory_ratio": memory_ratio,
+        "raw_peak_ratio": _ratio(
+            peak["shardwise"]["peak_bytes"], peak["handwritten"]["peak_bytes"]
+        ),
+        "final_loss_rank0": rank0["final_loss"],
+        "meets_target": {
+            "step_time": step_ratio is not None and step_ratio <= TARGETS["step_time_ratio"],
+            "memory": memory_ratio is not None and memory_ratio <= TARGETS["memory_ratio"],
+        },
+        "step_times_s": {k: [round(t, 6) for t in steps[k]] for k in KINDS},
+    }
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def _device_description(cfg: BenchConfig) -> str:
+    if cfg.device == "cuda":
+        return f"{cfg.world} x {torch.cuda.get_device_name(0)}"
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"CPU: {model}, {os.cpu_count()} logical cores, {platform.system()}"
+
+
+def _methods(cfg: BenchConfig) -> dict[str, str]:
+    cuda = cfg.device == "cuda"
+    return {
+        "step_time": (
+            "perf_counter around zero_grad+forward+backward+optimizer.step after a barrier"
+            f"{' and cuda.synchronize' if cuda else ''}; variants alternate step by step in "
+            "seeded random order; each step's time is the slowest rank's; median over steps"
+        ),
+        "memory": (
+            "torch.cuda.max_memory_allocated minus memory_allocated before build, one variant "
+            "at a time in the same process; largest rank"
+            if cuda
+            else "separate spawned ranks per variant: peak RSS (ru_maxrss) minus RSS just "
+            "before the model is built (delta), and raw peak RSS; largest rank"
+        ),
+    }
+
+
+def _report(cfg: BenchConfig, ranks: list[dict], memory: dict, wall_s: float) -> dict:
+    src_status = _git("status", "--porcelain", "--", "src")
+    return {
+        "benchmark": "overhead",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "device": _device_description(cfg),
+        "torch": torch.__version__,
+        "shardwise_commit": _git("rev-parse", "--short", "HEAD"),
+        "shardwise_src_dirty": None if src_status is None else bool(src_status),
+        "world_size": cfg.world,
+        "backend": "nccl" if cfg.device == "cuda" else "gloo",
+        "config": asdict(cfg),
+        "method": _methods(cfg),
+        "targets": TARGETS,
+        "strategies": {s: _strategy_report(s, ranks, memory[s]) for s in cfg.strategies},
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def _summary_line(strategy: str, r: dict) -> str:
+    ms = {k: 1e3 * v for k, v in r["median_step_s"].items()}
+    mib = {k: v / 2**20 for k, v in r["peak_memory"]["delta_bytes"].items()}
+    return (
+        f"{strategy:<10} step {ms['shardwise']:.1f} ms vs {ms['handwritten']:.1f} ms "
+        f"(ratio {r['step_time_ratio']:.4f}, target <= {TARGETS['step_time_ratio']}) | "
+        f"peak +{mib['shardwise']:.1f} MiB vs +{mib['handwritten']:.1f} MiB "
+        f"(ratio {r['memory_ratio']:.4f}, target <= {TARGETS['memory_ratio']})"
+    )
+
+
+# --- command line -----------------------------------------------------------------------
+
+_SMOKE = {
+    "d_model": 32,
+    "n_layers": 2,
+    "n_heads": 4,
+    "seq_len": 16,
+    "batch": 2,
+    "vocab": 64,
+    "steps": 4,
+    "warmup": 1,
+    "mem_steps": 2,
+}
+
+
+def _parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path | None]:
+    p = argparse.ArgumentParser(
+        description="shardwise.wrap vs hand-written DDP/FSDP2: step-time and peak-memory ratios.",
+    )
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
+    p.add_argument(
+        "--world", type=int, default=None, help="ranks (default: 2 on CPU, min(2, GPUs) on CUDA)"
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="default: cuda if available, else cpu",
+    )
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    p.add_argument("--mem-steps", type=int, default=3, help="steps per peak-memory run")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=900.0, help="per spawned run")
+    p.add_argument(
+        "--smoke", action="store_true", help=f"tiny model and few steps, runs in seconds: {_SMOKE}"
+    )
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    a = p.parse_args(argv)
+    if a.smoke:  # smoke sizes replace the defaults; flags given explicitly still win
+        p.set_defaults(**_SMOKE)
+        a = p.parse_args(argv)
+    return _to_config(p, a), a.out
+
+
+def _to_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> BenchConfig:
+    strategies = tuple(s.strip() for s in a.strategies.split(",") if s.strip())
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        p.error(f"--strategies={a.strategies!r}: choose from {', '.join(STRATEGIES)}.")
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA device. Use --device cpu.")
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        p.error("run bench/overhead.py directly, not under a launcher: it spawns its own ranks.")
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    world = a.world if a.world is not None else (min(2, gpus) if device == "cuda" else 2)
+    if device == "cuda" and world > gpus:
+        p.error(f"--world={world} needs {world} GPUs; {gpus} visible.")
+    cfg = BenchConfig(
+        strategies=strategies,
+        world=world,
+        device=device,
+        precision=a.precision,
+        steps=a.steps,
+        warmup=a.warmup,
+        mem_steps=a.mem_steps,
+        d_model=a.d_model,
+        n_layers=a.n_layers,
+        n_heads=a.n_heads,
+        seq_len=a.seq_len,
+        batch=a.batch,
+        vocab=a.vocab,
+        seed=a.seed,
+        timeout_s=a.timeout_s,
+    )
+    for name in ("steps", "mem_steps", "world"):
+        if getattr(cfg, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1.")
+    if cfg.warmup < 0:
+        p.error(f"--warmup={cfg.warmup} must be >= 0.")
+    try:
+        _ = cfg.gpt  # validates the model sizes before any process starts
+    except ValueError as exc:
+        p.error(str(exc))
+    return cfg
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg, out = _parse_args(argv)
+    start = time.perf_counter()
+    ranks = _launch(_timing_rank, cfg, fresh=False)
+    memory: dict[str, dict[str, list[dict]]] = {}
+    for strategy in cfg.strategies:
+        if cfg.device == "cuda":
+            memory[strategy] = {k: [r[strategy]["memory"][k] for r in ranks] for k in KINDS}
+        else:  # peak RSS only rises: each variant needs processes of its own
+            memory[strategy] = {
+                k: _launch(_memory_rank, cfg, strategy, k, fresh=True) for k in KINDS
+            }
+    report = _report(cfg, ranks, memory, time.perf_counter() - start)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+    for strategy, r in report["strategies"].items():
+        print(_summary_line(strategy, r), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
