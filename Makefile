@@ -23,7 +23,7 @@ install: $(STAMP)
 
 # Until the `shardwise demo` job exists (CLI issue), the demo is a 2-process training example.
 demo: $(STAMP)
-	$(PY) -m torch.distributed.run --nproc_per_node 2 --master_port 0 examples/quickstart.py
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/quickstart.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
 from shardwise.precision import Precision, resolve_precision
 
@@ -86,11 +86,7 @@ def resolve_cpu_offload(value: object) -> CPUOffloadPolicy | None:
         return value
     if isinstance(value, OffloadPolicy):  # torch's "no offload" base policy
         return None
-    try:
-        from torch.distributed.fsdp import CPUOffload
-    except ImportError:  # pragma: no cover
-        CPUOffload = None  # noqa: N806
-    if CPUOffload is not None and isinstance(value, CPUOffload):
+    if isinstance(value, CPUOffload):
         return CPUOffloadPolicy() if value.offload_params else None
     raise TypeError(
         f"ParallelConfig.cpu_offload got {type(value).__name__} ({value!r}); expected a bool, "

@@ -132,7 +132,7 @@ def init_distributed(
             rank=rank,
             world_size=world,
             timeout=timeout,
-            **({"device_id": dev} if dev.type == "cuda" else {}),
+            device_id=dev if dev.type == "cuda" else None,
         )
     _info = DistInfo(rank, world, local_rank, local_world, backend, dev, timeout_s)
     return _info
@@ -171,5 +171,6 @@ def get_dist_info() -> DistInfo:
             dev,
             DEFAULT_TIMEOUT_S,
         )
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    return DistInfo(0, 1, 0, 1, None, dev or torch.device("cpu"), DEFAULT_TIMEOUT_S)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return DistInfo(0, 1, 0, 1, None, dev, DEFAULT_TIMEOUT_S)

@@ -154,7 +154,8 @@ def compare_trajectories(
         raise ParityError(
             f"{label}: {len(candidate.losses)} steps, reference has {len(reference.losses)}"
         )
-    loss_rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(candidate.losses, reference.losses)]
+    pairs = zip(candidate.losses, reference.losses, strict=True)
+    loss_rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in pairs]
     for step, r in enumerate(loss_rel):
         if r > rtol:
             raise ParityError(

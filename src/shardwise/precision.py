@@ -65,7 +65,9 @@ class Precision:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in asdict(self).items()}
+        return {
+            k: _dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in asdict(self).items()
+        }
 
     def __str__(self) -> str:
         if not self.is_mixed and self.reduce_dtype in (None, torch.float32):
@@ -154,9 +156,7 @@ def _precision_from_mapping(value: Mapping[str, Any]) -> Precision:
     allowed = {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"}
     unknown = sorted(set(value) - allowed)
     if unknown:
-        raise ValueError(
-            f"{_FIELD} has unknown key(s) {unknown}. Allowed keys: {sorted(allowed)}."
-        )
+        raise ValueError(f"{_FIELD} has unknown key(s) {unknown}. Allowed keys: {sorted(allowed)}.")
     return Precision(
         param_dtype=parse_dtype(value.get("param_dtype"), f"{_FIELD}.param_dtype"),
         reduce_dtype=parse_dtype(value.get("reduce_dtype"), f"{_FIELD}.reduce_dtype"),
@@ -216,7 +216,7 @@ def apply_autocast(model: nn.Module, precision: Precision, device_type: str) -> 
             out = _cast_floating(out, output_dtype)
         return out
 
-    model.forward = forward  # type: ignore[method-assign]
+    model.forward = forward
     setattr(model, _AUTOCAST_ATTR, True)
     return model
 

@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -64,11 +64,7 @@ def _sharded_description(module: nn.Module) -> str | None:
         return "DistributedDataParallel"
     if isinstance(module, FSDPModule):
         return "fully_shard (FSDP2)"
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover
-        FullyShardedDataParallel = None  # noqa: N806
-    if FullyShardedDataParallel is not None and isinstance(module, FullyShardedDataParallel):
+    if isinstance(module, FullyShardedDataParallel):
         return "FullyShardedDataParallel (FSDP1)"
     if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
         return "DTensor parameters (already sharded)"
@@ -112,22 +108,23 @@ def sync_module_states(model: nn.Module, src: int = 0) -> None:
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    buckets: list[list[torch.Tensor]] = []
+    for group in by_dtype.values():
+        size = _BROADCAST_BUCKET_BYTES  # forces a new bucket for each dtype/device
+        for t in group:
+            if size >= _BROADCAST_BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(t)
+            size += t.numel() * t.element_size()
     with torch.no_grad():
-        for group in by_dtype.values():
-            bucket: list[torch.Tensor] = []
-            size = 0
-            for t in [*group, None]:
-                if t is not None:
-                    bucket.append(t)
-                    size += t.numel() * t.element_size()
-                if bucket and (t is None or size >= _BROADCAST_BUCKET_BYTES):
-                    flat = torch.cat([b.detach().reshape(-1) for b in bucket])
-                    dist.broadcast(flat, src=src)
-                    offset = 0
-                    for b in bucket:
-                        b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                        offset += b.numel()
-                    bucket, size = [], 0
+        for bucket in buckets:
+            flat = torch.cat([b.detach().reshape(-1) for b in bucket])
+            dist.broadcast(flat, src=src)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
 
 
 def _apply_ddp(model: nn.Module, config: ParallelConfig, info: DistInfo) -> nn.Module:

@@ -22,7 +22,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["RankError", "free_port", "run_distributed"]
 
@@ -141,8 +141,18 @@ def run_distributed(
         parent_end, child_end = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_worker,
-            args=(fn, rank, rank_env, args, dict(kwargs or {}), child_end, init_process_group,
-                  backend, timeout_s, threads_per_rank),
+            args=(
+                fn,
+                rank,
+                rank_env,
+                args,
+                dict(kwargs or {}),
+                child_end,
+                init_process_group,
+                backend,
+                timeout_s,
+                threads_per_rank,
+            ),
             name=f"shardwise-rank{rank}",
             daemon=True,
         )
@@ -174,7 +184,7 @@ def _collect(
         for conn in wait(list(pending.values()), timeout=min(remaining, 1.0)):
             rank = next(r for r, c in pending.items() if c is conn)
             try:
-                msg = pickle.loads(conn.recv_bytes())
+                msg = pickle.loads(cast(Connection, conn).recv_bytes())
             except EOFError:
                 procs[rank].join(timeout=5)
                 code = procs[rank].exitcode

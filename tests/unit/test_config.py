@@ -34,18 +34,27 @@ def test_fsdp1_names_and_aliases(given, expected):
 
 
 def test_unknown_strategy_names_value_choices_and_closest():
-    with pytest.raises(ValueError, match=r"strategy='full_shrad' is not a known strategy\. Did you mean 'full_shard'\?.*Choose one of \['ddp'"):
+    with pytest.raises(
+        ValueError,
+        match=r"strategy='full_shrad' is not a known strategy\. Did you mean 'full_shard'\?.*Choose one of \['ddp'",
+    ):
         ParallelConfig(strategy="full_shrad")
 
 
 def test_strategy_of_wrong_type():
-    with pytest.raises(TypeError, match=r"ParallelConfig\.strategy must be a string or torch ShardingStrategy, got int"):
+    with pytest.raises(
+        TypeError,
+        match=r"ParallelConfig\.strategy must be a string or torch ShardingStrategy, got int",
+    ):
         ParallelConfig(strategy=3)
 
 
 @pytest.mark.parametrize("bad", [0, -2, -10])
 def test_zero_or_negative_dp_shard(bad):
-    with pytest.raises(ValueError, match=rf"ParallelConfig\.dp_shard={bad} is not a valid group size\. Use a positive number of ranks, or -1"):
+    with pytest.raises(
+        ValueError,
+        match=rf"ParallelConfig\.dp_shard={bad} is not a valid group size\. Use a positive number of ranks, or -1",
+    ):
         ParallelConfig(dp_shard=bad)
 
 
@@ -55,7 +64,10 @@ def test_dp_shard_wrong_type():
 
 
 def test_cpu_offload_with_ddp_is_refused_with_fix():
-    with pytest.raises(ValueError, match=r"cpu_offload is set with strategy='ddp'.*Use a sharded strategy .* or set cpu_offload=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"cpu_offload is set with strategy='ddp'.*Use a sharded strategy .* or set cpu_offload=False",
+    ):
         ParallelConfig(strategy="ddp", cpu_offload=True)
 
 
@@ -110,13 +122,17 @@ def test_forward_prefetch(value, depth):
 
 
 def test_forward_prefetch_negative():
-    with pytest.raises(ValueError, match=r"forward_prefetch=-1 is not valid\. Use a bool or a depth >= 0"):
+    with pytest.raises(
+        ValueError, match=r"forward_prefetch=-1 is not valid\. Use a bool or a depth >= 0"
+    ):
         ParallelConfig(forward_prefetch=-1)
 
 
 @pytest.mark.parametrize("bad", [0, -3, "yes"])
 def test_reshard_after_forward_invalid(bad):
-    with pytest.raises(ValueError, match=r"reshard_after_forward=.* is not valid\. Use True, False, None"):
+    with pytest.raises(
+        ValueError, match=r"reshard_after_forward=.* is not valid\. Use True, False, None"
+    ):
         ParallelConfig(reshard_after_forward=bad)
 
 

@@ -45,33 +45,53 @@ def test_hybrid_explicit_dp_shard():
 
 
 def test_reshard_override():
-    assert resolve_mesh("full_shard", -1, 2, reshard_after_forward=False).reshard_after_forward is False
-    assert resolve_mesh("shard_grad_op", -1, 2, reshard_after_forward=True).reshard_after_forward is True
+    assert (
+        resolve_mesh("full_shard", -1, 2, reshard_after_forward=False).reshard_after_forward
+        is False
+    )
+    assert (
+        resolve_mesh("shard_grad_op", -1, 2, reshard_after_forward=True).reshard_after_forward
+        is True
+    )
 
 
 def test_dp_shard_not_dividing_world():
-    with pytest.raises(ValueError, match=r"ParallelConfig\.dp_shard=3 does not divide the world size 4\. Choose a divisor of 4 \(2\) or -1"):
+    with pytest.raises(
+        ValueError,
+        match=r"ParallelConfig\.dp_shard=3 does not divide the world size 4\. Choose a divisor of 4 \(2\) or -1",
+    ):
         resolve_mesh("hybrid_shard", 3, 4)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_hybrid_with_no_2d_mesh(world):
-    with pytest.raises(ValueError, match=rf"needs a 2-D mesh .* world size {world} has no such split\. Use 'full_shard'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"needs a 2-D mesh .* world size {world} has no such split\. Use 'full_shard'",
+    ):
         resolve_mesh("hybrid_shard", -1, world)
 
 
 def test_hybrid_degenerate_split_refused():
-    with pytest.raises(ValueError, match=r"dp_shard=4 .* gives a 1x4 mesh, which is not hybrid\. Choose dp_shard in \[2\], or use full_shard"):
+    with pytest.raises(
+        ValueError,
+        match=r"dp_shard=4 .* gives a 1x4 mesh, which is not hybrid\. Choose dp_shard in \[2\], or use full_shard",
+    ):
         resolve_mesh("hybrid_shard", 4, 4)
 
 
 def test_full_shard_with_partial_dp_shard_points_to_hybrid():
-    with pytest.raises(ValueError, match=r"dp_shard=2 with strategy='full_shard'.*use strategy='hybrid_shard' with dp_shard=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"dp_shard=2 with strategy='full_shard'.*use strategy='hybrid_shard' with dp_shard=2",
+    ):
         resolve_mesh("full_shard", 2, 4)
 
 
 def test_ddp_with_dp_shard():
-    with pytest.raises(ValueError, match=r"dp_shard=2 with strategy='ddp': this strategy replicates everything"):
+    with pytest.raises(
+        ValueError, match=r"dp_shard=2 with strategy='ddp': this strategy replicates everything"
+    ):
         resolve_mesh("ddp", 2, 4)
 
 

@@ -51,12 +51,18 @@ def test_class_names_resolve_against_model():
 
 
 def test_unknown_class_name_lists_closest_and_present():
-    with pytest.raises(ValueError, match=r"names class 'Blok', which is not in the model\. Did you mean 'Block'\? Parameter-holding classes present: \['Attention', 'Block'"):
+    with pytest.raises(
+        ValueError,
+        match=r"names class 'Blok', which is not in the model\. Did you mean 'Block'\? Parameter-holding classes present: \['Attention', 'Block'",
+    ):
         plan_wrap(GPT(CFG), ParallelConfig(auto_wrap_policy={"Blok"}))
 
 
 def test_policy_matching_nothing_lists_classes():
-    with pytest.raises(ValueError, match=r"auto_wrap_policy=\['Conv2d'\] matches no submodule of GPT\. Parameter-holding classes present"):
+    with pytest.raises(
+        ValueError,
+        match=r"auto_wrap_policy=\['Conv2d'\] matches no submodule of GPT\. Parameter-holding classes present",
+    ):
         plan_wrap(GPT(CFG), ParallelConfig(auto_wrap_policy={nn.Conv2d}))
 
 

@@ -28,7 +28,9 @@ def test_presets_and_aliases(name, param):
 
 
 def test_explicit_mapping_with_dtype_names():
-    p = resolve_precision({"param_dtype": "bfloat16", "reduce_dtype": "bf16", "output_dtype": "fp32"})
+    p = resolve_precision(
+        {"param_dtype": "bfloat16", "reduce_dtype": "bf16", "output_dtype": "fp32"}
+    )
     assert (p.param_dtype, p.reduce_dtype, p.output_dtype) == (
         torch.bfloat16,
         torch.bfloat16,
@@ -55,7 +57,9 @@ def test_fsdp1_fields_without_fsdp2_twin_warn():
 
 
 def test_unknown_preset():
-    with pytest.raises(ValueError, match=r"mixed_precision='bf32' is not a known precision\. Use one of"):
+    with pytest.raises(
+        ValueError, match=r"mixed_precision='bf32' is not a known precision\. Use one of"
+    ):
         resolve_precision("bf32")
 
 
@@ -65,7 +69,9 @@ def test_unknown_mapping_key():
 
 
 def test_bad_dtype_name():
-    with pytest.raises(ValueError, match=r"mixed_precision\.param_dtype='int8' is not a floating-point dtype"):
+    with pytest.raises(
+        ValueError, match=r"mixed_precision\.param_dtype='int8' is not a floating-point dtype"
+    ):
         resolve_precision({"param_dtype": "int8"})
 
 

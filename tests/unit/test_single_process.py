@@ -9,7 +9,14 @@ import shardwise
 from shardwise import ParallelConfig, init_distributed, shutdown, wrap, wrap_info
 from shardwise.models import GPT, Block, GPTConfig
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +47,10 @@ def test_init_rejects_bad_environment(monkeypatch):
     with pytest.raises(ValueError, match=r"RANK=2 must be in \[0, WORLD_SIZE=2\)"):
         init_distributed()
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 but MASTER_ADDR, MASTER_PORT is not set\. Launch with torchrun"):
+    with pytest.raises(
+        ValueError,
+        match=r"WORLD_SIZE=2 but MASTER_ADDR, MASTER_PORT is not set\. Launch with torchrun",
+    ):
         init_distributed()
 
 
@@ -74,13 +84,19 @@ def test_force_wrap_applies_fsdp_at_world_one():
 
 
 def test_force_wrap_without_process_group():
-    with pytest.raises(RuntimeError, match=r"force_wrap=True needs a process group .* Call shardwise\.init_distributed\(\) first"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"force_wrap=True needs a process group .* Call shardwise\.init_distributed\(\) first",
+    ):
         wrap(nn.Linear(2, 2), ParallelConfig(force_wrap=True))
 
 
 def test_world_size_in_env_but_no_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 is set in the environment but no process group is initialised.*Call shardwise\.init_distributed\(\) before shardwise\.wrap\(\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"WORLD_SIZE=2 is set in the environment but no process group is initialised.*Call shardwise\.init_distributed\(\) before shardwise\.wrap\(\)",
+    ):
         wrap(nn.Linear(2, 2), ParallelConfig())
 
 
