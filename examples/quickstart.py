@@ -35,8 +35,8 @@ def main() -> None:
         "--strategy", default="full_shard", help="ddp, full_shard, hybrid_shard, ..."
     )
     parser.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16")
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     args = parser.parse_args()
 
     info = shardwise.init_distributed()

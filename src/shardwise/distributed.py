@@ -9,7 +9,8 @@ Must not: build meshes or wrap models.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
+_DRAIN_S = 0.1
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -45,6 +47,13 @@ class DistInfo:
 
 
 _info: DistInfo | None = None
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def _register_shutdown_hook(hook: Callable[[], None]) -> None:
+    """Run `hook` in `shutdown()` before the process group is destroyed."""
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
 
 
 def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
@@ -142,6 +151,14 @@ def shutdown() -> None:
     """Destroy the default process group (idempotent)."""
     global _info
     if dist.is_available() and dist.is_initialized():
+        for hook in _shutdown_hooks:
+            hook()
+        # Gloo's worker threads need the GIL for a moment to drop the tensors of
+        # finished collectives. If the last reference to the group dies later inside a
+        # DDP Reducer's destructor (which joins those threads while holding the GIL),
+        # a worker still waiting for the GIL deadlocks the exit (pytorch#56297). Let
+        # them finish now.
+        time.sleep(_DRAIN_S)
         dist.destroy_process_group()
     _info = None
 

@@ -9,6 +9,7 @@ Must not: hand-write collectives or sharding (torch does both), or read config f
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,12 +21,18 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import ParallelConfig
-from shardwise.distributed import DistInfo, env_world_size, get_dist_info
+from shardwise.distributed import (
+    DistInfo,
+    _register_shutdown_hook,
+    env_world_size,
+    get_dist_info,
+)
 from shardwise.mesh import MeshSpec, resolve_mesh
 from shardwise.precision import apply_autocast
 from shardwise.wrap.plan import WrapPlan, plan_wrap
 
 _INFO_ATTR = "_shardwise_wrap_info"
+_live_ddp: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 _BROADCAST_BUCKET_BYTES = 64 * 2**20
 
 
@@ -127,6 +134,23 @@ def sync_module_states(model: nn.Module, src: int = 0) -> None:
                 offset += b.numel()
 
 
+def _release_ddp_reducers() -> None:
+    """Free DDP's Reducer while the default group is still referenced elsewhere.
+
+    Otherwise the Reducer can hold the group's last reference, and its destructor (run
+    with the GIL held) joins gloo threads that may be waiting for the GIL: a hang at
+    exit (pytorch#56297). The DDP modules are unusable after shutdown anyway.
+    """
+    for ddp in list(_live_ddp):
+        for attr in ("logger", "reducer"):
+            if hasattr(ddp, attr):
+                setattr(ddp, attr, None)
+    _live_ddp.clear()
+
+
+_register_shutdown_hook(_release_ddp_reducers)
+
+
 def _apply_ddp(model: nn.Module, config: ParallelConfig, info: DistInfo) -> nn.Module:
     precision = config.precision
     apply_autocast(model, precision, info.device.type)
@@ -147,6 +171,7 @@ def _apply_ddp(model: nn.Module, config: ParallelConfig, info: DistInfo) -> nn.M
             else default_hooks.fp16_compress_hook
         )
         ddp.register_comm_hook(None, hook)
+    _live_ddp.add(ddp)
     return ddp
 
 

@@ -73,7 +73,10 @@ def test_crashed_rank_is_reported_with_exit_code():
 
 def test_timeout_names_the_waiting_ranks_and_kills_everyone():
     start = time.monotonic()
-    with pytest.raises(RankError, match=r"timed out after 8s waiting for rank\(s\) \[0\] to return \(finished: \[1\]\)"):
+    with pytest.raises(
+        RankError,
+        match=r"timed out after 8s waiting for rank\(s\) \[0\] to return \(finished: \[1\]\)",
+    ):
         run_distributed(hang_on_rank_zero, 2, timeout_s=8)
     assert time.monotonic() - start < 30
     assert not multiprocessing.active_children()

@@ -85,9 +85,11 @@ def _wrap_error_cases() -> dict[str, str]:
         "ddp_wrapped": _error(lambda: wrap(ddp_model, ParallelConfig())),
         "partly_sharded": _error(lambda: wrap(partly, ParallelConfig())),
         "bad_mesh": _error(
-            lambda: wrap(GPT(CFG), ParallelConfig(strategy="hybrid_shard", dp_shard=3))
-            if world == 4
-            else wrap(GPT(CFG), ParallelConfig(strategy="hybrid_shard"))
+            lambda: (
+                wrap(GPT(CFG), ParallelConfig(strategy="hybrid_shard", dp_shard=3))
+                if world == 4
+                else wrap(GPT(CFG), ParallelConfig(strategy="hybrid_shard"))
+            )
         ),
     }
 
@@ -100,9 +102,13 @@ def world2_cases(data):
         "shard_grad_op": ParallelConfig(strategy="shard_grad_op", auto_wrap_policy=block),
         "full_shard": ParallelConfig(strategy="full_shard", auto_wrap_policy=block),
         "full_shard_root_only": ParallelConfig(strategy="full_shard"),
-        "fsdp1_enum": ParallelConfig(strategy=ShardingStrategy.SHARD_GRAD_OP, auto_wrap_policy=block),
+        "fsdp1_enum": ParallelConfig(
+            strategy=ShardingStrategy.SHARD_GRAD_OP, auto_wrap_policy=block
+        ),
         "cpu_offload": ParallelConfig(auto_wrap_policy=block, cpu_offload=True),
-        "prefetch": ParallelConfig(auto_wrap_policy=block, backward_prefetch=2, forward_prefetch=True),
+        "prefetch": ParallelConfig(
+            auto_wrap_policy=block, backward_prefetch=2, forward_prefetch=True
+        ),
         "no_reshard_override": ParallelConfig(auto_wrap_policy=block, reshard_after_forward=False),
     }
     out = {name: train_distributed(build, cfg, data) for name, cfg in good.items()}
@@ -114,7 +120,9 @@ def world2_cases(data):
     fsdp = ParallelConfig(auto_wrap_policy=block)
     bad = {
         "wrong_unsynced_init": train_distributed(
-            build_rank_dependent, ParallelConfig(auto_wrap_policy=block, sync_module_states=False), data
+            build_rank_dependent,
+            ParallelConfig(auto_wrap_policy=block, sync_module_states=False),
+            data,
         ),
         "wrong_same_slice": train_distributed(build, fsdp, data, shard_batch=same_slice_everywhere),
         "sgd_averaged": train_distributed(build, fsdp, data, optimizer=sgd),
@@ -129,13 +137,28 @@ def world4_cases(data):
     block = {Block}
     good = {
         s: ParallelConfig(strategy=s, auto_wrap_policy=block)
-        for s in ("ddp", "no_shard", "shard_grad_op", "full_shard", "hybrid_shard", "hybrid_shard_zero2")
+        for s in (
+            "ddp",
+            "no_shard",
+            "shard_grad_op",
+            "full_shard",
+            "hybrid_shard",
+            "hybrid_shard_zero2",
+        )
     }
-    good["hybrid_fsdp1_name"] = ParallelConfig(strategy="HYBRID_SHARD", dp_shard=2, auto_wrap_policy=block)
-    good["hybrid_offload"] = ParallelConfig(strategy="hybrid_shard", auto_wrap_policy=block, cpu_offload=True)
+    good["hybrid_fsdp1_name"] = ParallelConfig(
+        strategy="HYBRID_SHARD", dp_shard=2, auto_wrap_policy=block
+    )
+    good["hybrid_offload"] = ParallelConfig(
+        strategy="hybrid_shard", auto_wrap_policy=block, cpu_offload=True
+    )
     out = {name: train_distributed(build, cfg, data) for name, cfg in good.items()}
     hybrid = ParallelConfig(strategy="hybrid_shard", auto_wrap_policy=block)
-    bad = {"wrong_hybrid_same_slice": train_distributed(build, hybrid, data, shard_batch=same_slice_everywhere)}
+    bad = {
+        "wrong_hybrid_same_slice": train_distributed(
+            build, hybrid, data, shard_batch=same_slice_everywhere
+        )
+    }
     return out, bad, _wrap_error_cases()
 
 
@@ -172,7 +195,9 @@ W4_GOOD = [
 @pytest.mark.parametrize("case", W2_GOOD)
 def test_world2_matches_single_process(world2, reference, case):
     for rank, (good, _, _) in enumerate(world2):
-        report = compare_trajectories(reference, good[case], rtol=FP32_RTOL, label=f"{case} rank {rank}")
+        report = compare_trajectories(
+            reference, good[case], rtol=FP32_RTOL, label=f"{case} rank {rank}"
+        )
         assert report.max_loss_rel <= FP32_RTOL and report.max_param_rel <= FP32_RTOL
 
 
@@ -215,11 +240,27 @@ def test_parity_check_catches_wrong_setups(world2, world4, reference, data, worl
 @pytest.mark.parametrize(
     ("world", "case", "match"),
     [
-        (2, "ddp_wrapped", r"ValueError: shardwise\.wrap: the model \(DistributedDataParallel\) is already wrapped by DistributedDataParallel\. .*pass the plain, unwrapped model"),
-        (2, "partly_sharded", r"ValueError: shardwise\.wrap: submodule 'blocks\.0' is already wrapped by fully_shard \(FSDP2\)"),
+        (
+            2,
+            "ddp_wrapped",
+            r"ValueError: shardwise\.wrap: the model \(DistributedDataParallel\) is already wrapped by DistributedDataParallel\. .*pass the plain, unwrapped model",
+        ),
+        (
+            2,
+            "partly_sharded",
+            r"ValueError: shardwise\.wrap: submodule 'blocks\.0' is already wrapped by fully_shard \(FSDP2\)",
+        ),
         (4, "partly_sharded", r"submodule 'blocks\.0' is already wrapped"),
-        (2, "bad_mesh", r"ValueError: ParallelConfig\.strategy='hybrid_shard' needs a 2-D mesh .* world size 2 has no such split"),
-        (4, "bad_mesh", r"ValueError: ParallelConfig\.dp_shard=3 does not divide the world size 4\. Choose a divisor of 4 \(2\) or -1"),
+        (
+            2,
+            "bad_mesh",
+            r"ValueError: ParallelConfig\.strategy='hybrid_shard' needs a 2-D mesh .* world size 2 has no such split",
+        ),
+        (
+            4,
+            "bad_mesh",
+            r"ValueError: ParallelConfig\.dp_shard=3 does not divide the world size 4\. Choose a divisor of 4 \(2\) or -1",
+        ),
     ],
 )
 def test_bad_input_in_a_running_job(world2, world4, world, case, match):
