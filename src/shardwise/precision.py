@@ -225,7 +225,8 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, tuple):
-        return type(value)(_cast_floating(v, dtype) for v in value)
+        items = [_cast_floating(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, list):
         return [_cast_floating(v, dtype) for v in value]
     if isinstance(value, dict):

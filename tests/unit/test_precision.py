@@ -108,3 +108,26 @@ def test_fp32_is_a_no_op():
     forward = model.forward
     apply_autocast(model, PRESETS["fp32"], "cpu")
     assert model.forward == forward
+
+
+def test_output_cast_keeps_containers():
+    from collections import namedtuple
+
+    Out = namedtuple("Out", ["logits", "ids"])
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"pair": (y, [y]), "nt": Out(y, torch.arange(2))}
+
+    model = apply_autocast(
+        Model(), Precision(param_dtype=torch.bfloat16, output_dtype=torch.float32), "cpu"
+    )
+    out = model(torch.randn(2, 4))
+    assert out["pair"][0].dtype == torch.float32 and out["pair"][1][0].dtype == torch.float32
+    assert isinstance(out["nt"], Out) and out["nt"].logits.dtype == torch.float32
+    assert out["nt"].ids.dtype == torch.int64
