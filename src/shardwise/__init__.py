@@ -11,7 +11,7 @@ from shardwise.distributed import DistInfo, get_dist_info, init_distributed, shu
 from shardwise.mesh import MeshSpec, resolve_mesh
 from shardwise.precision import PRESETS, Precision
 from shardwise.strategies import WrapInfo, sync_module_states, unwrap, wrap, wrap_info
-from shardwise.wrap import WrapPlan, WrapUnit, plan_wrap
+from shardwise.wrap import PlanNotice, WrapPlan, WrapUnit, plan_wrap, register_wrap_policy
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "DistInfo",
     "MeshSpec",
     "ParallelConfig",
+    "PlanNotice",
     "Precision",
     "WrapInfo",
     "WrapPlan",
@@ -29,6 +30,7 @@ __all__ = [
     "get_dist_info",
     "init_distributed",
     "plan_wrap",
+    "register_wrap_policy",
     "resolve_mesh",
     "shutdown",
     "sync_module_states",

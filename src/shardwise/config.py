@@ -144,6 +144,31 @@ def resolve_forward_prefetch(value: object) -> int:
     )
 
 
+FROZEN_POLICIES = ("split", "warn", "error")
+
+
+def resolve_activation_checkpointing(value: object) -> int:
+    """Every how many planned blocks to checkpoint: 0 none, 1 all, k every k-th."""
+    if value is None or value is False:
+        return 0
+    if value is True:
+        return 1
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str):
+        key = value.lower()
+        if key in ("none", "off"):
+            return 0
+        if key == "full":
+            return 1
+        if key.startswith("every_") and key[6:].isdigit() and int(key[6:]) >= 1:
+            return int(key[6:])
+    raise ValueError(
+        f"ParallelConfig.activation_checkpointing={value!r} is not valid. Use 'none', 'full', "
+        "'every_<k>' (e.g. 'every_2') or a positive int k."
+    )
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """How `shardwise.wrap` parallelises a model. Defaults do the right thing on one CPU."""
@@ -170,9 +195,28 @@ class ParallelConfig:
     """'pre', 'post', None, a depth >= 1, or FSDP1's BackwardPrefetch."""
     forward_prefetch: bool | int = False
     """Prefetch the next unit(s) in forward: bool or a depth."""
-    auto_wrap_policy: Any = None
-    """Which submodules become their own shard units: a set of module classes, or None
-    (the root only)."""
+    auto_wrap_policy: Any = "auto"
+    """Which submodules become their own shard units: 'auto' (the model's repeated blocks),
+    a registered name ('transformer_blocks', 'size', 'none', or your own), module classes
+    or class names, 're:<regex>' on module FQNs, or a callable (fqn, module) -> bool
+    (FSDP1-style (module, recurse, nonwrapped_numel) -> bool is recognised too)."""
+    min_num_params: int = 100_000_000
+    """For the 'size' policy: a module becomes a unit once this many parameters below it
+    are in no unit yet (FSDP1's default)."""
+    frozen_policy: str = "warn"
+    """Units mixing frozen and trainable parameters: 'split' (frozen parts get units of
+    their own where the module structure allows), 'warn', or 'error'."""
+    keep_fp32: Any = None
+    """Module classes or class names computed in fp32 under a bf16/fp16 policy, each in
+    its own unit. None: normalisation layers with running statistics (BatchNorm)."""
+    ignored_modules: Any = ()
+    """Modules (classes, class names or 're:<regex>' on FQNs) left unsharded and unmanaged:
+    their gradients are not synchronised by shardwise."""
+    ignored_params: Any = ()
+    """Parameter FQNs left unsharded and unmanaged, like ignored_modules."""
+    activation_checkpointing: Any = "none"
+    """Recompute planned blocks in backward: 'none', 'full' (every block), 'every_<k>' or
+    an int k (every k-th block). Applied before sharding."""
     force_wrap: bool = False
     """Apply the strategy even at world size 1 (the model is otherwise returned unwrapped)."""
     find_unused_parameters: bool = False
@@ -185,6 +229,7 @@ class ParallelConfig:
     _offload: CPUOffloadPolicy | None = field(init=False, repr=False, compare=False)
     _backward_depth: int = field(init=False, repr=False, compare=False)
     _forward_depth: int = field(init=False, repr=False, compare=False)
+    _ac_every: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_parallel_config(self)
@@ -204,6 +249,11 @@ class ParallelConfig:
     @property
     def forward_prefetch_depth(self) -> int:
         return self._forward_depth
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Activation-checkpoint every k-th planned block (0: none)."""
+        return self._ac_every
 
 
 def validate_parallel_config(cfg: ParallelConfig) -> None:
@@ -234,6 +284,22 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             f"ParallelConfig.reshard_after_forward={raf!r} is not valid. Use True, False, None "
             "(from the strategy) or a positive number of ranks to reshard to."
         )
+    if isinstance(cfg.min_num_params, bool) or not isinstance(cfg.min_num_params, int):
+        raise TypeError(
+            f"ParallelConfig.min_num_params must be an int, got {cfg.min_num_params!r}."
+        )
+    if cfg.min_num_params < 1:
+        raise ValueError(
+            f"ParallelConfig.min_num_params={cfg.min_num_params} must be >= 1 (parameters "
+            "per unit for the 'size' policy)."
+        )
+    if cfg.frozen_policy not in FROZEN_POLICIES:
+        raise ValueError(
+            f"ParallelConfig.frozen_policy={cfg.frozen_policy!r} is not valid."
+            f"{closest(str(cfg.frozen_policy), FROZEN_POLICIES)} "
+            f"Choose one of {list(FROZEN_POLICIES)}."
+        )
+    cfg._ac_every = resolve_activation_checkpointing(cfg.activation_checkpointing)
     if not cfg.bucket_cap_mb > 0:
         raise ValueError(
             f"ParallelConfig.bucket_cap_mb={cfg.bucket_cap_mb} must be > 0 (MiB per DDP bucket)."

@@ -64,6 +64,11 @@ class MeshSpec:
         return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=(SHARD_DIM,))
 
 
+def strategy_reshards(strategy: str) -> bool:
+    """Whether the strategy frees gathered parameters after forward (ZeRO-3) or keeps them."""
+    return strategy in ("full_shard", "hybrid_shard")
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -138,7 +143,6 @@ def resolve_mesh(
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
 
-    default_raf = strategy in ("full_shard", "hybrid_shard")
-    raf = default_raf if reshard_after_forward is None else reshard_after_forward
+    raf = strategy_reshards(strategy) if reshard_after_forward is None else reshard_after_forward
     engine = "ddp" if strategy == "ddp" else "fsdp"
     return MeshSpec(strategy, replicate, shard, raf, engine)

@@ -138,3 +138,36 @@ def random_lm_batches(
         tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g)
         batches.append((tokens[:, :-1], tokens[:, 1:]))
     return batches
+
+
+class ConvNet(nn.Module):
+    """A small CNN with BatchNorm: the case fp32-only modules exist for under bf16."""
+
+    def __init__(self, channels: int = 8, num_classes: int = 10, depth: int = 2) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c_in = 3
+        for _ in range(depth):
+            layers += [nn.Conv2d(c_in, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()]
+            c_in = channels
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.head(self.features(x).mean(dim=(2, 3)))
+        return logits if y is None else F.cross_entropy(logits.float(), y)
+
+
+class LoRALinear(nn.Module):
+    """A frozen base Linear plus a trainable low-rank adapter (PEFT's layout)."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.lora_a = nn.Linear(d_in, rank, bias=False)
+        self.lora_b = nn.Linear(rank, d_out, bias=False)
+        nn.init.zeros_(self.lora_b.weight)
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))

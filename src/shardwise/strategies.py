@@ -16,10 +16,16 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise.activation import apply_activation_checkpointing
 from shardwise.config import ParallelConfig
 from shardwise.distributed import (
     DistInfo,
@@ -28,7 +34,7 @@ from shardwise.distributed import (
     get_dist_info,
 )
 from shardwise.mesh import MeshSpec, resolve_mesh
-from shardwise.precision import apply_autocast
+from shardwise.precision import Precision, apply_autocast
 from shardwise.wrap.plan import WrapPlan, plan_wrap
 
 _INFO_ATTR = "_shardwise_wrap_info"
@@ -53,7 +59,9 @@ class WrapInfo:
     def __str__(self) -> str:
         if self.mesh_spec is None:
             return f"unwrapped at world size {self.dist.world_size} ({self.config.precision})"
-        return f"{self.mesh_spec}\n{self.plan}" if self.plan else str(self.mesh_spec)
+        if self.plan is None or self.mesh_spec.engine == "ddp":  # DDP has no shard units
+            return str(self.mesh_spec)
+        return f"{self.mesh_spec}\n{self.plan}"
 
 
 def wrap_info(model: nn.Module) -> WrapInfo | None:
@@ -151,9 +159,24 @@ def _release_ddp_reducers() -> None:
 _register_shutdown_hook(_release_ddp_reducers)
 
 
-def _apply_ddp(model: nn.Module, config: ParallelConfig, info: DistInfo) -> nn.Module:
+def _prepare_blocks(model: nn.Module, plan: WrapPlan) -> None:
+    """Activation checkpointing on the planned blocks: before DDP or sharding."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for unit in plan.units:
+        if unit.activation_checkpointing:
+            for fqn in unit.modules:
+                apply_activation_checkpointing(modules[fqn])
+
+
+def _apply_ddp(
+    model: nn.Module, config: ParallelConfig, info: DistInfo, plan: WrapPlan
+) -> nn.Module:
     precision = config.precision
     apply_autocast(model, precision, info.device.type)
+    if plan.ignored_params:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, plan.ignored_params
+        )
     ddp = DistributedDataParallel(
         model,
         device_ids=[info.device.index] if info.device.type == "cuda" else None,
@@ -188,31 +211,46 @@ def _wire_prefetch(units: list[FSDPModule], root: FSDPModule, config: ParallelCo
         root.set_modules_to_forward_prefetch(units[:fwd])
 
 
+def _fp32_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """fp32 compute for keep_fp32 units; outputs go back to the low-precision dtype so the
+    next (low-precision) layer gets the input dtype it expects."""
+    return MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        output_dtype=precision.param_dtype,
+        cast_forward_inputs=True,
+    )
+
+
 def _apply_fsdp(
-    model: nn.Module, config: ParallelConfig, info: DistInfo, spec: MeshSpec
-) -> tuple[nn.Module, WrapPlan, Any]:
+    model: nn.Module, config: ParallelConfig, info: DistInfo, spec: MeshSpec, plan: WrapPlan
+) -> Any:
     mesh = spec.build(info.device.type)
-    plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))
     mp_policy = config.precision.to_fsdp_policy()
+    fp32_policy = _fp32_policy(config.precision)
     offload = config.offload_policy
     if offload is not None and info.device.type != "cuda":
         # Pinned memory needs an accelerator; on CPU the offload is a no-op move.
         offload = type(offload)(pin_memory=False)
     extra: dict[str, Any] = {"offload_policy": offload} if offload is not None else {}
+    if plan.ignored_params:
+        named = dict(model.named_parameters())
+        extra["ignored_params"] = {named[n] for n in plan.ignored_params}
     sharded: list[FSDPModule] = []
     # Post-order: children before parents, so each unit owns only what no unit below owns.
     for unit in plan.units:
+        targets = list({id(modules[m]): modules[m] for m in unit.modules}.values())
         fully_shard(
-            modules[unit.fqn],
+            targets[0] if len(targets) == 1 else targets,
             mesh=mesh,
             reshard_after_forward=unit.reshard_after_forward,
-            mp_policy=mp_policy,
+            mp_policy=fp32_policy if unit.reason == "keep_fp32" else mp_policy,
             **extra,
         )
-        sharded.append(cast(FSDPModule, modules[unit.fqn]))
+        sharded.append(cast(FSDPModule, targets[0]))
     _wire_prefetch(sharded[:-1], sharded[-1], config)
-    return model, plan, mesh
+    return mesh
 
 
 def wrap(model: nn.Module, config: ParallelConfig | None = None) -> nn.Module:
@@ -220,10 +258,11 @@ def wrap(model: nn.Module, config: ParallelConfig | None = None) -> nn.Module:
 
     Order (each step needs the previous one): refuse already-wrapped models → move to
     this rank's device → make every rank hold rank 0's weights (before sharding, so each
-    shard is cut from the same tensor) → plan units → shard (post-order, root last) →
-    wire prefetch. At world size 1 the model comes back unwrapped, with its precision
-    applied through autocast, unless `config.force_wrap`. Build the optimizer *after*
-    this call, from the returned model's parameters.
+    shard is cut from the same tensor) → plan units → activation checkpointing on the
+    planned blocks → shard (post-order, root last) → wire prefetch. At world size 1 the
+    model comes back unwrapped, with its precision applied through autocast, unless
+    `config.force_wrap`. Build the optimizer *after* this call, from the returned
+    model's parameters.
     """
     config = config if config is not None else ParallelConfig()
     if not isinstance(config, ParallelConfig):
@@ -239,8 +278,10 @@ def wrap(model: nn.Module, config: ParallelConfig | None = None) -> nn.Module:
         model.to(info.device)
 
     if info.world_size == 1 and not config.force_wrap:
+        plan = plan_wrap(model, config, sharded=False)
+        _prepare_blocks(model, plan)
         apply_autocast(model, config.precision, info.device.type)
-        setattr(model, _INFO_ATTR, WrapInfo(config, info, None, None))
+        setattr(model, _INFO_ATTR, WrapInfo(config, info, None, plan))
         return model
 
     spec = resolve_mesh(
@@ -250,13 +291,15 @@ def wrap(model: nn.Module, config: ParallelConfig | None = None) -> nn.Module:
         local_world_size=info.local_world_size,
         reshard_after_forward=config.reshard_after_forward,
     )
+    plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
+    _prepare_blocks(model, plan)
     if spec.engine == "ddp":
-        wrapped = _apply_ddp(model, config, info)
-        setattr(wrapped, _INFO_ATTR, WrapInfo(config, info, spec, None))
+        wrapped = _apply_ddp(model, config, info, plan)
+        setattr(wrapped, _INFO_ATTR, WrapInfo(config, info, spec, plan))
         return wrapped
 
     if config.sync_module_states:
         sync_module_states(model)
-    wrapped, plan, mesh = _apply_fsdp(model, config, info, spec)
-    setattr(wrapped, _INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))
-    return wrapped
+    mesh = _apply_fsdp(model, config, info, spec, plan)
+    setattr(model, _INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))
+    return model

@@ -1,6 +1,24 @@
 """Wrap planning: policies decide units, the plan records them, strategies apply them."""
 
-from shardwise.wrap.plan import WrapPlan, WrapUnit, plan_wrap
-from shardwise.wrap.policies import resolve_policy
+from shardwise.wrap.detect import DetectedBlocks, detect_blocks
+from shardwise.wrap.plan import MixedUnit, PlanNotice, WrapPlan, WrapUnit, plan_wrap
+from shardwise.wrap.policies import (
+    Policy,
+    register_wrap_policy,
+    registered_policies,
+    resolve_policy,
+)
 
-__all__ = ["WrapPlan", "WrapUnit", "plan_wrap", "resolve_policy"]
+__all__ = [
+    "DetectedBlocks",
+    "MixedUnit",
+    "PlanNotice",
+    "Policy",
+    "WrapPlan",
+    "WrapUnit",
+    "detect_blocks",
+    "plan_wrap",
+    "register_wrap_policy",
+    "registered_policies",
+    "resolve_policy",
+]
