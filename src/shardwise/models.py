@@ -171,3 +171,39 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class LoRABlock(nn.Module):
+    """A residual MLP block whose weights are frozen except for LoRA adapters."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = LoRALinear(d, 4 * d)
+        self.proj = LoRALinear(4 * d, d)
+        self.ln.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class LoRALM(nn.Module):
+    """A language model with a frozen base (embedding, head, norms) and trainable adapters."""
+
+    def __init__(self, d: int = 16, n_layers: int = 2, vocab_size: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, d)
+        self.blocks = nn.ModuleList(LoRABlock(d) for _ in range(n_layers))
+        self.head = nn.Linear(d, vocab_size)
+        self.emb.requires_grad_(False)
+        self.head.requires_grad_(False)
+        # Non-zero adapters, so both LoRA matrices get gradients from the first step.
+        for block in self.blocks:
+            for lora in (block.fc, block.proj):
+                nn.init.normal_(lora.lora_b.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1).float(), targets.flatten())

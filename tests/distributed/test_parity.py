@@ -20,11 +20,12 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule, ShardingStrategy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import ParallelConfig, unwrap, wrap
-from shardwise.models import GPT, Block, GPTConfig, random_lm_batches
+from shardwise.models import GPT, Block, GPTConfig, LoRALM, random_lm_batches
 from shardwise.parity import (
     ParityError,
     compare_trajectories,
@@ -44,6 +45,8 @@ BF16_LOSS_RTOL = 1e-2
 BF16_MIN_DIFF = 1e-4
 
 build = functools.partial(GPT, CFG)
+build_lora = functools.partial(LoRALM, d=16, n_layers=2, vocab_size=CFG.vocab_size)
+BLOCK_PARAMS = sum(p.numel() for p in GPT(CFG).blocks[0].parameters())
 sgd = functools.partial(torch.optim.SGD, lr=0.5)
 fast_adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
 
@@ -127,8 +130,17 @@ def world2_cases(data):
             auto_wrap_policy=block, backward_prefetch=2, forward_prefetch=True
         ),
         "no_reshard_override": ParallelConfig(auto_wrap_policy=block, reshard_after_forward=False),
+        # The planner's policies (the default is auto) and its special units.
+        "auto": ParallelConfig(),
+        "size": ParallelConfig(auto_wrap_policy="size", min_num_params=BLOCK_PARAMS),
+        "tied_merged_unit": ParallelConfig(auto_wrap_policy={nn.Embedding}),
+        "ac_full_shard": ParallelConfig(activation_checkpointing="full"),
+        "ac_ddp": ParallelConfig(strategy="ddp", activation_checkpointing="every_2"),
     }
     out = {name: train_distributed(build, cfg, data) for name, cfg in good.items()}
+    for s in ("ddp", "no_shard", "shard_grad_op", "full_shard"):
+        out[f"lora_{s}"] = train_distributed(build_lora, ParallelConfig(strategy=s), data)
+    out["lora_split"] = train_distributed(build_lora, ParallelConfig(frozen_policy="split"), data)
     for s in ("ddp", "full_shard"):
         cfg = ParallelConfig(strategy=s, auto_wrap_policy=block)
         out[f"synced_{s}"] = train_distributed(build_rank_dependent, cfg, data)
@@ -168,7 +180,13 @@ def world4_cases(data):
     good["hybrid_offload"] = ParallelConfig(
         strategy="hybrid_shard", auto_wrap_policy=block, cpu_offload=True
     )
+    good["hybrid_auto"] = ParallelConfig(strategy="hybrid_shard")
+    good["hybrid_size"] = ParallelConfig(
+        strategy="hybrid_shard_zero2", auto_wrap_policy="size", min_num_params=BLOCK_PARAMS
+    )
     out = {name: train_distributed(build, cfg, data) for name, cfg in good.items()}
+    for s in ("hybrid_shard", "hybrid_shard_zero2"):
+        out[f"lora_{s}"] = train_distributed(build_lora, ParallelConfig(strategy=s), data)
     hybrid = ParallelConfig(strategy="hybrid_shard", auto_wrap_policy=block)
     bad = {
         "wrong_hybrid_same_slice": train_distributed(
@@ -205,10 +223,13 @@ def world4(data):
 W2_GOOD = [
     "ddp", "no_shard", "shard_grad_op", "full_shard", "full_shard_root_only", "fsdp1_enum",
     "cpu_offload", "prefetch", "no_reshard_override", "synced_ddp", "synced_full_shard",
+    "auto", "size", "tied_merged_unit", "ac_full_shard", "ac_ddp",
 ]  # fmt: skip
+LORA_W2 = ["lora_ddp", "lora_no_shard", "lora_shard_grad_op", "lora_full_shard", "lora_split"]
+LORA_W4 = ["lora_hybrid_shard", "lora_hybrid_shard_zero2"]
 W4_GOOD = [
     "ddp", "no_shard", "shard_grad_op", "full_shard", "hybrid_shard", "hybrid_shard_zero2",
-    "hybrid_fsdp1_name", "hybrid_offload",
+    "hybrid_fsdp1_name", "hybrid_offload", "hybrid_auto", "hybrid_size",
 ]  # fmt: skip
 
 
@@ -225,6 +246,26 @@ def test_world2_matches_single_process(world2, reference, case):
 def test_world4_matches_single_process(world4, reference, case):
     for rank, (good, _, _) in enumerate(world4):
         compare_trajectories(reference, good[case], rtol=FP32_RTOL, label=f"{case} rank {rank}")
+
+
+@pytest.fixture(scope="module")
+def lora_reference(data):
+    return train_reference(build_lora, data)
+
+
+@pytest.mark.parametrize("case", LORA_W2 + LORA_W4)
+def test_lora_frozen_base_matches_single_process(world2, world4, lora_reference, case):
+    results = world4 if case in LORA_W4 else world2
+    for rank, (good, _, _) in enumerate(results):
+        compare_trajectories(
+            lora_reference, good[case], rtol=FP32_RTOL, label=f"{case} rank {rank}"
+        )
+    # The frozen base really stayed frozen.
+    torch.manual_seed(0)
+    initial = build_lora()
+    got = results[0][0][case].params
+    assert torch.equal(got["emb.weight"], initial.emb.weight)
+    assert torch.equal(got["blocks.0.fc.base.weight"], initial.blocks[0].fc.base.weight)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "full_shard"])

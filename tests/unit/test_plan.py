@@ -9,7 +9,8 @@ from torch import nn
 
 import shardwise
 from shardwise import ParallelConfig, PlanNotice, plan_wrap
-from shardwise.models import GPT, MLP, Attention, Block, ConvNet, GPTConfig, LoRALinear
+from shardwise.models import GPT, MLP, Attention, Block, ConvNet, GPTConfig
+from shardwise.models import LoRALM as LoRAModel
 from shardwise.wrap import detect_blocks, registered_policies
 
 CFG = GPTConfig(n_layers=3)
@@ -26,34 +27,6 @@ class NoDeclaredBlocks(GPT):
     """The GPT without a _no_split_modules declaration: blocks must be found by repetition."""
 
     _no_split_modules = None
-
-
-class LoRABlock(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc = LoRALinear(d, 4 * d)
-        self.proj = LoRALinear(4 * d, d)
-        self.ln.requires_grad_(False)
-
-    def forward(self, x):
-        return x + self.proj(torch.relu(self.fc(self.ln(x))))
-
-
-class LoRAModel(nn.Module):
-    def __init__(self, d: int = 16, n: int = 2, vocab: int = 32) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(LoRABlock(d) for _ in range(n))
-        self.head = nn.Linear(d, vocab)
-        self.emb.requires_grad_(False)
-        self.head.requires_grad_(False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
 class Nested(nn.Module):

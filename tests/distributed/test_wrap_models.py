@@ -1,0 +1,153 @@
+"""Planned units in a running job: BatchNorm under bf16, frozen gradients, tied state_dict,
+ignored parameters. All cases share one spawned world-2 process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardwise import ParallelConfig, unwrap, wrap, wrap_info
+from shardwise.models import GPT, ConvNet, GPTConfig, LoRALM, random_lm_batches
+from shardwise.testing import run_distributed
+
+CFG = GPTConfig()
+STRATEGIES = ("ddp", "no_shard", "shard_grad_op", "full_shard")
+
+
+def image_batch(rank: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images whose class is decided by the mean of the first channel: learnable fast."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(n, 3, 8, 8, generator=g)
+    y = (x[:, 0].mean(dim=(1, 2)) > 0).long()
+    return x, y
+
+
+def cnn_bf16(strategy: str) -> dict:
+    torch.manual_seed(0)
+    model = wrap(
+        ConvNet(channels=8, num_classes=2),
+        ParallelConfig(strategy=strategy, mixed_precision="bf16"),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = image_batch(dist.get_rank())
+    bn_input_dtypes = set()
+    bn = unwrap(model).features[1]
+    bn.register_forward_pre_hook(lambda m, args: bn_input_dtypes.add(str(args[0].dtype)))
+    losses = []
+    for _ in range(15):
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    plan = wrap_info(model).plan
+    return {
+        "losses": losses,
+        "bn_input_dtypes": sorted(bn_input_dtypes),
+        "bn_param_dtype": str(bn.weight.dtype),
+        "fp32_units": [u.fqn for u in plan if u.reason == "keep_fp32"] if strategy != "ddp" else [],
+    }
+
+
+def frozen_grads(strategy: str) -> dict:
+    torch.manual_seed(0)
+    model = wrap(
+        LoRALM(d=16, n_layers=2, vocab_size=CFG.vocab_size), ParallelConfig(strategy=strategy)
+    )
+    x, y = random_lm_batches(CFG, 1, 4, seed=dist.get_rank())[0]
+    model(x, y).backward()
+    frozen_with_grad, trainable_without = [], []
+    for name, p in unwrap(model).named_parameters():
+        if not p.requires_grad and p.grad is not None:
+            frozen_with_grad.append(name)
+        if p.requires_grad and p.grad is None:
+            trainable_without.append(name)
+    return {"frozen_with_grad": frozen_with_grad, "trainable_without_grad": trainable_without}
+
+
+def tied_state_dict(policy) -> dict:
+    torch.manual_seed(0)
+    model = wrap(GPT(CFG), ParallelConfig(auto_wrap_policy=policy))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(*random_lm_batches(CFG, 1, 4, seed=dist.get_rank())[0]).backward()
+    opt.step()
+    sd = model.state_dict()
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sd.items()}
+    return {
+        "keys": sorted(k for k in sd if k in ("tok_emb.weight", "head.weight")),
+        "identical": torch.equal(full["tok_emb.weight"], full["head.weight"]),
+        "moved": not torch.equal(full["tok_emb.weight"], GPT(CFG).tok_emb.weight),
+    }
+
+
+def ignored_params() -> dict:
+    torch.manual_seed(0)
+    model = wrap(GPT(CFG), ParallelConfig(ignored_modules=["re:pos_emb"]))
+    model(*random_lm_batches(CFG, 1, 4, seed=dist.get_rank())[0]).backward()
+    return {
+        "pos_emb_sharded": isinstance(model.pos_emb.weight, DTensor),
+        "others_sharded": all(
+            isinstance(p, DTensor)
+            for n, p in model.named_parameters()
+            if not n.startswith("pos_emb")
+        ),
+        "pos_emb_grad_local": model.pos_emb.weight.grad is not None,
+    }
+
+
+def all_cases() -> dict:
+    return {
+        "cnn": {s: cnn_bf16(s) for s in ("ddp", "full_shard", "shard_grad_op")},
+        "frozen": {s: frozen_grads(s) for s in STRATEGIES},
+        "tied": {
+            name: tied_state_dict(p) for name, p in (("auto", "auto"), ("merged", {nn.Embedding}))
+        },
+        "ignored": ignored_params(),
+    }
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(all_cases, 2, timeout_s=240)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "full_shard", "shard_grad_op"])
+def test_cnn_with_batchnorm_trains_under_bf16(results, strategy):
+    for rank in range(2):
+        r = results[rank]["cnn"][strategy]
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+        assert r["losses"][-1] < 0.6 * r["losses"][0], r["losses"]
+        assert r["bn_param_dtype"] == "torch.float32"  # stored in fp32 either way
+    if strategy == "ddp":
+        # Under DDP, autocast keeps batch_norm in fp32 itself; there are no units.
+        assert results[0]["cnn"][strategy]["fp32_units"] == []
+    else:
+        r = results[0]["cnn"][strategy]
+        assert r["fp32_units"] == ["features.1", "features.4"]
+        assert r["bn_input_dtypes"] == ["torch.float32"]  # the fp32 unit cast its input
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_frozen_parameters_get_no_gradients(results, strategy):
+    for rank in range(2):
+        r = results[rank]["frozen"][strategy]
+        assert r == {"frozen_with_grad": [], "trainable_without_grad": []}, (rank, r)
+
+
+@pytest.mark.parametrize("case", ["auto", "merged"])
+def test_tied_weights_train_and_save_both_keys(results, case):
+    for rank in range(2):
+        r = results[rank]["tied"][case]
+        assert r == {"keys": ["head.weight", "tok_emb.weight"], "identical": True, "moved": True}
+
+
+def test_ignored_params_stay_unsharded(results):
+    for rank in range(2):
+        assert results[rank]["ignored"] == {
+            "pos_emb_sharded": False,
+            "others_sharded": True,
+            "pos_emb_grad_local": True,
+        }
