@@ -198,9 +198,9 @@ class LoRALM(nn.Module):
         self.emb.requires_grad_(False)
         self.head.requires_grad_(False)
         # Non-zero adapters, so both LoRA matrices get gradients from the first step.
-        for block in self.blocks:
-            for lora in (block.fc, block.proj):
-                nn.init.normal_(lora.lora_b.weight, std=0.02)
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                nn.init.normal_(module.lora_b.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)

@@ -46,6 +46,10 @@ class ModelIndex:
     """Parameter id -> its first FQN."""
     users: dict[int, list[str]] = field(default_factory=dict)
     """Parameter id -> every path holding it directly (more than one: tied/shared)."""
+    start: dict[str, int] = field(default_factory=dict)
+    """Path -> position of the first path of its subtree: in post-order a subtree is the
+    contiguous range order[start[fqn] : position(fqn) + 1]."""
+    _position: dict[str, int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, model: nn.Module, ignored: set[int]) -> ModelIndex:
@@ -55,8 +59,10 @@ class ModelIndex:
         params: dict[int, nn.Parameter] = {}
         names: dict[int, str] = {}
         users: dict[int, list[str]] = {}
-        for fqn, module in _post_order(model):
+        start: dict[str, int] = {}
+        for fqn, module, first in _post_order(model):
             modules[fqn] = module
+            start[fqn] = first
             order.append(fqn)
             ids = []
             for pname, p in module._parameters.items():
@@ -69,18 +75,30 @@ class ModelIndex:
                 if pid not in ids:
                     ids.append(pid)
             direct[fqn] = ids
-        return cls(modules, order, direct, params, names, users)
+        index = cls(modules, order, direct, params, names, users, start)
+        index._position = {fqn: i for i, fqn in enumerate(order)}
+        return index
 
     def position(self) -> dict[str, int]:
-        return {fqn: i for i, fqn in enumerate(self.order)}
+        return self._position
+
+    def subtree(self, fqn: str) -> list[str]:
+        """`fqn` and every path below it, in post-order."""
+        return self.order[self.start[fqn] : self._position[fqn] + 1]
 
 
-def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+def _post_order(
+    module: nn.Module, prefix: str = "", counter: list[int] | None = None
+) -> Iterator[tuple[str, nn.Module, int]]:
+    """(path, module, post-order position of the first path of its subtree)."""
+    counter = [0] if counter is None else counter
+    first = counter[0]
     # _modules, not named_children(): a module registered under two names is two paths.
     for name, child in module._modules.items():
         if child is not None:
-            yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
-    yield prefix, module
+            yield from _post_order(child, f"{prefix}.{name}" if prefix else name, counter)
+    counter[0] += 1
+    yield prefix, module, first
 
 
 @dataclass
@@ -106,8 +124,8 @@ def assign(units: list[Unit], index: ModelIndex) -> list[list[int]]:
     result: list[list[int]] = []
     for unit in units:
         mine: list[int] = []
-        for fqn in index.order:
-            if unit.contains(fqn):
+        for member in unit.members:
+            for fqn in index.subtree(member):
                 for pid in index.direct[fqn]:
                     if pid not in owned:
                         owned.add(pid)
@@ -238,7 +256,7 @@ def _split_below(
         child = f"{fqn}.{name}" if fqn else name
         if child not in index.modules or any(u.members == (child,) for u in units):
             continue
-        sub = [p for f in index.order if is_within(f, child) for p in index.direct[f] if p in pool]
+        sub = [p for f in index.subtree(child) for p in index.direct[f] if p in pool]
         flags = {index.params[p].requires_grad for p in sub}
         if not flags or flags == {keep}:
             continue
