@@ -82,6 +82,8 @@ class BenchConfig:
     world: int
     device: str
     precision: str
+    policy: str
+    """shardwise's auto_wrap_policy: 'block' ({Block}) or 'auto' (found by the planner)."""
     steps: int
     """Timed steps per variant."""
     warmup: int
@@ -131,7 +133,7 @@ def _build_model(cfg: BenchConfig) -> GPT:
 def _wrap_shardwise(model: nn.Module, strategy: str, cfg: BenchConfig) -> nn.Module:
     config = shardwise.ParallelConfig(
         strategy=strategy,
-        auto_wrap_policy={Block},
+        auto_wrap_policy={Block} if cfg.policy == "block" else cfg.policy,
         mixed_precision=cfg.precision,
         # At world 1 wrap() would hand the model back unwrapped; force the strategy.
         force_wrap=dist.get_world_size() == 1,
@@ -543,6 +545,12 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path | None]:
         help="default: cuda if available, else cpu",
     )
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument(
+        "--policy",
+        choices=("block", "auto"),
+        default="block",
+        help="shardwise's wrap policy: {Block} or the planner's automatic detection",
+    )
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
     p.add_argument("--mem-steps", type=int, default=3, help="steps per peak-memory run")
@@ -584,6 +592,7 @@ def _to_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> BenchConfig
         world=world,
         device=device,
         precision=a.precision,
+        policy=a.policy,
         steps=a.steps,
         warmup=a.warmup,
         mem_steps=a.mem_steps,
