@@ -105,3 +105,19 @@ def test_wrap_rejects_wrong_types():
         wrap(nn.Linear(2, 2), {"strategy": "ddp"})
     with pytest.raises(TypeError, match=r"expects an nn.Module, got str"):
         wrap("model", ParallelConfig())
+
+
+def test_activation_checkpointing_at_world_one_changes_memory_not_math():
+    from shardwise.activation import is_checkpointed
+
+    batch = shardwise.models.random_lm_batches(GPTConfig(), 1, 4)[0]
+    grads = {}
+    for ac in ("none", "full"):
+        torch.manual_seed(0)
+        model = wrap(GPT(GPTConfig()), ParallelConfig(activation_checkpointing=ac))
+        assert [is_checkpointed(b) for b in model.blocks] == [ac == "full"] * 2
+        model(*batch).backward()
+        grads[ac] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names kept
+    for name, g in grads["none"].items():
+        torch.testing.assert_close(grads["full"][name], g, rtol=0, atol=0)
