@@ -8,6 +8,7 @@ FSDP2 or HSDP — with parity to single-process training as the check.
 
 from shardwise.config import STRATEGIES, ParallelConfig
 from shardwise.distributed import DistInfo, get_dist_info, init_distributed, shutdown
+from shardwise.engine import Engine, TrainConfig, parse_losses
 from shardwise.mesh import MeshSpec, resolve_mesh
 from shardwise.precision import PRESETS, Precision
 from shardwise.strategies import WrapInfo, sync_module_states, unwrap, wrap, wrap_info
@@ -19,16 +20,19 @@ __all__ = [
     "PRESETS",
     "STRATEGIES",
     "DistInfo",
+    "Engine",
     "MeshSpec",
     "ParallelConfig",
     "PlanNotice",
     "Precision",
+    "TrainConfig",
     "WrapInfo",
     "WrapPlan",
     "WrapUnit",
     "__version__",
     "get_dist_info",
     "init_distributed",
+    "parse_losses",
     "plan_wrap",
     "register_wrap_policy",
     "resolve_mesh",

@@ -11,6 +11,7 @@ Must not: know about strategies or models. Public API: `run_distributed`, `RankE
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
@@ -20,11 +21,12 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any, cast
 
-__all__ = ["RankError", "free_port", "run_distributed"]
+__all__ = ["RankError", "count_collectives", "free_port", "run_distributed"]
 
 
 class RankError(RuntimeError):
@@ -202,3 +204,42 @@ def _collect(
                 )
             results[rank] = msg[1]
     return [results[r] for r in range(len(procs))]
+
+
+COUNTED_COLLECTIVES = (
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "broadcast",
+)
+
+
+@contextlib.contextmanager
+def count_collectives(names: tuple[str, ...] = COUNTED_COLLECTIVES) -> Iterator[Counter[str]]:
+    """Count calls of torch.distributed collectives made from Python inside the block.
+
+    FSDP2 issues its gradient reduce-scatter/all-reduce through these functions, so the
+    counter shows whether a step communicated. DDP reduces in C++: count it with a comm
+    hook instead.
+    """
+    import torch.distributed as dist
+
+    counts: Counter[str] = Counter()
+    originals = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)

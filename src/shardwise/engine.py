@@ -1,0 +1,429 @@
+"""The training engine: train/val/test steps on a wrapped model.
+
+Owns: the model contract (plain `forward(batch)` or OpenMMLab-style `data_preprocessor`
++ `forward(..., mode=)`), loss parsing, gradient accumulation that synchronises only on
+the last micro-batch, clipping by the true global norm over every shard and replica,
+fp16 loss scaling that agrees across ranks, and the optimizer/scheduler built after
+wrapping.
+
+Must not: loop over data, log or print (runner.py does), or hand-write collectives:
+norms come from torch's DTensor reductions, syncing from DDP/FSDP2's own switches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.config import ParallelConfig
+from shardwise.strategies import unwrap, wrap, wrap_info
+
+MODES = ("loss", "predict", "tensor")
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """How `Engine.train_step` turns micro-batches into optimizer steps."""
+
+    accumulate_steps: int = 1
+    """Micro-batches per optimizer step; gradients synchronise on the last one only."""
+    sync_each_microbatch: bool = False
+    """Reduce gradients after every micro-batch: more communication, less memory (FSDP
+    keeps sharded instead of full gradients between micro-batches)."""
+    max_grad_norm: float | None = None
+    """Clip gradients to this global L2 norm (over all shards and replicas)."""
+    grad_scaler: bool | None = None
+    """Dynamic loss scaling; None turns it on for fp16 compute."""
+    init_scale: float = 2.0**16
+    """Initial loss scale when scaling is on."""
+    detect_anomalous_params: bool = False
+    """Debug: list trainable parameters that received no gradient in a step."""
+
+    def __post_init__(self) -> None:
+        k = self.accumulate_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"TrainConfig.accumulate_steps={k!r} must be an int >= 1 (micro-batches per "
+                "optimizer step; 1 means no accumulation)."
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(
+                f"TrainConfig.max_grad_norm={self.max_grad_norm!r} must be > 0, or None to "
+                "not clip."
+            )
+        if not self.init_scale > 0:
+            raise ValueError(f"TrainConfig.init_scale={self.init_scale!r} must be > 0.")
+
+
+def parse_losses(outputs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The total loss to backpropagate and the scalar values to log.
+
+    A tensor is the loss. In a mapping, every scalar (or list of tensors, averaged then
+    summed) is logged and the keys containing 'loss' are summed into the total; other
+    entries (predictions for visualisation) are passed over. An object with a `.loss`
+    tensor (Hugging Face outputs) gives that loss.
+    """
+    if isinstance(outputs, torch.Tensor):
+        if outputs.numel() != 1:
+            raise ValueError(
+                f"Engine: the model returned a tensor of shape {tuple(outputs.shape)}; a loss "
+                "must be a scalar. Reduce it (e.g. .mean()) in forward, or return a dict."
+            )
+        return outputs.reshape(()), {"loss": outputs.detach().reshape(())}
+    if isinstance(outputs, Mapping):
+        logs: dict[str, torch.Tensor] = {}
+        for key, value in outputs.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                logs[key] = value.reshape(())
+            elif (
+                isinstance(value, (list, tuple))
+                and value
+                and all(isinstance(v, torch.Tensor) for v in value)
+            ):
+                logs[key] = torch.stack([v.mean() for v in value]).sum()
+        loss_keys = [k for k in logs if "loss" in k]
+        if loss_keys:
+            total = torch.stack([logs[k] for k in loss_keys]).sum()
+            detached = {k: v.detach() for k, v in logs.items()}
+            detached["loss"] = total.detach()
+            return total, detached
+    loss = getattr(outputs, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return parse_losses(loss)
+    raise TypeError(
+        f"Engine: the model returned {_describe(outputs)}; expected a scalar loss tensor, a "
+        "dict whose keys containing 'loss' hold the losses, or an object with a .loss tensor."
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {list(value)[:8]} and no scalar 'loss' entry"
+    if isinstance(value, (list, tuple)):
+        kinds = [type(v).__name__ for v in value[:4]]
+        return f"a {type(value).__name__} of {len(value)} item(s) ({', '.join(kinds)})"
+    text = repr(value)
+    return f"{type(value).__name__} ({text[:60]}{'...' if len(text) > 60 else ''})"
+
+
+def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients over every shard and replica (a plain tensor).
+
+    Sharded gradients are DTensors, whose norm torch reduces across their mesh (both
+    dimensions under HSDP); unmanaged (ignored) gradients count with their local norm.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    local = [g for g in grads if not isinstance(g, DTensor)]
+    squares = []
+    for group in (sharded, local):
+        if group:
+            norm = torch.nn.utils.get_total_norm(group, foreach=True)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            squares.append(norm.float() ** 2)
+    if not squares:
+        return torch.zeros(())
+    return torch.stack([s.cpu() for s in squares]).sum().sqrt()
+
+
+class Engine:
+    """One object that steps a wrapped model: `train_step`, `val_step`, `test_step`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        config: ParallelConfig | None = None,
+        scheduler: Any = None,
+        *,
+        train: TrainConfig | None = None,
+    ) -> None:
+        self.train_config = train or TrainConfig()
+        info = wrap_info(model)
+        if info is not None:
+            self.config = info.config
+            self.model = model
+        elif _already_parallel(model):
+            self.config = config or ParallelConfig()
+            self.model = model
+        else:
+            self.config = config or ParallelConfig()
+            self.model = wrap(model, self.config)
+        self.device = _model_device(self.model)
+        self.optimizer = _build_optimizer(optimizer, self.model)
+        self.scheduler = _build_scheduler(scheduler, self.optimizer)
+        self.scaler = self._build_scaler()
+        self.micro_step = 0
+        self.step = 0
+        self.skipped_steps = 0
+        self.last_outputs: Any = None
+        self._window: list[dict[str, torch.Tensor]] = []
+
+    # --- set-up ---------------------------------------------------------------------
+
+    def _build_scaler(self) -> ShardedGradScaler | None:
+        use = self.train_config.grad_scaler
+        if use is None:
+            use = self.config.precision.param_dtype == torch.float16
+        if not use:
+            return None
+        # ShardedGradScaler all-reduces "found inf" so every rank skips the same steps.
+        return ShardedGradScaler(self.device.type, init_scale=self.train_config.init_scale)
+
+    # --- forward ----------------------------------------------------------------------
+
+    def forward(self, batch: Any, mode: str = "loss") -> Any:
+        """Run the model on `batch` under the model contract, in `mode`."""
+        if mode not in MODES:
+            raise ValueError(
+                f"Engine.forward(mode={mode!r}) is not a known mode. Use one of {list(MODES)}."
+            )
+        batch = _to_device(batch, self.device)
+        inner = unwrap(self.model)
+        preprocessor = getattr(inner, "data_preprocessor", None)
+        if callable(preprocessor):  # OpenMMLab-style contract
+            data = preprocessor(batch, mode == "loss")
+            if isinstance(data, Mapping):
+                return self.model(**data, mode=mode)
+            if isinstance(data, (list, tuple)):
+                return self.model(*data, mode=mode)
+            return self.model(data, mode=mode)
+        if isinstance(batch, Mapping):
+            return self.model(**batch)
+        if isinstance(batch, (list, tuple)):
+            return self.model(*batch)
+        return self.model(batch)
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, sync: bool) -> Iterator[None]:
+        model = self.model
+        if isinstance(model, DistributedDataParallel):
+            with contextlib.nullcontext() if sync else model.no_sync():
+                yield
+        elif isinstance(model, FSDPModule):
+            # Without sync FSDP2 keeps unsharded gradients locally until the last micro-batch.
+            model.set_requires_gradient_sync(sync)
+            yield
+        else:
+            yield
+
+    # --- steps ------------------------------------------------------------------------
+
+    def train_step(self, batch: Any, *, force_update: bool = False) -> dict[str, float]:
+        """Forward + backward one micro-batch; update on the last of the window.
+
+        Returns the micro-batch's loss values. On the micro-batch that updates (or with
+        `force_update`, e.g. at the end of an epoch), returns instead the window's mean
+        values averaged across ranks, plus `grad_norm`, `lr`, `loss_scale` and
+        `skipped` (1.0 when fp16 scaling found inf/nan gradients and skipped the step).
+        """
+        tc = self.train_config
+        update = force_update or self.micro_step + 1 >= tc.accumulate_steps
+        self.model.train()
+        with self._gradient_sync(update or tc.sync_each_microbatch):
+            outputs = self.forward(batch, "loss")
+            loss, logs = parse_losses(outputs)
+            scaled = loss / tc.accumulate_steps
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        self.last_outputs = outputs
+        self._window.append(logs)
+        self.micro_step += 1
+        if not update:
+            return {k: float(v) for k, v in logs.items()}
+        result = self._reduce_window()
+        result.update(self._update())
+        return result
+
+    def _reduce_window(self) -> dict[str, float]:
+        keys = sorted(self._window[0])
+        values = torch.stack(
+            [torch.stack([w[k].float().cpu() for w in self._window]).mean() for k in keys]
+        )
+        self._window = []
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values)  # SUM (gloo has no AVG)
+            values = values.cpu() / dist.get_world_size()
+        return {k: float(v) for k, v in zip(keys, values, strict=True)}
+
+    def _update(self) -> dict[str, float]:
+        tc = self.train_config
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.scaler is not None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*scalar.*")
+                self.scaler.unscale_(self.optimizer)
+        anomalous = self._anomalous_params() if tc.detect_anomalous_params else []
+        norm = total_grad_norm(params)
+        if tc.max_grad_norm is not None and math.isfinite(float(norm)):
+            coef = min(1.0, tc.max_grad_norm / (float(norm) + 1e-6))
+            if coef < 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        skipped = False
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*scalar.*")
+                self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self.step += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.micro_step = 0
+        out = {
+            "grad_norm": float(norm),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "skipped": float(skipped),
+        }
+        if self.scaler is not None:
+            out["loss_scale"] = float(self.scaler.get_scale())
+        if tc.detect_anomalous_params:
+            out["anomalous_params"] = float(len(anomalous))
+        return out
+
+    def _anomalous_params(self) -> list[str]:
+        missing = [
+            name
+            for name, p in unwrap(self.model).named_parameters()
+            if p.requires_grad and p.grad is None
+        ]
+        if missing and (not dist.is_initialized() or dist.get_rank() == 0):
+            warnings.warn(
+                f"Engine: {len(missing)} trainable parameter(s) received no gradient this "
+                f"step: {missing[:20]}{' ...' if len(missing) > 20 else ''}. They are unused "
+                "in forward or detached from the loss.",
+                stacklevel=4,
+            )
+        return missing
+
+    def val_step(self, batch: Any) -> Any:
+        """Predict on `batch` without gradients, in eval mode."""
+        return self._predict(batch)
+
+    def test_step(self, batch: Any) -> Any:
+        """Predict on `batch` without gradients, in eval mode."""
+        return self._predict(batch)
+
+    def _predict(self, batch: Any) -> Any:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return self.forward(batch, "predict")
+        finally:
+            self.model.train(was_training)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _already_parallel(model: nn.Module) -> bool:
+    return isinstance(model, DistributedDataParallel) or any(
+        isinstance(m, FSDPModule) for m in model.modules()
+    )
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    info = wrap_info(model)
+    if info is not None:
+        return info.dist.device
+    for p in model.parameters():
+        return p.device if not isinstance(p, DTensor) else p.to_local().device
+    return torch.device("cpu")
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _build_optimizer(
+    optimizer: torch.optim.Optimizer | OptimizerFactory, model: nn.Module
+) -> torch.optim.Optimizer:
+    model_params = list(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError(
+                f"Engine(optimizer=...) got {type(optimizer).__name__}; expected a "
+                "torch.optim.Optimizer or a factory such as lambda params: AdamW(params, lr=3e-4)."
+            )
+        built = optimizer([p for p in model_params if p.requires_grad])
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(
+                f"Engine: the optimizer factory returned {type(built).__name__}, not a "
+                "torch.optim.Optimizer."
+            )
+        return built
+    ids = {id(p) for p in model_params}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = [p for p in held if id(p) not in ids]
+    if foreign:
+        raise ValueError(
+            f"Engine: the optimizer holds {len(foreign)} of {len(held)} parameter(s) that are "
+            "not the wrapped model's: it was built before wrapping, and sharding replaced the "
+            "parameters, so it would update tensors the model no longer uses. Pass a factory "
+            "instead, Engine(model, lambda params: torch.optim.AdamW(params, lr=...)), or "
+            "build the optimizer from the wrapped model's parameters after shardwise.wrap()."
+        )
+    held_ids = {id(p) for p in held}
+    missing = [
+        n for n, p in unwrap(model).named_parameters() if p.requires_grad and id(p) not in held_ids
+    ]
+    if missing:
+        warnings.warn(
+            f"Engine: {len(missing)} trainable parameter(s) are not in the optimizer and will "
+            f"not be updated: {missing[:10]}",
+            stacklevel=3,
+        )
+    return optimizer
+
+
+def _build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    if scheduler is None:
+        return None
+    if hasattr(scheduler, "step") and hasattr(scheduler, "optimizer"):
+        if scheduler.optimizer is not optimizer:
+            raise ValueError(
+                "Engine: the scheduler was built for a different optimizer than the engine's. "
+                "Pass a factory instead: scheduler=lambda opt: torch.optim.lr_scheduler."
+                "CosineAnnealingLR(opt, T_max=...)."
+            )
+        return scheduler
+    if callable(scheduler):
+        return scheduler(optimizer)
+    raise TypeError(
+        f"Engine(scheduler=...) got {type(scheduler).__name__}; expected an LR scheduler or a "
+        "factory taking the optimizer."
+    )

@@ -1,0 +1,331 @@
+"""Engine in a running job: accumulation and clipping parity, no needless syncs, predictions,
+the OpenMMLab contract, fp16 skipping, and the before-wrapping optimizer error.
+
+Reference: one process trains on the whole global batch (k micro-batches x N ranks worth of
+samples) with plain torch: loss, global grad norm (clip_grad_norm_), AdamW step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from shardwise import Engine, ParallelConfig, TrainConfig, unwrap
+from shardwise.models import GPT, GPTConfig, random_lm_batches
+from shardwise.testing import count_collectives, run_distributed
+
+CFG = GPTConfig()
+STEPS, GLOBAL_BATCH, K = 3, 8, 2
+RTOL = 1e-5
+CLIP = 0.05  # well below the ~0.7 gradient norm: clipping is active every step
+build = functools.partial(GPT, CFG)
+adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+# Clipping is checked under SGD: AdamW is invariant to a uniform gradient scale, so clipped
+# and unclipped AdamW updates are nearly identical and would prove little.
+sgd = functools.partial(torch.optim.SGD, lr=0.5)
+
+
+class Poisonable(GPT):
+    """Returns an infinite loss while `poison` is set (to force an fp16 overflow)."""
+
+    poison = False
+
+    def forward(self, idx, targets=None):
+        loss = super().forward(idx, targets)
+        return loss * float("inf") if self.poison else loss
+
+
+def reference(data, max_grad_norm=None, optimizer=adamw):
+    torch.manual_seed(0)
+    model = build()
+    opt = optimizer(model.parameters())
+    losses, norms = [], []
+    for x, y in data:
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+        opt.step()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return {"losses": losses, "norms": norms, "params": _full_params(model)}
+
+
+def _full_params(model):
+    out = {}
+    for name, p in unwrap(model).named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone()
+    return out
+
+
+def _micro_batches(batch, k):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = batch[0].shape[0] // world
+    mine = [t[rank * per : (rank + 1) * per] for t in batch]
+    m = per // k
+    return [tuple(t[i * m : (i + 1) * m] for t in mine) for i in range(k)]
+
+
+def engine_run(data, parallel, train, count=False, optimizer=adamw):
+    torch.manual_seed(0)
+    engine = Engine(build(), optimizer, parallel, train=train)
+    hook_calls = []
+    if count and parallel.strategy == "ddp":
+
+        def hook(state, bucket):
+            hook_calls.append(1)
+            return default_hooks.allreduce_hook(None, bucket)
+
+        engine.model.register_comm_hook(None, hook)
+    losses, norms, comms = [], [], []
+    for batch in data:
+        for i, micro in enumerate(_micro_batches(batch, train.accumulate_steps)):
+            before = len(hook_calls)
+            with count_collectives(("reduce_scatter_single", "all_reduce")) as counts:
+                logs = engine.train_step(micro)
+            last = i == train.accumulate_steps - 1
+            # all_reduce on the last micro-step includes the engine's own log/norm reductions.
+            comms.append((last, sum(counts.values()) + len(hook_calls) - before))
+        losses.append(logs["loss"])
+        norms.append(logs["grad_norm"])
+    return {"losses": losses, "norms": norms, "params": _full_params(engine.model), "comms": comms}
+
+
+def predictions(data):
+    torch.manual_seed(0)
+    plain = build()
+    torch.manual_seed(0)
+    engine = Engine(build(), adamw, ParallelConfig(strategy="full_shard"))
+    x = data[0][0]
+    got = engine.val_step((x,))
+    test = engine.test_step((x,))
+    want = plain(x)
+    return {
+        "val": float((got - want).abs().max()),
+        "test": float((test - want).abs().max()),
+        "still_training": engine.model.training,
+    }
+
+
+class MMToy(nn.Module):
+    """OpenMMLab-style: data_preprocessor + forward(inputs, data_samples, mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 3)
+
+    def data_preprocessor(self, data, training):
+        return {"inputs": data["img"] * 2.0, "data_samples": data["label"]}
+
+    def forward(self, inputs, data_samples=None, mode="tensor"):
+        logits = self.head(torch.relu(self.backbone(inputs)))
+        if mode == "loss":
+            return {
+                "loss_cls": nn.functional.cross_entropy(logits, data_samples),
+                "loss_reg": [logits.pow(2).mean() * 0.01, logits.abs().mean() * 0.01],
+                "acc": (logits.argmax(-1) == data_samples).float().mean(),
+                "vis": logits.detach(),  # passed through, not logged
+            }
+        return logits.argmax(-1)
+
+
+def openmmlab():
+    torch.manual_seed(0)
+    engine = Engine(MMToy(), adamw, ParallelConfig())
+    g = torch.Generator().manual_seed(dist.get_rank())
+    data = {"img": torch.randn(6, 4, generator=g), "label": torch.randint(0, 3, (6,), generator=g)}
+    logs = engine.train_step(data)
+    preds = engine.val_step(data)
+    return {
+        "keys": sorted(logs),
+        "vis_passed": "vis" in engine.last_outputs,
+        "pred_shape": tuple(preds.shape),
+    }
+
+
+def fp16_skip(data):
+    torch.manual_seed(0)
+    engine = Engine(Poisonable(CFG), adamw, ParallelConfig(mixed_precision="fp16"))
+    out = []
+    for step, batch in enumerate(data):
+        unwrap(engine.model).poison = dist.get_rank() == 0 and step == 1
+        before = _full_params(engine.model)
+        logs = engine.train_step(_micro_batches(batch, 1)[0])
+        changed = any(not torch.equal(before[n], p) for n, p in _full_params(engine.model).items())
+        out.append({"skipped": logs["skipped"], "changed": changed, "scale": logs["loss_scale"]})
+    return out
+
+
+def early_optimizer():
+    model = build()
+    opt = torch.optim.AdamW(model.parameters())  # built before wrapping: the classic mistake
+    try:
+        Engine(model, opt, ParallelConfig(strategy="full_shard"))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def local_norm_clipping(data):
+    """Wrong on purpose: each rank clips by the norm of its own gradient shards only."""
+    torch.manual_seed(0)
+    engine = Engine(build(), sgd, ParallelConfig(strategy="full_shard"))
+    losses, norms = [], []
+    for batch in data:
+        loss = engine.forward(_micro_batches(batch, 1)[0])
+        loss.backward()
+        grads = [p.grad.to_local() for p in engine.model.parameters() if p.grad is not None]
+        local = torch.stack([g.norm() for g in grads]).norm()
+        for g in grads:
+            g.mul_(min(1.0, CLIP / (float(local) + 1e-6)))
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(float(t) / dist.get_world_size())
+        norms.append(float(local))
+    return {"losses": losses, "norms": norms, "params": _full_params(engine.model)}
+
+
+def world2_cases(data):
+    out = {}
+    for s in ("ddp", "full_shard"):
+        p = ParallelConfig(strategy=s)
+        out[f"accum_{s}"] = engine_run(data, p, TrainConfig(accumulate_steps=K), count=True)
+        out[f"clip_{s}"] = engine_run(data, p, TrainConfig(max_grad_norm=CLIP), optimizer=sgd)
+        out[f"accum_clip_{s}"] = engine_run(
+            data, p, TrainConfig(accumulate_steps=K, max_grad_norm=CLIP), optimizer=sgd
+        )
+    out["wrong_local_clip"] = local_norm_clipping(data)
+    out["accum_sync_each"] = engine_run(
+        data, ParallelConfig(), TrainConfig(accumulate_steps=K, sync_each_microbatch=True)
+    )
+    out["accum_offload"] = engine_run(
+        data, ParallelConfig(cpu_offload=True), TrainConfig(accumulate_steps=K)
+    )
+    out["predictions"] = predictions(data)
+    out["openmmlab"] = openmmlab()
+    out["fp16"] = fp16_skip(data)
+    out["early_optimizer"] = early_optimizer()
+    return out
+
+
+def world4_cases(data):
+    p = ParallelConfig(strategy="hybrid_shard")
+    return {
+        "accum_hybrid_shard": engine_run(data, p, TrainConfig(accumulate_steps=K), count=True),
+        "clip_hybrid_shard": engine_run(
+            data, p, TrainConfig(accumulate_steps=K, max_grad_norm=CLIP), optimizer=sgd
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def data():
+    return random_lm_batches(CFG, STEPS, GLOBAL_BATCH * 2, seed=3)  # divisible by k x 4 ranks
+
+
+@pytest.fixture(scope="module")
+def world2(data):
+    return run_distributed(world2_cases, 2, args=(data,), timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def world4(data):
+    return run_distributed(world4_cases, 4, args=(data,), timeout_s=240)
+
+
+def _assert_matches(ref, got, label):
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+        assert abs(a - b) <= RTOL * abs(b), f"{label}: loss step {step}: {a} vs {b}"
+    for step, (a, b) in enumerate(zip(got["norms"], ref["norms"], strict=True)):
+        assert abs(a - b) <= RTOL * abs(b), f"{label}: grad norm step {step}: {a} vs {b}"
+    for name, want in ref["params"].items():
+        rel = float((got["params"][name] - want).norm() / want.norm())
+        assert rel <= RTOL, f"{label}: {name} rel {rel:.2e}"
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["accum_ddp", "accum_full_shard", "accum_sync_each", "accum_offload", "accum_hybrid_shard"],
+)
+def test_accumulation_equals_one_big_batch(world2, world4, data, case):
+    results = world4 if "hybrid" in case else world2
+    ref = reference(data)
+    for rank, r in enumerate(results):
+        _assert_matches(ref, r[case], f"{case} rank {rank}")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["clip_ddp", "clip_full_shard", "accum_clip_ddp", "accum_clip_full_shard", "clip_hybrid_shard"],
+)
+def test_clipping_uses_the_true_global_norm(world2, world4, data, case):
+    results = world4 if "hybrid" in case else world2
+    ref = reference(data, max_grad_norm=CLIP, optimizer=sgd)
+    assert min(ref["norms"]) > 5 * CLIP  # clipping really happened
+    for rank, r in enumerate(results):
+        _assert_matches(ref, r[case], f"{case} rank {rank}")
+
+
+def test_clipping_check_catches_local_norm_clipping(world2, data):
+    # The silent bug of clipping each shard by its local norm is caught by the same check.
+    ref = reference(data, max_grad_norm=CLIP, optimizer=sgd)
+    with pytest.raises(AssertionError, match="local norm clipping: loss step 1"):
+        _assert_matches(ref, world2[0]["wrong_local_clip"], "local norm clipping")
+    with pytest.raises(AssertionError, match="unclipped"):
+        _assert_matches(reference(data, optimizer=sgd), world2[0]["clip_full_shard"], "unclipped")
+
+
+@pytest.mark.parametrize("case", ["accum_ddp", "accum_full_shard", "accum_hybrid_shard"])
+def test_no_gradient_collective_before_the_last_micro_batch(world2, world4, case):
+    results = world4 if "hybrid" in case else world2
+    for r in results:
+        comms = r[case]["comms"]
+        assert [c for last, c in comms if not last] == [0] * (len(comms) // K)
+        assert all(c > 0 for last, c in comms if last)
+
+
+def test_sync_each_microbatch_communicates_every_time(world2):
+    # Same numbers as deferred sync (checked above); here just that it differs in behaviour.
+    assert world2[0]["accum_sync_each"]["losses"] == pytest.approx(
+        world2[0]["accum_full_shard"]["losses"], rel=RTOL
+    )
+
+
+def test_val_and_test_predictions_equal_unsharded_model(world2):
+    for r in world2:
+        p = r["predictions"]
+        assert p["val"] <= 1e-5 and p["test"] <= 1e-5, p
+        assert p["still_training"] is True  # eval mode is restored after predicting
+
+
+def test_openmmlab_contract(world2):
+    for r in world2:
+        assert r["openmmlab"] == {
+            "keys": ["acc", "grad_norm", "loss", "loss_cls", "loss_reg", "lr", "skipped"],
+            "vis_passed": True,
+            "pred_shape": (6,),
+        }
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(world2):
+    for rank, r in enumerate(world2):
+        steps = r["fp16"]
+        assert [s["skipped"] for s in steps] == [0.0, 1.0, 0.0], (rank, steps)
+        assert [s["changed"] for s in steps] == [True, False, True], (rank, steps)
+        assert steps[1]["scale"] == steps[0]["scale"] / 2  # the scale backed off
+
+
+def test_optimizer_built_before_wrapping(world2):
+    for r in world2:
+        assert "the optimizer holds" in r["early_optimizer"]
+        assert "it was built before wrapping" in r["early_optimizer"]
+        assert "Pass a factory instead" in r["early_optimizer"]
