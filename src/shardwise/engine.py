@@ -277,6 +277,7 @@ class Engine:
                 for p in params:
                     if p.grad is not None:
                         p.grad.mul_(coef)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the lr this update uses
         skipped = False
         if self.scaler is not None:
             scale = self.scaler.get_scale()
@@ -297,7 +298,7 @@ class Engine:
         self.micro_step = 0
         out = {
             "grad_norm": float(norm),
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "lr": lr,
             "skipped": float(skipped),
         }
         if self.scaler is not None:

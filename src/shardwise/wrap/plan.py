@@ -271,7 +271,8 @@ def plan_wrap(
     `reshard_after_forward` is the choice for non-root units (default: the strategy's);
     the root never reshards after forward, since backward needs it at once. `sharded`
     (default: strategy != 'ddp') says whether FSDP2 applies the plan; without it there
-    are no fp32 units, because autocast keeps normalisation layers in fp32 itself.
+    are no fp32 units (autocast keeps normalisation layers in fp32 itself) and no frozen
+    checks (nothing groups parameters into units).
     """
     config = config or ParallelConfig()
     precision: Precision = config.precision
@@ -294,7 +295,9 @@ def plan_wrap(
     units, tied, tied_notes = merge_tied(units, index)
     notes.extend(tied_notes)
     units = sort_units([*units, Unit(("",), "root")], index)
-    units, mixed = _handle_frozen(units, index, config, notes)
+    mixed: list[MixedUnit] = []
+    if sharded:  # only FSDP units hold parameters together; DDP and world 1 have none
+        units, mixed = _handle_frozen(units, index, config, notes)
 
     fp32_units = [u for u in units if u.fp32]
     if fp32_units:
