@@ -11,6 +11,7 @@ from shardwise.distributed import DistInfo, get_dist_info, init_distributed, shu
 from shardwise.engine import Engine, TrainConfig, parse_losses
 from shardwise.mesh import MeshSpec, resolve_mesh
 from shardwise.precision import PRESETS, Precision
+from shardwise.runner import Runner, RunnerConfig, seed_everything
 from shardwise.strategies import WrapInfo, sync_module_states, unwrap, wrap, wrap_info
 from shardwise.wrap import PlanNotice, WrapPlan, WrapUnit, plan_wrap, register_wrap_policy
 
@@ -25,6 +26,8 @@ __all__ = [
     "ParallelConfig",
     "PlanNotice",
     "Precision",
+    "Runner",
+    "RunnerConfig",
     "TrainConfig",
     "WrapInfo",
     "WrapPlan",
@@ -36,6 +39,7 @@ __all__ = [
     "plan_wrap",
     "register_wrap_policy",
     "resolve_mesh",
+    "seed_everything",
     "shutdown",
     "sync_module_states",
     "unwrap",

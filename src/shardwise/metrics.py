@@ -1,0 +1,109 @@
+"""Metrics files: one CSV row per logged step (always), TensorBoard scalars (when installed).
+
+Owns: `MetricsLogger`, which only rank 0 creates files with, and reading a run's CSV back
+(`read_metrics`) for plots. A new column appearing later (a validation metric, say)
+rewrites the CSV with the wider header, so every row stays aligned.
+
+Must not: print, or decide when to log (runner.py does).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.csv"
+
+
+class MetricsLogger:
+    """Append rows of scalars to RUN_DIR/metrics.csv and, if available, TensorBoard."""
+
+    def __init__(
+        self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool | None = None
+    ):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.path = self.run_dir / METRICS_FILE
+        self.rows: list[dict[str, Any]] = []
+        self.columns: list[str] = []
+        self._tb: Any = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            self.path.unlink()  # a fresh run in the same directory starts a fresh file
+        if tensorboard is not False:
+            self._tb = _tensorboard_writer(self.run_dir, required=tensorboard is True)
+
+    @property
+    def tensorboard(self) -> bool:
+        return self._tb is not None
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(dict(row))
+        new = [k for k in row if k not in self.columns]
+        if new:
+            self.columns.extend(new)
+            self._rewrite()
+        else:
+            with self.path.open("a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self.columns).writerow(row)
+        if self._tb is not None:
+            step = int(row.get("step", len(self.rows)))
+            split = row.get("split", "train")
+            for key, value in row.items():
+                if key not in ("step", "split", "epoch") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"{split}/{key}", value, step)
+
+    def _rewrite(self) -> None:
+        with self.path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _tensorboard_writer(run_dir: Path, *, required: bool) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if required:
+            raise ImportError(
+                "RunnerConfig.tensorboard=True but TensorBoard is not installed. "
+                "Install it with pip install 'shardwise[tensorboard]', or set tensorboard=None "
+                "to use it only when present."
+            ) from None
+        return None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of RUN_DIR/metrics.csv, numbers parsed, empty cells dropped."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} does not exist: RUN_DIR must be a run directory written by shardwise's "
+            "Runner (it holds metrics.csv)."
+        )
+    rows = []
+    with path.open(newline="") as f:
+        for raw in csv.DictReader(f):
+            row: dict[str, Any] = {}
+            for key, value in raw.items():
+                if value in ("", None):
+                    continue
+                try:
+                    number = float(value)
+                    row[key] = number if not math.isnan(number) else None
+                except ValueError:
+                    row[key] = value
+            rows.append(row)
+    return rows
