@@ -29,13 +29,27 @@ class MetricsLogger:
         self.rows: list[dict[str, Any]] = []
         self.columns: list[str] = []
         self._tb: Any = None
-        if not enabled:
+        self._tensorboard = tensorboard
+        self._started = False
+        if enabled and tensorboard is True:
+            _tensorboard_writer(self.run_dir, required=True, probe_only=True)
+
+    def start(self, keep_until_step: int | None = None) -> None:
+        """Open the files: a fresh CSV, or (resuming) the existing rows up to a step."""
+        if self._started or not self.enabled:
+            self._started = True
             return
+        self._started = True
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
+        if keep_until_step is not None and self.path.exists():
+            kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= keep_until_step]
+            self.rows = [{k: _int_step(k, v) for k, v in r.items()} for r in kept]
+            self.columns = list(dict.fromkeys(k for r in self.rows for k in r))
+            self._rewrite()
+        elif self.path.exists():
             self.path.unlink()  # a fresh run in the same directory starts a fresh file
-        if tensorboard is not False:
-            self._tb = _tensorboard_writer(self.run_dir, required=tensorboard is True)
+        if self._tensorboard is not False:
+            self._tb = _tensorboard_writer(self.run_dir, required=self._tensorboard is True)
 
     @property
     def tensorboard(self) -> bool:
@@ -44,6 +58,7 @@ class MetricsLogger:
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        self.start()
         self.rows.append(dict(row))
         new = [k for k in row if k not in self.columns]
         if new:
@@ -71,7 +86,11 @@ class MetricsLogger:
             self._tb = None
 
 
-def _tensorboard_writer(run_dir: Path, *, required: bool) -> Any:
+def _int_step(key: str, value: Any) -> Any:
+    return int(value) if key in ("step", "epoch") and isinstance(value, float) else value
+
+
+def _tensorboard_writer(run_dir: Path, *, required: bool, probe_only: bool = False) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -81,6 +100,8 @@ def _tensorboard_writer(run_dir: Path, *, required: bool) -> Any:
                 "Install it with pip install 'shardwise[tensorboard]', or set tensorboard=None "
                 "to use it only when present."
             ) from None
+        return None
+    if probe_only:
         return None
     return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 

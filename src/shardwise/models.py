@@ -33,11 +33,15 @@ class GPTConfig:
     """MLP hidden width as a multiple of d_model."""
     tie_embeddings: bool = True
     """Share the token embedding with the output head."""
+    dropout: float = 0.0
+    """Dropout on the residual branches (uses the RNG: exercises exact resume)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be >= 1.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1).")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig.n_heads={self.n_heads} must divide d_model={self.d_model}."
@@ -78,10 +82,11 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class GPT(nn.Module):

@@ -75,9 +75,27 @@ class RunnerConfig:
     """Show the progress bar on rank 0."""
     tensorboard: bool | None = None
     """Write TensorBoard scalars: None when installed, True to require it."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go (None: RUN_DIR/checkpoints)."""
+    save_every: int | None = None
+    """Save a checkpoint every N optimizer steps (None: never during training)."""
+    save_at_end: bool = False
+    """Save a checkpoint when training ends."""
+    keep_last: int | None = None
+    """Keep only the newest N complete checkpoints (None: keep all)."""
+    resume: str | None = None
+    """'latest' (the newest complete checkpoint in checkpoint_dir, or a fresh start when there
+    is none) or a checkpoint path to continue from."""
 
     def __post_init__(self) -> None:
-        for name in ("max_epochs", "max_steps", "val_every", "val_batches"):
+        for name in (
+            "max_epochs",
+            "max_steps",
+            "val_every",
+            "val_batches",
+            "save_every",
+            "keep_last",
+        ):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -181,7 +199,7 @@ class Runner:
                 f"Runner({name}=...) got {type(data).__name__}; expected a map-style Dataset "
                 "or a DataLoader over one."
             )
-        sampler: DistributedSampler[Any] = DistributedSampler(
+        sampler: DistributedSampler[Any] = _ResumableSampler(
             dataset,
             num_replicas=self.world,
             rank=self.rank,
@@ -219,9 +237,13 @@ class Runner:
         if cfg.max_epochs is not None:
             by_epochs = steps_per_epoch * cfg.max_epochs
             total = min(total, by_epochs) if total else by_epochs
+        epoch, skip_batches = self._resume()
+        self.logger.start(keep_until_step=engine.step if cfg.resume else None)
         progress = _Progress(total, enabled=cfg.progress and self.rank == 0)
         sampler = self.train_loader.sampler
-        epoch, window = 0, _Window()
+        window = _Window()
+        saved_at = engine.step if cfg.resume else -1
+        position: dict[str, Any] | None = None
         start = time.perf_counter()
         last_train: dict[str, Any] = {}
         last_val: dict[str, float] = {}
@@ -229,6 +251,9 @@ class Runner:
             while engine.step + engine.skipped_steps < total:
                 if isinstance(sampler, DistributedSampler):
                     sampler.set_epoch(epoch)
+                if isinstance(sampler, _ResumableSampler) and skip_batches:
+                    sampler.skip = skip_batches * (self.train_loader.batch_size or 1)
+                offset, skip_batches = skip_batches, 0
                 n = len(self.train_loader)
                 window.restart()
                 for i, batch in enumerate(self.train_loader):
@@ -237,6 +262,12 @@ class Runner:
                     if "grad_norm" not in logs:
                         continue
                     done = engine.step + engine.skipped_steps
+                    # Where the loop stands after this update: what a resume needs.
+                    position = {
+                        "epoch": epoch,
+                        "batches_done": offset + i + 1,
+                        "total_batches": offset + n,
+                    }
                     row = window.close(logs, self.world, engine.device, done, epoch)
                     last_train = row
                     if done % cfg.log_every == 0 or done == total:
@@ -245,11 +276,20 @@ class Runner:
                     if cfg.val_every and self.val_loader is not None and done % cfg.val_every == 0:
                         last_val = self.validate()
                         window.restart()  # validation time is not training throughput
-                    if done >= total:
-                        break
-                epoch += 1
-                if cfg.val_every is None and self.val_loader is not None:
-                    last_val = self.validate()
+                    if cfg.save_every and done % cfg.save_every == 0:
+                        self.save(position)
+                        saved_at = engine.step
+                        window.restart()
+                    if done >= total and i < n - 1:
+                        break  # max_steps reached inside the epoch
+                else:
+                    epoch += 1
+                    if cfg.val_every is None and self.val_loader is not None:
+                        last_val = self.validate()
+                    continue
+                break
+            if cfg.save_at_end and position is not None and saved_at != engine.step:
+                self.save(position)
         finally:
             progress.close()
             self.logger.close()
@@ -262,6 +302,41 @@ class Runner:
             "seconds": time.perf_counter() - start,
             "run_dir": str(Path(cfg.run_dir)),
         }
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.config.checkpoint_dir or Path(self.config.run_dir) / "checkpoints")
+
+    def save(self, position: dict[str, Any]) -> Path:
+        """Checkpoint the engine plus where the loop is, for an exact resume."""
+        from shardwise.checkpoint import save_checkpoint
+
+        state = {**position, "seed": self.config.seed}
+        return save_checkpoint(
+            self.checkpoint_dir, self.engine, keep_last=self.config.keep_last, runner_state=state
+        )
+
+    def _resume(self) -> tuple[int, int]:
+        """(epoch, batches to skip in it) after restoring `config.resume`, or (0, 0)."""
+        from shardwise.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+
+        resume = self.config.resume
+        if resume is None:
+            return 0, 0
+        if resume == "latest":
+            root = self.checkpoint_dir
+            if not root.is_dir() or not any(c.complete for c in list_checkpoints(root)):
+                return 0, 0  # nothing saved yet: a fresh start (preemptible jobs rerun as is)
+            resume = str(root)
+        manifest = load_checkpoint(resume, self.engine)
+        position = manifest.get("runner") or {}
+        if not position:
+            raise CheckpointError(
+                f"{resume} was saved by save_checkpoint outside a Runner: it has no loop "
+                "position to resume from. Load it with load_checkpoint() instead."
+            )
+        epoch, done, total = position["epoch"], position["batches_done"], position["total_batches"]
+        return (epoch + 1, 0) if done >= total else (epoch, done)
 
     def _log(self, row: dict[str, Any]) -> None:
         self.history.append(row)
@@ -313,6 +388,20 @@ def _loss_metrics(outputs: Any) -> dict[str, float]:
     except (TypeError, ValueError):
         return {}
     return {k: float(v) for k, v in logs.items()}
+
+
+class _ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start its next epoch a number of samples in (resume)."""
+
+    skip = 0
+
+    def __iter__(self) -> Any:
+        indices = list(super().__iter__())[self.skip :]
+        self.skip = 0
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return int(super().__len__()) - self.skip
 
 
 class _Window:
