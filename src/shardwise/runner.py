@@ -12,6 +12,11 @@ hang the gradient collectives. The DataLoader then keeps a final partial batch u
 `drop_last`; its mean loss counts like a full batch's. A partial accumulation window at
 the end of an epoch still updates, with the micro-batches it has.
 
+Resume is exact (same losses, bit for bit, on CPU in fp32): the loop position, each
+rank's RNG states and all engine state are restored, and the loaders draw from their own
+generators. With `num_workers > 0`, worker seeds after a resume differ from an
+uninterrupted run, so random augmentations inside workers are not reproduced.
+
 Must not: compute gradients or talk to the model directly (the engine does).
 """
 
@@ -214,6 +219,9 @@ class Runner:
             collate_fn=collate,
             num_workers=workers,
             drop_last=drop_last,
+            # Its own generator: creating an iterator draws a base seed, and drawing it from
+            # the global RNG would shift dropout masks after a resume.
+            generator=torch.Generator().manual_seed(cfg.seed),
         )
         if len(loader) == 0:
             raise ValueError(

@@ -88,3 +88,62 @@ def test_same_seed_same_losses_on_two_ranks(results):
     c = [r["loss"] for r in _rows(tmp / "c" / "metrics.csv")]
     assert a == b and a != c
     assert r0["first"]["summary"]["train"]["loss"] == r1["first"]["summary"]["train"]["loss"]
+
+
+# --- exact resume -------------------------------------------------------------------------
+
+DROPOUT_CFG = GPTConfig(dropout=0.1)  # dropout draws from the RNG: resume must restore it
+
+
+def resume_run(run_dir: str, max_steps: int, resume: str | None, init_seed: int = 0) -> list[dict]:
+    torch.manual_seed(init_seed)
+    engine = Engine(
+        GPT(DROPOUT_CFG),
+        lambda p: torch.optim.AdamW(p, lr=3e-3),
+        ParallelConfig(),
+        train=TrainConfig(accumulate_steps=2),
+    )
+    config = RunnerConfig(
+        run_dir=run_dir, batch_size=2, max_steps=max_steps, max_epochs=None, seed=7,
+        save_every=3, save_at_end=True, resume=resume, progress=False,
+    )  # fmt: skip
+    Runner(engine, dataset(40, 1), config=config).fit()  # 10 batches/rank/epoch = 5 steps
+    return []
+
+
+def resume_cases(tmp: str) -> dict:
+    resume_run(f"{tmp}/full", 8, None)  # uninterrupted: checkpoints at 3, 6 and 8
+    resume_run(f"{tmp}/from3", 8, f"{tmp}/full/checkpoints/step_00000003", init_seed=99)
+    resume_run(f"{tmp}/same", 3, "latest")  # 'latest' with nothing saved: a fresh start
+    resume_run(f"{tmp}/same", 8, "latest", init_seed=99)  # preempted at 3, rerun as is
+    return {}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    run_distributed(resume_cases, 2, args=(str(tmp),), timeout_s=240)
+    return tmp
+
+
+def _train_rows(path: Path) -> list[tuple[str, str, str, str]]:
+    return [
+        (r["step"], r["epoch"], r["loss"], r["grad_norm"])
+        for r in _rows(path)
+        if r["split"] == "train"
+    ]
+
+
+def test_resumed_run_equals_uninterrupted_exactly(resumed):
+    full = _train_rows(resumed / "full" / "metrics.csv")
+    assert [int(r[0]) for r in full] == list(range(1, 9))
+    assert {r[1] for r in full} == {"0", "1"}  # crosses an epoch boundary after the resume point
+    assert _train_rows(resumed / "from3" / "metrics.csv") == full[3:]  # bit-for-bit, as strings
+
+
+def test_resume_latest_in_the_same_run_dir(resumed):
+    assert _train_rows(resumed / "same" / "metrics.csv") == _train_rows(
+        resumed / "full" / "metrics.csv"
+    )
+    names = sorted(p.name for p in (resumed / "same" / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000003", "step_00000006", "step_00000008"]
