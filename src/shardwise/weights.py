@@ -1,0 +1,255 @@
+"""Consolidated weights: export to safetensors, and load safetensors into a wrapped model.
+
+Owns: `export_weights` (from a live, possibly sharded model, or from a checkpoint
+directory) and `load_weights`. Files use the model's own parameter names, with no `module.`
+or `_orig_mod.` prefixes, in Hugging Face's layout: `model.safetensors`, or numbered shards
+plus `model.safetensors.index.json` above `max_shard_bytes`. One tensor is gathered at a
+time, onto CPU, so no rank's accelerator ever holds the whole model.
+
+Must not: invent a format (safetensors is the format) or unpickle anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+class WeightsError(ValueError):
+    """Weights could not be exported or loaded; the message lists what did not match."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict under its own FQNs (no wrapper prefixes), DTensors if sharded."""
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model))
+
+
+def _model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full CPU tensor) per state_dict entry; all ranks must iterate together."""
+    for name, value in _model_state(model).items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        yield name, value.detach().to("cpu", copy=True)
+
+
+def _checkpoint_tensors(
+    directory: str | Path, max_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for the model entries of a shardwise checkpoint, read in batches."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from shardwise.checkpoint import (
+        STATE_DIR,
+        _SafeReader,
+        _TensorOnlyLoadPlanner,
+        resolve_checkpoint,
+    )
+
+    state_dir = resolve_checkpoint(directory) / STATE_DIR
+    metadata = _SafeReader(state_dir).read_metadata()
+    entries = [
+        (key, md)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    ]
+    batch: dict[str, torch.Tensor] = {}
+    size = 0
+    for i, (key, md) in enumerate(entries):
+        tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        batch[key] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= max_bytes or i == len(entries) - 1:
+            dcp.load(
+                batch,
+                storage_reader=_SafeReader(state_dir),
+                planner=_TensorOnlyLoadPlanner(),
+                no_dist=True,
+            )
+            for k, t in batch.items():
+                yield k.removeprefix("model."), t
+            batch, size = {}, 0
+
+
+class _ShardWriter:
+    """Buffers tensors and writes safetensors files of at most `max_bytes` each."""
+
+    def __init__(self, out: Path, max_bytes: int, dtype: torch.dtype | None) -> None:
+        self.out, self.max_bytes, self.dtype = out, max_bytes, dtype
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.max_bytes:
+            self.flush()
+        # Tied weights arrive as the same storage; safetensors needs each entry on its own.
+        self.pending[name] = tensor.contiguous().clone()
+        self.size += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.out / f".part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.size = {}, 0
+
+    def close(self) -> Path:
+        self.flush()
+        if len(self.files) == 1:
+            final = self.out / SINGLE_FILE
+            os.replace(self.files[0][0], final)
+            return final
+        n = len(self.files)
+        weight_map = {}
+        for i, (path, names) in enumerate(self.files):
+            target = self.out / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(path, target)
+            weight_map.update({name: target.name for name in names})
+        index = {
+            "metadata": {"total_size": self.total},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        return self.out / INDEX_FILE
+
+
+def export_weights(
+    source: nn.Module | str | Path,
+    out: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path | None:
+    """Write `source`'s weights as consolidated safetensors into the directory `out`.
+
+    `source` is a model (wrapped or not; with a process group every rank must call, and
+    rank 0 writes) or a shardwise checkpoint directory (read without a process group).
+    Returns the written file (model.safetensors or the index) on the writing rank, None
+    on others. `dtype` casts floating-point tensors (e.g. "bf16").
+    """
+    from shardwise.precision import parse_dtype
+
+    cast = parse_dtype(dtype, "export_weights(dtype)")
+    if max_shard_bytes < 1:
+        raise ValueError(f"export_weights(max_shard_bytes={max_shard_bytes}) must be positive.")
+    out = Path(out)
+    writes = _rank() == 0
+    if writes:
+        if out.exists() and not out.is_dir():
+            raise WeightsError(f"export_weights(out={str(out)!r}) must be a directory, not a file.")
+        out.mkdir(parents=True, exist_ok=True)
+    if isinstance(source, nn.Module):
+        tensors: Iterator[tuple[str, torch.Tensor]] = _model_tensors(source)
+    else:
+        if not writes:
+            return None
+        tensors = _checkpoint_tensors(source, max_shard_bytes)
+    writer = _ShardWriter(out, max_shard_bytes, cast)
+    for name, tensor in tensors:
+        if writes:
+            writer.add(name, tensor)
+    return writer.close() if writes else None
+
+
+def _weight_files(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, for a file, a directory or an index."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / INDEX_FILE).is_file():
+            path = path / INDEX_FILE
+        elif (path / SINGLE_FILE).is_file():
+            path = path / SINGLE_FILE
+        else:
+            raise WeightsError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}.")
+    if not path.is_file():
+        raise WeightsError(f"weights path {path} does not exist.")
+    if path.name.endswith(".index.json"):
+        index = json.loads(path.read_text())
+        return {name: path.parent / file for name, file in index["weight_map"].items()}
+    with safe_open(str(path), framework="pt") as f:
+        return {name: path for name in f.keys()}
+
+
+def _local_slice(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(shape, global offset) of this rank's part of a DTensor; None for a plain tensor."""
+    if not isinstance(value, DTensor):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    return tuple(shape), tuple(offset)
+
+
+def load_weights(
+    model: nn.Module, path: str | Path, *, strict: bool = True
+) -> dict[str, list[str]]:
+    """Fill `model` (wrapped or not) from safetensors written by `export_weights` (or any
+    file with the same names). Each rank reads only the slices its shards own.
+
+    Raises `WeightsError` listing missing and unexpected names and shape mismatches
+    (with `strict=False`, missing/unexpected are returned instead; shapes must match).
+    """
+    files = _weight_files(path)
+    state = _model_state(model)
+    missing = sorted(set(state) - set(files))
+    unexpected = sorted(set(files) - set(state))
+    mismatched = []
+    handles: dict[Path, Any] = {}
+    try:
+        for name in sorted(set(state) & set(files)):
+            file = files[name]
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt")
+            shape = tuple(handles[file].get_slice(name).get_shape())
+            if shape != tuple(state[name].shape):
+                mismatched.append(f"{name}: file {shape} vs model {tuple(state[name].shape)}")
+        if mismatched or (strict and (missing or unexpected)):
+            raise WeightsError(
+                f"weights in {path} do not match {type(model).__name__}. Missing: {missing[:20]}. "
+                f"Unexpected: {unexpected[:20]}. Shape mismatches: {mismatched[:20]}."
+            )
+        with torch.no_grad():
+            for name in sorted(set(state) & set(files)):
+                target = state[name]
+                piece = _local_slice(target)
+                source = handles[files[name]].get_slice(name)
+                if piece is None:
+                    data = source[:] if target.dim() else handles[files[name]].get_tensor(name)
+                    target.copy_(data.to(target.dtype))
+                else:
+                    shape, offset = piece
+                    index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+                    local = cast(DTensor, target).to_local()
+                    if local.numel():
+                        local.copy_(source[index].to(local.dtype))
+    finally:
+        handles.clear()
+    return {"missing": missing, "unexpected": unexpected}
