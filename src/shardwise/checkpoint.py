@@ -21,6 +21,7 @@ Must not: hand-write sharding or the tensor format (DCP owns both).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -31,6 +32,8 @@ import platform
 import random
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +146,14 @@ class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def single_process_ok() -> Iterator[None]:
+    """Silence DCP's warning about running without a process group: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
 
 
 def _dist() -> tuple[int, int]:
@@ -402,11 +413,12 @@ def save_checkpoint(
 
     try:
         model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-        dcp.save(
-            {"model": model_sd, "optim": optim_sd["state"]},
-            storage_writer=FileSystemWriter(tmp / STATE_DIR, sync_files=True),
-            no_dist=not dist.is_initialized(),
-        )
+        with single_process_ok():
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd["state"]},
+                storage_writer=FileSystemWriter(tmp / STATE_DIR, sync_files=True),
+                no_dist=not dist.is_initialized(),
+            )
         save_file(_rng_tensors(), str(tmp / RNG_DIR / f"rank_{rank}.safetensors"))
         error = None
     except (OSError, RuntimeError, DCPException) as exc:
@@ -576,12 +588,13 @@ def load_checkpoint(
     if load_optimizer:
         state["optim"] = optim_sd["state"]
     try:
-        dcp.load(
-            state,
-            storage_reader=_SafeReader(path / STATE_DIR),
-            planner=_TensorOnlyLoadPlanner(),
-            no_dist=not dist.is_initialized(),
-        )
+        with single_process_ok():
+            dcp.load(
+                state,
+                storage_reader=_SafeReader(path / STATE_DIR),
+                planner=_TensorOnlyLoadPlanner(),
+                no_dist=not dist.is_initialized(),
+            )
     except (RuntimeError, ValueError, KeyError, DCPException) as exc:
         raise CheckpointError(f"could not read checkpoint {path}: {_root_cause(exc)}") from None
     if load_optimizer:

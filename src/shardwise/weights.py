@@ -63,6 +63,7 @@ def _checkpoint_tensors(
         _SafeReader,
         _TensorOnlyLoadPlanner,
         resolve_checkpoint,
+        single_process_ok,
     )
 
     state_dir = resolve_checkpoint(directory) / STATE_DIR
@@ -79,12 +80,13 @@ def _checkpoint_tensors(
         batch[key] = tensor
         size += tensor.numel() * tensor.element_size()
         if size >= max_bytes or i == len(entries) - 1:
-            dcp.load(
-                batch,
-                storage_reader=_SafeReader(state_dir),
-                planner=_TensorOnlyLoadPlanner(),
-                no_dist=True,
-            )
+            with single_process_ok():
+                dcp.load(
+                    batch,
+                    storage_reader=_SafeReader(state_dir),
+                    planner=_TensorOnlyLoadPlanner(),
+                    no_dist=True,
+                )
             for k, t in batch.items():
                 yield k.removeprefix("model."), t
             batch, size = {}, 0
