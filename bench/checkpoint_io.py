@@ -1,0 +1,145 @@
+"""Checkpoint I/O: save and load throughput, and how much a save raises peak memory.
+
+A GPT is sharded with full_shard over `--world` CPU ranks (gloo), trained one step so
+AdamW has its state, then saved with `shardwise.save_checkpoint` and loaded back with
+`shardwise.load_checkpoint` into a fresh engine. Reported per run:
+
+- save and load throughput: checkpoint bytes / wall time of the slowest rank (MB/s);
+- peak memory during save, per rank: peak RSS during the save minus RSS just before it
+  (glibc's mmap threshold pinned and the kernel's peak counter restarted, as in
+  bench/overhead.py), compared with one shard unit: the largest unit's parameters plus
+  AdamW state on one rank. Target (checkpoint issue): about one unit or less.
+
+    python bench/checkpoint_io.py                 # ~100 M-param GPT, world 2
+    python bench/checkpoint_io.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import (
+    _git,
+    _pin_malloc_thresholds,
+    _proc_status_bytes,
+    _reset_rss_peak,
+    _rss_peak_bytes,
+)
+
+import shardwise
+from shardwise.models import GPT, GPTConfig, random_lm_batches
+from shardwise.testing import run_distributed
+
+
+def _engine(cfg: GPTConfig, seed: int) -> shardwise.Engine:
+    torch.manual_seed(seed)
+    return shardwise.Engine(
+        GPT(cfg),
+        lambda p: torch.optim.AdamW(p, lr=1e-4),
+        shardwise.ParallelConfig(strategy="full_shard"),
+    )
+
+
+def _rank_body(cfg: GPTConfig, root: str) -> dict[str, Any]:
+    _pin_malloc_thresholds()
+    engine = _engine(cfg, 0)
+    x, y = random_lm_batches(cfg, 1, 2, seed=dist.get_rank())[0]
+    engine.train_step((x, y))
+    plan = shardwise.wrap_info(engine.model).plan
+    world = dist.get_world_size()
+    unit_params = max(u.num_params for u in plan.units)
+    unit_bytes = (
+        unit_params * 4 * 3 // world
+    )  # fp32 param + exp_avg + exp_avg_sq, this rank's share
+    dist.barrier()
+    before = _proc_status_bytes("VmRSS") or 0
+    _reset_rss_peak()
+    start = time.perf_counter()
+    path = shardwise.save_checkpoint(root, engine)
+    save_s = time.perf_counter() - start
+    save_peak = _rss_peak_bytes() - before
+    fresh = _engine(cfg, 1)
+    dist.barrier()
+    start = time.perf_counter()
+    shardwise.load_checkpoint(path, fresh, verify=False)
+    load_s = time.perf_counter() - start
+    same = all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(engine.model.parameters(), fresh.model.parameters(), strict=True)
+    )
+    return {
+        "save_s": save_s,
+        "load_s": load_s,
+        "save_peak_bytes": save_peak,
+        "unit_bytes": unit_bytes,
+        "largest_unit_params": unit_params,
+        "restored_exactly": same,
+        "path": str(path),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=768)
+    parser.add_argument("--n-layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32_000)
+    parser.add_argument(
+        "--dir", default=None, help="where to write (default: a temp dir on /tmp's disk)"
+    )
+    parser.add_argument("--smoke", action="store_true", help="a tiny model: seconds")
+    args = parser.parse_args()
+    if args.smoke:
+        args.d_model, args.n_layers, args.vocab = 64, 2, 256
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=128,
+        d_model=args.d_model,
+        n_heads=max(1, args.d_model // 64),
+        n_layers=args.n_layers,
+    )
+    root = Path(args.dir or tempfile.mkdtemp(prefix="shardwise-ckpt-bench-"))
+    try:
+        ranks = run_distributed(_rank_body, args.world, args=(cfg, str(root)), timeout_s=1200)
+        manifest = shardwise.checkpoint.read_manifest(ranks[0]["path"])
+        total = manifest["bytes"]
+        save_s = max(r["save_s"] for r in ranks)
+        load_s = max(r["load_s"] for r in ranks)
+        result = {
+            "benchmark": "checkpoint_io",
+            "command": " ".join(["bench/checkpoint_io.py", *sys.argv[1:]]),
+            "commit": _git("rev-parse", "--short", "HEAD"),
+            "torch": torch.__version__,
+            "world": args.world,
+            "params": GPT(cfg).num_params(),
+            "checkpoint_bytes": total,
+            "save_s": round(save_s, 3),
+            "load_s": round(load_s, 3),
+            "save_MB_per_s": round(total / save_s / 1e6, 1),
+            "load_MB_per_s": round(total / load_s / 1e6, 1),
+            "save_peak_MiB_per_rank": [round(r["save_peak_bytes"] / 2**20, 1) for r in ranks],
+            "one_unit_MiB_per_rank": round(ranks[0]["unit_bytes"] / 2**20, 1),
+            "peak_over_unit": round(
+                max(r["save_peak_bytes"] for r in ranks) / ranks[0]["unit_bytes"], 2
+            ),
+            "restored_exactly": all(r["restored_exactly"] for r in ranks),
+        }
+        print(json.dumps(result, indent=2))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
