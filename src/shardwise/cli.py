@@ -1,7 +1,9 @@
 """The `shardwise` command line.
 
 Owns: parsing the command line and dispatching to library functions; prints results.
-Subcommands so far: `plot RUN_DIR` (loss, lr and throughput curves to PNG) and
+Subcommands: `run` (torch's elastic launcher, as torchrun), `plan` (the wrap plan and
+per-rank memory of a model built on the meta device), `demo` (the main job), `config`
+(show a resolved config, generate the reference), `plot RUN_DIR` and
 `checkpoint ls|inspect|export|verify DIR`.
 
 Must not: hold logic of its own beyond argument handling.
@@ -14,6 +16,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -79,12 +82,219 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nproc(value: str) -> int:
+    if value == "auto":
+        import torch
+
+        return torch.cuda.device_count() or 2  # the GPUs, or 2 CPU processes
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--nproc={value!r}: use a positive integer or 'auto'"
+        ) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--nproc={n}: use a positive integer or 'auto'")
+    return n
+
+
+def launcher_args(args: argparse.Namespace) -> list[str]:
+    """torchrun's arguments for our `run` flags (single node: --standalone)."""
+    out = ["--nproc_per_node", str(args.nproc), "--nnodes", str(args.nnodes)]
+    if args.nnodes == 1 and not args.rdzv_endpoint:
+        out.append("--standalone")
+    else:
+        if not args.rdzv_endpoint:
+            raise ValueError(
+                f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node) "
+                "so the nodes can find each other."
+            )
+        out += [
+            "--node_rank",
+            str(args.node_rank),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            args.rdzv_endpoint,
+        ]
+    out += ["--max_restarts", str(args.max_restarts)]
+    return out
+
+
+def _launch(torchrun_args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    try:
+        run(get_args_parser().parse_args(torchrun_args))
+    except ChildFailedError as exc:
+        print(f"shardwise: a process failed:\n{exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    target = ["-m", args.script] if args.module else [args.script]
+    return _launch([*launcher_args(args), *target, *args.script_args])
+
+
+def _demo(args: argparse.Namespace) -> int:
+    passthrough = (["--short"] if args.short else []) + (
+        ["--config", args.config] if args.config else []
+    )
+    if args.nproc == 1:
+        from shardwise.demo import main as demo_main
+
+        return demo_main([*passthrough, *args.overrides])
+    launch = ["--nproc_per_node", str(args.nproc), "--standalone"]
+    return _launch([*launch, "-m", "shardwise.demo", *passthrough, *args.overrides])
+
+
+def _load_factory(target: str) -> Any:
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"{target!r} is not MODULE:FACTORY, e.g. shardwise.models:GPT or mypkg.model:build"
+        )
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name!r}: {exc}") from None
+    factory = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ValueError(f"{target} is not callable")
+    return factory
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import warnings
+
+    import torch
+
+    from shardwise.memory import dtype_bytes, estimate_memory, format_memory, memory_json
+    from shardwise.schema import Config, load_config
+    from shardwise.wrap.plan import PlanNotice, plan_wrap
+
+    config = load_config(args.config, args.overrides, cls=Config)
+    factory = _load_factory(args.target)
+    with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere
+        model = factory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanNotice)
+        plan = plan_wrap(model, config.parallel)
+    precision = config.parallel.precision
+    compute = (
+        dtype_bytes(str(precision.param_dtype).removeprefix("torch."))
+        if precision.is_mixed
+        else None
+    )
+    estimates = estimate_memory(
+        plan, args.world, optimizer=config.optimizer.name, compute_dtype_bytes=compute
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {"plan": plan.to_dict(), "memory": json.loads(memory_json(estimates))}, indent=2
+            )
+        )
+        return 0
+    print(plan)
+    print()
+    print(f"world size {args.world}, optimizer {config.optimizer.name}, precision {precision}")
+    print(format_memory(estimates))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from shardwise import schema
+
+    if args.action == "show":
+        print(
+            schema.dump_config(schema.load_config(args.config, args.overrides, cls=schema.Config)),
+            end="",
+        )
+        return 0
+    if args.update:
+        changed = schema.update_reference(args.update)
+        print(f"{args.update}: {'updated' if changed else 'already up to date'}")
+        return 0
+    print(schema.reference_markdown(), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardwise",
         description="Scale a PyTorch model from one process to DDP, ZeRO-2, FSDP or HSDP.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run", help="launch SCRIPT on N processes per node (torch's elastic launcher)"
+    )
+    run.add_argument(
+        "--nproc",
+        type=_nproc,
+        default=_nproc("auto"),
+        help="processes per node, or 'auto' (GPUs, or 2 on CPU)",
+    )
+    run.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    run.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node)")
+    run.add_argument(
+        "--rdzv-endpoint", default=None, help="HOST:PORT every node can reach (multi-node)"
+    )
+    run.add_argument(
+        "--max-restarts", type=int, default=0, help="restart the job this many times on failure"
+    )
+    run.add_argument(
+        "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"
+    )
+    run.add_argument("script", help="the training script (or module with -m)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(func=_run)
+
+    plan = sub.add_parser(
+        "plan", help="print the wrap plan and per-rank memory, built on the meta device"
+    )
+    plan.add_argument(
+        "target", help="MODULE:FACTORY that returns the model, e.g. shardwise.models:GPT"
+    )
+    plan.add_argument("--world", type=int, required=True, help="world size to plan for")
+    plan.add_argument(
+        "--config", default=None, help="a YAML config (its parallel/optimizer sections)"
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan.add_argument("overrides", nargs="*", help="section.key=value")
+    plan.set_defaults(func=_plan)
+
+    demo = sub.add_parser(
+        "demo", help="train a small GPT on Python's own source with FSDP (about a minute)"
+    )
+    demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    demo.add_argument("--short", action="store_true", help="a few steps only")
+    demo.add_argument("--config", default=None, help="a YAML file with the demo's sections")
+    demo.add_argument("overrides", nargs="*", help="section.key=value, e.g. runner.max_steps=50")
+    demo.set_defaults(func=_demo)
+
+    config = sub.add_parser("config", help="show a resolved config, or the generated reference")
+    config_actions = config.add_subparsers(dest="action", required=True)
+    show = config_actions.add_parser(
+        "show", help="the config after the file and overrides, as YAML"
+    )
+    show.add_argument("--config", default=None, help="a YAML config file")
+    show.add_argument("overrides", nargs="*", help="section.key=value")
+    reference = config_actions.add_parser("reference", help="the Markdown reference of every key")
+    reference.add_argument(
+        "--update", default=None, help="rewrite the generated block in this file"
+    )
+    config.set_defaults(func=_config)
+
     plot = sub.add_parser("plot", help="render a run's loss, lr and throughput curves to PNG")
     plot.add_argument("run_dir", help="a run directory written by shardwise.Runner")
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
@@ -109,7 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow options (plan X --world 4 runner.max_steps=3); argparse leaves
+    # positionals after an option unparsed, so take the key=value ones here.
+    if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args))
     except (FileNotFoundError, ValueError, ImportError, RuntimeError) as exc:

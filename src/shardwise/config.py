@@ -259,6 +259,10 @@ class ParallelConfig:
 def validate_parallel_config(cfg: ParallelConfig) -> None:
     """Every check that does not need the world size, in one place; normalises fields."""
     cfg.strategy = normalize_strategy(cfg.strategy)
+    # Lists become tuples, so a config equals itself after a round trip through YAML.
+    for name in ("auto_wrap_policy", "keep_fp32", "ignored_modules", "ignored_params"):
+        if isinstance(getattr(cfg, name), list):
+            setattr(cfg, name, tuple(getattr(cfg, name)))
     if isinstance(cfg.dp_shard, bool) or not isinstance(cfg.dp_shard, int):
         raise TypeError(f"ParallelConfig.dp_shard must be an int, got {cfg.dp_shard!r}.")
     if cfg.dp_shard == 0 or cfg.dp_shard < -1:

@@ -462,7 +462,8 @@ class _Progress:
             MofNCompleteColumn(),
             TimeRemainingColumn(),
             TextColumn("{task.fields[stats]}"),
-            console=Console(file=sys.stderr),
+            # Not a terminal (CI, a pipe): rich would assume 80 columns and cut the stats.
+            console=Console(file=sys.stderr, width=None if sys.stderr.isatty() else 160),
             transient=False,
         )
         self._task = self._bar.add_task("train", total=total, stats="")

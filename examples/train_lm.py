@@ -1,0 +1,68 @@
+"""Train a byte-level GPT on Python's standard library source, configured by YAML.
+
+    python examples/train_lm.py                                   # 1 process
+    shardwise run --nproc 2 examples/train_lm.py                  # 2 processes, FSDP
+    shardwise run --nproc 4 examples/train_lm.py parallel.strategy=hybrid_shard
+    python examples/train_lm.py --config my.yaml runner.max_steps=20 optimizer.lr=1e-3
+
+The same job as `shardwise demo`, written out as the script you would copy: config ->
+data -> engine (wraps the model, builds the optimizer after wrapping) -> runner -> export.
+Rerunning after an interruption resumes from the latest checkpoint (runner.resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+import shardwise
+from shardwise.demo import ByteWindows
+from shardwise.models import GPT, GPTConfig
+from shardwise.schema import Config, load_config
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(HERE / "train_lm.yaml"))
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args()
+    cfg = load_config(args.config, args.overrides, cls=Config)  # strict: typos are errors
+
+    info = shardwise.init_distributed()
+    stdlib = Path(os.__file__).parent
+    text = b"".join(
+        (stdlib / f).read_bytes() for f in ("argparse.py", "dataclasses.py", "typing.py")
+    )
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    split = int(len(data) * 0.95)
+    model_cfg = GPTConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=4)
+    train = ByteWindows(data[:split], model_cfg.seq_len)
+    val = ByteWindows(data[split:], model_cfg.seq_len)
+
+    total = cfg.runner.max_steps or 1000
+    engine = shardwise.Engine(
+        GPT(model_cfg),
+        cfg.optimizer.build,  # a factory: the optimizer is built from the wrapped parameters
+        cfg.parallel,
+        scheduler=lambda opt: cfg.scheduler.build(opt, total),
+        train=cfg.train,
+    )
+    if info.is_main:
+        print(shardwise.wrap_info(engine.model))
+    summary = shardwise.Runner(engine, train, val, config=cfg.runner).fit()
+    shardwise.export_weights(engine.model, Path(cfg.runner.run_dir) / "export")
+    if info.is_main:
+        val_loss = summary["val"].get("loss", float("nan"))
+        print(
+            f"done: step {summary['steps']}, val loss {val_loss:.3f}, files in {cfg.runner.run_dir}"
+        )
+    shardwise.shutdown()
+
+
+if __name__ == "__main__":
+    main()

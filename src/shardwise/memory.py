@@ -1,0 +1,138 @@
+"""Per-rank memory of model states, per strategy, computed from a wrap plan before any run.
+
+Owns: `estimate_memory`, the bytes each rank holds for parameters, gradients and optimizer
+state under each strategy at a world size, plus the parameters gathered transiently for
+compute. For fp32 AdamW under full sharding this is the familiar 16 bytes x params / N
+(4 parameter + 4 gradient + 8 optimizer state). Works from a plan of a meta-device model.
+
+Must not: allocate tensors or measure anything (bench/ and the runner measure).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from shardwise.config import STRATEGIES
+from shardwise.mesh import resolve_mesh
+from shardwise.wrap.plan import WrapPlan
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one rank. `gathered` is the transient full-precision-of-compute copy of the
+    parameters that FSDP all-gathers: one unit at a time (plus the root) when resharding
+    after forward, all units between forward and backward otherwise."""
+
+    strategy: str
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        return self.model_states + self.gathered
+
+
+def _gib(n: int) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:,.2f} GiB"
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def estimate_memory(
+    plan: WrapPlan,
+    world_size: int,
+    *,
+    optimizer: str = "adamw",
+    compute_dtype_bytes: int | None = None,
+    strategies: tuple[str, ...] = STRATEGIES,
+) -> list[MemoryEstimate]:
+    """An estimate per strategy that fits `world_size` (hybrid needs a 2-D mesh).
+
+    Parameters and gradients are counted in their stored dtype, optimizer state in fp32
+    (`OPTIMIZER_STATES[optimizer]` tensors per trainable parameter).
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(
+            f"estimate_memory(optimizer={optimizer!r}): use one of {sorted(OPTIMIZER_STATES)}."
+        )
+    states = OPTIMIZER_STATES[optimizer]
+    stored = sum(sum(u.bytes_by_dtype.values()) for u in plan.units)
+    trainable = sum(u.trainable_params for u in plan.units)
+    trainable_bytes = sum(
+        round(sum(u.bytes_by_dtype.values()) * u.trainable_params / u.num_params)
+        for u in plan.units
+        if u.num_params
+    )
+
+    def compute_bytes(unit_params: int, unit_bytes: int) -> int:
+        return unit_params * compute_dtype_bytes if compute_dtype_bytes else unit_bytes
+
+    units = [compute_bytes(u.num_params, sum(u.bytes_by_dtype.values())) for u in plan.units]
+    root = units[-1] if units else 0
+    largest = max(units[:-1], default=0)
+    out = []
+    for strategy in strategies:
+        try:
+            spec = resolve_mesh(strategy, -1, world_size)
+        except ValueError:
+            continue  # e.g. hybrid at a world size with no 2-D mesh
+        shard = spec.dp_shard
+        if strategy == "ddp":
+            gathered = 0  # DDP computes on its full replica
+        elif shard == 1:
+            gathered = 0
+        elif spec.reshard_after_forward:
+            gathered = largest + root
+        else:
+            gathered = sum(units)
+        out.append(
+            MemoryEstimate(
+                strategy=strategy,
+                world_size=world_size,
+                dp_replicate=spec.dp_replicate,
+                dp_shard=shard,
+                params=-(-stored // shard),
+                grads=-(-trainable_bytes // shard),
+                optimizer=-(-(trainable * 4 * states) // shard),
+                gathered=gathered,
+            )
+        )
+    return out
+
+
+def format_memory(estimates: list[MemoryEstimate]) -> str:
+    header = (
+        f"{'strategy':<20} {'mesh':>7} {'params':>12} {'grads':>12} {'optimizer':>12} "
+        f"{'model states':>13} {'+ gathered':>12} {'peak':>12}"
+    )
+    lines = ["per-rank memory (model states; activations not included)", header, "-" * len(header)]
+    for e in estimates:
+        lines.append(
+            f"{e.strategy:<20} {f'{e.dp_replicate}x{e.dp_shard}':>7} {_gib(e.params):>12} "
+            f"{_gib(e.grads):>12} {_gib(e.optimizer):>12} {_gib(e.model_states):>13} "
+            f"{_gib(e.gathered):>12} {_gib(e.peak):>12}"
+        )
+    return "\n".join(lines)
+
+
+def memory_json(estimates: list[MemoryEstimate]) -> str:
+    return json.dumps(
+        [{**asdict(e), "model_states": e.model_states, "peak": e.peak} for e in estimates], indent=2
+    )
+
+
+def dtype_bytes(name: str) -> int:
+    return _DTYPE_BYTES.get(name, 4)
