@@ -190,6 +190,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 (PyYAML) reads 1e-4, without a dot, as a string.
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value
