@@ -209,14 +209,27 @@ def _fields(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
 
-def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
-    """Build the dataclass `cls` from plain data, strictly (see the module docstring)."""
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "", base: Any = None) -> T:
+    """Build the dataclass `cls` from plain data, strictly (see the module docstring).
+
+    Keys not given keep `base`'s values, or the field defaults; a nested section given
+    in part keeps its own defaults (e.g. the demo's) for the rest.
+    """
     if not isinstance(data, Mapping):
         raise ConfigError(
             f"{path or 'config'}: expected a mapping of keys, got {type(data).__name__}."
         )
     fields = _fields(cls)
-    kwargs = {}
+    defaults = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    if base is not None:
+        kwargs = {name: getattr(base, name) for name in fields}
     for key, value in data.items():
         where = f"{path}.{key}" if path else str(key)
         if key not in fields:
@@ -224,7 +237,12 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
                 f"unknown key {where!r}.{closest(str(key), fields)} Valid keys"
                 f"{' in ' + path if path else ''}: {sorted(fields)}."
             )
-        kwargs[key] = _coerce(value, fields[key], where)
+        tp = fields[key]
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type) and isinstance(value, Mapping):
+            section_base = kwargs[key] if key in kwargs else _field_default(defaults[key])
+            kwargs[key] = from_dict(tp, value, where, base=section_base)
+        else:
+            kwargs[key] = _coerce(value, tp, where)
     try:
         return cls(**kwargs)
     except ConfigError:

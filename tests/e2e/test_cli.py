@@ -100,3 +100,94 @@ def test_plot_command(tmp_path):
     out = cli("plot", str(tmp_path / "run"))
     assert out.returncode == 0 and "wrote" in out.stdout, out.stderr
     assert (tmp_path / "run" / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- run, plan, demo, config --------------------------------------------------------------
+
+RANK_SCRIPT = """
+import os, sys
+import torch.distributed as dist
+import shardwise
+info = shardwise.init_distributed()
+t = __import__("torch").tensor([float(info.rank + 1)])
+dist.all_reduce(t)
+print(f"rank {info.rank}/{info.world_size} sum {t.item():.0f} args {sys.argv[1:]}", flush=True)
+shardwise.shutdown()
+"""
+
+
+def test_run_launches_two_processes(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    out = cli("run", "--nproc", "2", str(script), "--flag", "x")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0/2 sum 3 args ['--flag', 'x']", "rank 1/2 sum 3 args ['--flag', 'x']"]
+
+
+def test_run_reports_a_failing_script(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("raise SystemExit(3)\n")
+    out = cli("run", "--nproc", "2", str(script))
+    assert out.returncode == 1 and "a process failed" in out.stderr
+
+
+def test_run_multi_node_needs_an_endpoint(tmp_path):
+    out = cli("run", "--nproc", "2", "--nnodes", "2", str(tmp_path / "x.py"))
+    assert out.returncode == 2 and "--nnodes=2 needs --rdzv-endpoint HOST:PORT" in out.stderr
+
+
+def test_plan_prints_units_and_memory():
+    out = cli("plan", "shardwise.models:GPT", "--world", "4", "parallel.mixed_precision=bf16")
+    assert out.returncode == 0, out.stderr
+    assert "WrapPlan: 3 unit(s)" in out.stdout and "auto: 2x Block" in out.stdout
+    for strategy in (
+        "ddp",
+        "no_shard",
+        "shard_grad_op",
+        "full_shard",
+        "hybrid_shard",
+        "hybrid_shard_zero2",
+    ):
+        assert f"\n{strategy} " in out.stdout
+
+
+def test_plan_json_matches_the_16_psi_over_n_formula():
+    import json
+
+    out = cli("plan", "shardwise.models:GPT", "--world", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    params = data["plan"]["total_params"]
+    full = next(m for m in data["memory"] if m["strategy"] == "full_shard")
+    assert abs(full["model_states"] - 16 * params / 4) <= 16 * 4  # padding of a few elements
+
+
+def test_plan_bad_target():
+    out = cli("plan", "shardwise.models", "--world", "2")
+    assert out.returncode == 2 and "is not MODULE:FACTORY" in out.stderr
+    out = cli("plan", "shardwise.models:Nope", "--world", "2")
+    assert out.returncode == 2 and "has no attribute 'Nope'" in out.stderr
+
+
+def test_demo_short(tmp_path):
+    out = cli("demo", "--short", f"runner.run_dir={tmp_path / 'demo'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--- summary ---" in out.stdout and out.stdout.count("--- summary ---") == 1
+    assert "validation loss" in out.stdout and "tokens/s" in out.stdout
+    for name in ("metrics.csv", "export/model.safetensors", "checkpoints/latest"):
+        assert (tmp_path / "demo" / name).exists(), name
+
+
+def test_config_show_and_errors(tmp_path):
+    out = cli("config", "show", "runner.max_steps=7", "parallel.strategy=FULL_SHARD")
+    assert (
+        out.returncode == 0
+        and "max_steps: 7" in out.stdout
+        and "strategy: full_shard" in out.stdout
+    )
+    bad = cli("config", "show", "runner.max_step=7")
+    assert (
+        bad.returncode == 2
+        and "unknown key 'runner.max_step'. Did you mean 'max_steps'?" in bad.stderr
+    )

@@ -255,3 +255,10 @@ def test_reference_lists_every_key_with_its_doc():
             if cls.__dataclass_fields__[name].init:
                 assert f"`{section}.{name}`" in ref
     assert "Save a checkpoint every N optimizer steps" in ref
+
+
+def test_overrides_keep_the_sections_own_defaults():
+    # The demo's runner saves at the end by default; overriding another runner key keeps that.
+    demo = load_config(None, ["runner.max_steps=6"], cls=DemoConfig)
+    assert demo.runner.max_steps == 6 and demo.runner.save_at_end is True
+    assert demo.runner.run_dir == DemoConfig().runner.run_dir
