@@ -262,3 +262,39 @@ def test_overrides_keep_the_sections_own_defaults():
     demo = load_config(None, ["runner.max_steps=6"], cls=DemoConfig)
     assert demo.runner.max_steps == 6 and demo.runner.save_at_end is True
     assert demo.runner.run_dir == DemoConfig().runner.run_dir
+
+
+def test_run_flags_map_onto_torchrun():
+    from argparse import Namespace
+
+    from shardwise.cli import launcher_args
+
+    single = launcher_args(
+        Namespace(nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None, max_restarts=0)
+    )
+    assert single == [
+        "--nproc_per_node",
+        "2",
+        "--nnodes",
+        "1",
+        "--standalone",
+        "--max_restarts",
+        "0",
+    ]
+    multi = launcher_args(
+        Namespace(nproc=8, nnodes=2, node_rank=1, rdzv_endpoint="head:29400", max_restarts=3)
+    )
+    assert multi == [
+        "--nproc_per_node", "8", "--nnodes", "2", "--node_rank", "1",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "head:29400", "--max_restarts", "3",
+    ]  # fmt: skip
+    # ...and torchrun itself accepts them.
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args([*multi, "train.py"])
+    assert (parsed.nnodes, parsed.node_rank, parsed.rdzv_endpoint, parsed.max_restarts) == (
+        "2",
+        1,
+        "head:29400",
+        3,
+    )
