@@ -10,6 +10,7 @@ from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoi
 from shardwise.config import STRATEGIES, ParallelConfig
 from shardwise.distributed import DistInfo, get_dist_info, init_distributed, shutdown
 from shardwise.engine import Engine, TrainConfig, parse_losses
+from shardwise.materialize import InitializationError, init_empty
 from shardwise.mesh import MeshSpec, resolve_mesh
 from shardwise.precision import PRESETS, Precision
 from shardwise.runner import Runner, RunnerConfig, seed_everything
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "DistInfo",
     "Engine",
+    "InitializationError",
     "MeshSpec",
     "ParallelConfig",
     "PlanNotice",
@@ -40,6 +42,7 @@ __all__ = [
     "export_weights",
     "get_dist_info",
     "init_distributed",
+    "init_empty",
     "load_checkpoint",
     "load_weights",
     "parse_losses",

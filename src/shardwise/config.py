@@ -219,6 +219,11 @@ class ParallelConfig:
     an int k (every k-th block). Applied before sharding."""
     force_wrap: bool = False
     """Apply the strategy even at world size 1 (the model is otherwise returned unwrapped)."""
+    param_init_fn: Any = None
+    """For models built on the meta device: a callable(module) run on every module to
+    initialise its (sharded) parameters, instead of reset_parameters()."""
+    init_seed: int = 0
+    """Seed for initialising a meta-built model after sharding."""
     find_unused_parameters: bool = False
     """ddp only: tolerate parameters that get no gradient in a step (costs a graph walk)."""
     bucket_cap_mb: float = 25.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -33,6 +34,7 @@ from shardwise.distributed import (
     env_world_size,
     get_dist_info,
 )
+from shardwise.materialize import has_meta, materialize
 from shardwise.mesh import MeshSpec, resolve_mesh
 from shardwise.precision import Precision, apply_autocast
 from shardwise.wrap.plan import WrapPlan, plan_wrap
@@ -253,7 +255,12 @@ def _apply_fsdp(
     return mesh
 
 
-def wrap(model: nn.Module, config: ParallelConfig | None = None) -> nn.Module:
+def wrap(
+    model: nn.Module,
+    config: ParallelConfig | None = None,
+    *,
+    weights: str | Path | None = None,
+) -> nn.Module:
     """Parallelise `model` as `config` says and return the module to train.
 
     Order (each step needs the previous one): refuse already-wrapped models → move to
@@ -263,6 +270,10 @@ def wrap(model: nn.Module, config: ParallelConfig | None = None) -> nn.Module:
     model comes back unwrapped, with its precision applied through autocast, unless
     `config.force_wrap`. Build the optimizer *after* this call, from the returned
     model's parameters.
+
+    A model built on the meta device (`with shardwise.init_empty(): ...`) is sharded
+    first and then materialised: each rank allocates only its shards and fills them from
+    `weights` (safetensors from export_weights) or through the model's initialisers.
     """
     config = config if config is not None else ParallelConfig()
     if not isinstance(config, ParallelConfig):
@@ -273,13 +284,29 @@ def wrap(model: nn.Module, config: ParallelConfig | None = None) -> nn.Module:
         raise TypeError(f"shardwise.wrap expects an nn.Module, got {type(model).__name__}.")
     check_not_wrapped(model)
     info = _check_process_group(config)
-    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    on_meta = has_meta(model)
     if not on_meta and config.offload_policy is None:
         model.to(info.device)
+
+    def fill(target: nn.Module, mesh: Any = None) -> None:
+        if on_meta:
+            materialize(
+                target,
+                info.device,
+                mesh=mesh,
+                weights=weights,
+                param_init_fn=config.param_init_fn,
+                seed=config.init_seed,
+            )
+        elif weights is not None:
+            from shardwise.weights import load_weights
+
+            load_weights(target, weights)
 
     if info.world_size == 1 and not config.force_wrap:
         plan = plan_wrap(model, config, sharded=False)
         _prepare_blocks(model, plan)
+        fill(model)
         apply_autocast(model, config.precision, info.device.type)
         setattr(model, _INFO_ATTR, WrapInfo(config, info, None, plan))
         return model
@@ -294,12 +321,14 @@ def wrap(model: nn.Module, config: ParallelConfig | None = None) -> nn.Module:
     plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
     _prepare_blocks(model, plan)
     if spec.engine == "ddp":
+        fill(model)  # DDP replicates: every rank holds the full model anyway
         wrapped = _apply_ddp(model, config, info, plan)
         setattr(wrapped, _INFO_ATTR, WrapInfo(config, info, spec, plan))
         return wrapped
 
-    if config.sync_module_states:
+    if config.sync_module_states and not on_meta:  # a meta model has no values to sync
         sync_module_states(model)
     mesh = _apply_fsdp(model, config, info, spec, plan)
+    fill(model, mesh)  # after sharding: each rank allocates and fills only its shards
     setattr(model, _INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))
     return model
