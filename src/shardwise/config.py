@@ -219,6 +219,9 @@ class ParallelConfig:
     an int k (every k-th block). Applied before sharding."""
     force_wrap: bool = False
     """Apply the strategy even at world size 1 (the model is otherwise returned unwrapped)."""
+    compile: bool | str = False
+    """Compile each planned block with torch.compile before sharding (the order FSDP2
+    needs): True for the default backend (inductor) or a backend name such as 'aot_eager'."""
     param_init_fn: Any = None
     """For models built on the meta device: a callable(module) run on every module to
     initialise its (sharded) parameters, instead of reset_parameters()."""
@@ -309,6 +312,11 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             f"Choose one of {list(FROZEN_POLICIES)}."
         )
     cfg._ac_every = resolve_activation_checkpointing(cfg.activation_checkpointing)
+    if not isinstance(cfg.compile, (bool, str)) or cfg.compile == "":
+        raise ValueError(
+            f"ParallelConfig.compile={cfg.compile!r} is not valid. Use False, True (inductor) or a "
+            "torch.compile backend name such as 'aot_eager'."
+        )
     if not cfg.bucket_cap_mb > 0:
         raise ValueError(
             f"ParallelConfig.bucket_cap_mb={cfg.bucket_cap_mb} must be > 0 (MiB per DDP bucket)."

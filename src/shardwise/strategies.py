@@ -161,13 +161,20 @@ def _release_ddp_reducers() -> None:
 _register_shutdown_hook(_release_ddp_reducers)
 
 
-def _prepare_blocks(model: nn.Module, plan: WrapPlan) -> None:
-    """Activation checkpointing on the planned blocks: before DDP or sharding."""
+def _prepare_blocks(model: nn.Module, plan: WrapPlan, config: ParallelConfig) -> None:
+    """Activation checkpointing, then compilation, on the planned blocks: before DDP or
+    sharding, so FSDP2's hooks stay outside the compiled region."""
     modules = dict(model.named_modules(remove_duplicate=False))
     for unit in plan.units:
         if unit.activation_checkpointing:
             for fqn in unit.modules:
                 apply_activation_checkpointing(modules[fqn])
+    if config.compile:
+        backend = "inductor" if config.compile is True else str(config.compile)
+        for unit in plan.units:
+            if unit.reason == "policy":
+                for fqn in unit.modules:
+                    modules[fqn].compile(backend=backend)  # in place: names are unchanged
 
 
 def _apply_ddp(
@@ -305,7 +312,7 @@ def wrap(
 
     if info.world_size == 1 and not config.force_wrap:
         plan = plan_wrap(model, config, sharded=False)
-        _prepare_blocks(model, plan)
+        _prepare_blocks(model, plan, config)
         fill(model)
         apply_autocast(model, config.precision, info.device.type)
         setattr(model, _INFO_ATTR, WrapInfo(config, info, None, plan))
@@ -319,7 +326,7 @@ def wrap(
         reshard_after_forward=config.reshard_after_forward,
     )
     plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
-    _prepare_blocks(model, plan)
+    _prepare_blocks(model, plan, config)
     if spec.engine == "ddp":
         fill(model)  # DDP replicates: every rank holds the full model anyway
         wrapped = _apply_ddp(model, config, info, plan)

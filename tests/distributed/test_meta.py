@@ -112,6 +112,8 @@ def cases(weights_dir: str, strategies: tuple[str, ...]) -> dict:
             meta(functools.partial(GPT, CFG)), ParallelConfig(strategy=s), weights=weights_dir
         )
         out[f"load_{s}"] = full_parameters(loaded)
+    if dist.get_world_size() == 4:
+        out["state_bytes"] = model_state_bytes()
     if "hybrid_shard" in strategies:
         model = wrap(meta(functools.partial(GPT, CFG)), ParallelConfig(strategy="hybrid_shard"))
         out["hsdp_local"] = {n: p.to_local().clone() for n, p in model.named_parameters()}
@@ -133,6 +135,24 @@ def cases(weights_dir: str, strategies: tuple[str, ...]) -> dict:
         )
     )
     return out
+
+
+def model_state_bytes() -> tuple[int, int]:
+    """(bytes of parameters + gradients + AdamW state held by this rank, total params)."""
+    big = GPTConfig(d_model=128, n_layers=4, seq_len=16, vocab_size=256)
+    model = wrap(meta(functools.partial(GPT, big)), ParallelConfig(strategy="full_shard"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(*random_lm_batches(big, 1, 4)[0]).backward()
+    opt.step()  # gradients are kept (no zero_grad): all three kinds of state are live
+
+    def nbytes(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size() if t.dim() else 0  # AdamW's scalar step: ignore
+
+    total = 0
+    for p in model.parameters():
+        total += nbytes(p) + nbytes(p.grad) + sum(nbytes(v) for v in opt.state[p].values())
+    return total, sum(p.numel() for p in model.parameters())
 
 
 def _fill_ones(module: nn.Module) -> None:
@@ -264,3 +284,10 @@ def test_weights_that_do_not_match(world2):
             "Shape mismatches: ['blocks.0.attn.proj.bias: file (64,) vs model (48,)'"
             in r["wrong_weights"]
         )
+
+
+def test_model_state_bytes_per_rank_follow_16_psi_over_n(world4):
+    for r in world4:
+        held, params = r["state_bytes"]
+        expected = 16 * params / 4  # fp32: 4 param + 4 grad + 8 AdamW bytes, over 4 ranks
+        assert abs(held - expected) <= 0.02 * expected, (held, expected)

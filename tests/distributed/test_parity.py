@@ -136,6 +136,8 @@ def world2_cases(data):
         "tied_merged_unit": ParallelConfig(auto_wrap_policy={nn.Embedding}),
         "ac_full_shard": ParallelConfig(activation_checkpointing="full"),
         "ac_ddp": ParallelConfig(strategy="ddp", activation_checkpointing="every_2"),
+        # aot_eager traces and runs the same ops (no codegen): parity holds at the fp32 bar.
+        "compiled": ParallelConfig(compile="aot_eager"),
     }
     out = {name: train_distributed(build, cfg, data) for name, cfg in good.items()}
     for s in ("ddp", "no_shard", "shard_grad_op", "full_shard"):
@@ -223,7 +225,7 @@ def world4(data):
 W2_GOOD = [
     "ddp", "no_shard", "shard_grad_op", "full_shard", "full_shard_root_only", "fsdp1_enum",
     "cpu_offload", "prefetch", "no_reshard_override", "synced_ddp", "synced_full_shard",
-    "auto", "size", "tied_merged_unit", "ac_full_shard", "ac_ddp",
+    "auto", "size", "tied_merged_unit", "ac_full_shard", "ac_ddp", "compiled",
 ]  # fmt: skip
 LORA_W2 = ["lora_ddp", "lora_no_shard", "lora_shard_grad_op", "lora_full_shard", "lora_split"]
 LORA_W4 = ["lora_hybrid_shard", "lora_hybrid_shard_zero2"]
