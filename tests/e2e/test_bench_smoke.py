@@ -1,0 +1,27 @@
+"""The benchmarks still run: each in its tiny CPU configuration (figures are not checked:
+speed and memory are measured in bench/, never in tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize("script", ["mfu.py", "meta_memory.py", "checkpoint_io.py", "overhead.py"])
+def test_benchmark_smoke(script):
+    out = subprocess.run(
+        [sys.executable, str(BENCH / script), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    start = out.stdout.index("{")
+    report = json.loads(out.stdout[start:])
+    assert report["benchmark"] in script.replace(".py", "") or script == "overhead.py"
