@@ -312,6 +312,11 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             f"Choose one of {list(FROZEN_POLICIES)}."
         )
     cfg._ac_every = resolve_activation_checkpointing(cfg.activation_checkpointing)
+    if cfg.param_init_fn is not None and not callable(cfg.param_init_fn):
+        raise ValueError(
+            f"ParallelConfig.param_init_fn={cfg.param_init_fn!r} is not callable. Give a function "
+            "taking a module (set it in Python; it cannot come from a YAML file), or None."
+        )
     if not isinstance(cfg.compile, (bool, str)) or cfg.compile == "":
         raise ValueError(
             f"ParallelConfig.compile={cfg.compile!r} is not valid. Use False, True (inductor) or a "

@@ -153,3 +153,10 @@ def test_defaults_are_single_cpu_friendly():
     assert cfg.offload_policy is None
     assert cfg.sync_module_states is True
     assert str(cfg.precision) == "fp32"
+
+
+def test_param_init_fn_must_be_callable():
+    with pytest.raises(
+        ValueError, match=r"ParallelConfig\.param_init_fn='my_init' is not callable"
+    ):
+        ParallelConfig(param_init_fn="my_init")
