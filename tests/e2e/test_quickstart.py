@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _proc import run_in_session
 
 from shardwise.testing import free_port
 
@@ -17,20 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "quickstart.py"
 
 
-def _run(cmd: list[str], timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run in a new session so a timeout kills the launcher *and* its ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{cmd} timed out after {timeout_s}s\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+_run = run_in_session
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "ddp"])

@@ -8,17 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise import Engine, ParallelConfig, TrainConfig, parse_losses, shutdown
+from shardwise import Engine, ParallelConfig, TrainConfig, parse_losses
 from shardwise.models import GPT, GPTConfig, random_lm_batches
 
 CFG = GPTConfig()
-
-
-@pytest.fixture(autouse=True)
-def no_process_group(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    shutdown()
 
 
 def adamw(params):

@@ -8,18 +8,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from shardwise import Engine, Runner, RunnerConfig, TrainConfig, shutdown
+from shardwise import Engine, Runner, RunnerConfig, TrainConfig
 from shardwise.cli import main as cli_main
 from shardwise.models import GPT, GPTConfig, random_lm_batches
 
 CFG = GPTConfig()
-
-
-@pytest.fixture(autouse=True)
-def no_process_group(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    shutdown()
 
 
 def lm_dataset(n: int = 32, seed: int = 1) -> TensorDataset:

@@ -9,24 +9,6 @@ import shardwise
 from shardwise import ParallelConfig, init_distributed, shutdown, wrap, wrap_info
 from shardwise.models import GPT, Block, GPTConfig
 
-TORCHRUN_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for key in TORCHRUN_VARS:
-        monkeypatch.delenv(key, raising=False)
-    shutdown()
-    yield
-    shutdown()
-
 
 def test_init_without_launcher_is_world_one_and_idempotent():
     info = init_distributed(timeout_s=30)
