@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,7 +112,9 @@ import shardwise
 info = shardwise.init_distributed()
 t = __import__("torch").tensor([float(info.rank + 1)])
 dist.all_reduce(t)
-print(f"rank {info.rank}/{info.world_size} sum {t.item():.0f} args {sys.argv[1:]}", flush=True)
+# One write per line: two ranks share the pipe, and print() writes text and newline apart.
+sys.stdout.write(f"rank {info.rank}/{info.world_size} sum {t.item():.0f} args {sys.argv[1:]}\\n")
+sys.stdout.flush()
 shardwise.shutdown()
 """
 
@@ -121,8 +124,8 @@ def test_run_launches_two_processes(tmp_path):
     script.write_text(RANK_SCRIPT)
     out = cli("run", "--nproc", "2", str(script), "--flag", "x")
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
-    assert lines == ["rank 0/2 sum 3 args ['--flag', 'x']", "rank 1/2 sum 3 args ['--flag', 'x']"]
+    found = sorted(re.findall(r"rank \d/\d sum \d args \[[^\]]*\]", out.stdout))
+    assert found == ["rank 0/2 sum 3 args ['--flag', 'x']", "rank 1/2 sum 3 args ['--flag', 'x']"]
 
 
 def test_run_reports_a_failing_script(tmp_path):
