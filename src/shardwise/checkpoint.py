@@ -53,6 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from shardwise.distributed import rank_and_world
+
 MANIFEST = "shardwise.json"
 LATEST = "latest"
 STATE_DIR = "state"
@@ -156,15 +158,9 @@ def single_process_ok() -> Iterator[None]:
         yield
 
 
-def _dist() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _agree(error: BaseException | None, what: str) -> None:
     """Every rank learns whether any rank failed, so none waits forever for the others."""
-    _, world = _dist()
+    _, world = rank_and_world()
     if world > 1:
         flag = torch.tensor([1.0 if error is not None else 0.0])
         if dist.get_backend() == "nccl":
@@ -372,7 +368,7 @@ def save_checkpoint(
     beyond that many are deleted. On failure the partial files are removed and nothing
     already saved is touched. Call it between optimizer steps (not mid-accumulation).
     """
-    rank, world = _dist()
+    rank, world = rank_and_world()
     if engine.micro_step != 0:
         raise CheckpointError(
             f"save_checkpoint: the engine is {engine.micro_step} micro-batch(es) into an "
@@ -557,7 +553,7 @@ def load_checkpoint(
     that saved. With `verify`, rank 0 checks every file's size and SHA-256 first.
     Returns the manifest (counters, runner position, `extra`).
     """
-    rank, world = _dist()
+    rank, world = rank_and_world()
     error: BaseException | None = None
     path = Path(directory)
     manifest: dict[str, Any] = {}

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from shardwise.memory import format_bytes
+
 
 def _plot(args: argparse.Namespace) -> int:
     from shardwise.plot import plot_run
@@ -25,14 +27,6 @@ def _plot(args: argparse.Namespace) -> int:
     path = plot_run(args.run_dir, args.out)
     print(f"wrote {path}")
     return 0
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
@@ -50,21 +44,22 @@ def _checkpoint(args: argparse.Namespace) -> int:
         for c in found:
             state = "complete" if c.complete else "INCOMPLETE (ignored)"
             mark = "  <- latest" if c.path.name == latest else ""
-            print(f"{c.path.name:<24} step {c.step:>8}  {_human(c.size_bytes):>10}  {state}{mark}")
+            size = format_bytes(c.size_bytes)
+            print(f"{c.path.name:<24} step {c.step:>8}  {size:>10}  {state}{mark}")
         return 0
     if args.action == "inspect":
         manifest = ck.read_manifest(args.dir)
         metadata = ck.read_dcp_metadata(ck.resolve_checkpoint(args.dir) / ck.STATE_DIR)
         shown = {k: v for k, v in manifest.items() if k != "files"}
         print(json.dumps(shown, indent=2))
-        print(f"files: {len(manifest['files'])}, {_human(manifest.get('bytes', 0))}")
+        print(f"files: {len(manifest['files'])}, {format_bytes(manifest.get('bytes', 0))}")
         print("tensors:")
         for key, md in sorted(metadata.state_dict_metadata.items()):
-            size = tuple(getattr(md, "size", ()))
+            shape = tuple(getattr(md, "size", ()))
             dtype = str(getattr(getattr(md, "properties", None), "dtype", "")).removeprefix(
                 "torch."
             )
-            print(f"  {key:<60} {size!s:<20} {dtype}")
+            print(f"  {key:<60} {shape!s:<20} {dtype}")
         return 0
     if args.action == "verify":
         directory = ck.resolve_checkpoint(args.dir)

@@ -163,6 +163,13 @@ def shutdown() -> None:
     _info = None
 
 
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def get_dist_info() -> DistInfo:
     """This process's place in the job, without initialising anything.
 

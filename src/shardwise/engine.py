@@ -235,7 +235,8 @@ class Engine:
         """
         tc = self.train_config
         update = force_update or self.micro_step + 1 >= tc.accumulate_steps
-        self.model.train()
+        if not self.model.training:  # train() walks every module: not on each micro-step
+            self.model.train()
         with self._gradient_sync(update or tc.sync_each_microbatch):
             outputs = self.forward(batch, "loss")
             loss, logs = parse_losses(outputs)

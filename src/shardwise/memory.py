@@ -45,10 +45,14 @@ class MemoryEstimate:
         return self.model_states + self.gathered
 
 
-def _gib(n: int) -> str:
-    if n >= 2**30:
-        return f"{n / 2**30:,.2f} GiB"
-    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+def format_bytes(n: float) -> str:
+    """Bytes for people: B, KiB, MiB (one decimal), GiB and above (two)."""
+    if n < 1024:
+        return f"{n:,.0f} B"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.{2 if scale >= 2**30 else 1}f} {unit}"
+    return f"{n:,.0f} B"
 
 
 def estimate_memory(
@@ -120,11 +124,10 @@ def format_memory(estimates: list[MemoryEstimate]) -> str:
     )
     lines = ["per-rank memory (model states; activations not included)", header, "-" * len(header)]
     for e in estimates:
-        lines.append(
-            f"{e.strategy:<20} {f'{e.dp_replicate}x{e.dp_shard}':>7} {_gib(e.params):>12} "
-            f"{_gib(e.grads):>12} {_gib(e.optimizer):>12} {_gib(e.model_states):>13} "
-            f"{_gib(e.gathered):>12} {_gib(e.peak):>12}"
-        )
+        sizes = [e.params, e.grads, e.optimizer, e.model_states, e.gathered, e.peak]
+        widths = [12, 12, 12, 13, 12, 12]
+        cells = " ".join(f"{format_bytes(n):>{w}}" for n, w in zip(sizes, widths, strict=True))
+        lines.append(f"{e.strategy:<20} {f'{e.dp_replicate}x{e.dp_shard}':>7} {cells}")
     return "\n".join(lines)
 
 

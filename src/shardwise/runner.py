@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from shardwise.distributed import rank_and_world
 from shardwise.engine import Engine, parse_losses
 from shardwise.metrics import MetricsLogger
 
@@ -117,12 +118,6 @@ class RunnerConfig:
             )
 
 
-def _dist() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -166,7 +161,7 @@ class Runner:
     ) -> None:
         self.engine = engine
         self.config = config or RunnerConfig()
-        self.rank, self.world = _dist()
+        self.rank, self.world = rank_and_world()
         self.evaluate = evaluate
         self.train_loader = self._loader(train_data, "train_data", self.config.shuffle)
         self.val_loader = self._loader(val_data, "val_data", False)

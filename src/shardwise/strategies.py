@@ -238,6 +238,7 @@ def _apply_fsdp(
     modules = dict(model.named_modules(remove_duplicate=False))
     mp_policy = config.precision.to_fsdp_policy()
     fp32_policy = _fp32_policy(config.precision)
+    mixed = config.precision.is_mixed
     offload = config.offload_policy
     if offload is not None and info.device.type != "cuda":
         # Pinned memory needs an accelerator; on CPU the offload is a no-op move.
@@ -254,7 +255,7 @@ def _apply_fsdp(
             targets[0] if len(targets) == 1 else targets,
             mesh=mesh,
             reshard_after_forward=unit.reshard_after_forward,
-            mp_policy=fp32_policy if unit.reason == "keep_fp32" else mp_policy,
+            mp_policy=fp32_policy if unit.compute_dtype == "float32" and mixed else mp_policy,
             **extra,
         )
         sharded.append(cast(FSDPModule, targets[0]))

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
+
+from shardwise.distributed import rank_and_world
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -32,10 +33,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 class WeightsError(ValueError):
     """Weights could not be exported or loaded; the message lists what did not match."""
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -161,7 +158,7 @@ def export_weights(
     if max_shard_bytes < 1:
         raise ValueError(f"export_weights(max_shard_bytes={max_shard_bytes}) must be positive.")
     out = Path(out)
-    writes = _rank() == 0
+    writes = rank_and_world()[0] == 0
     if writes:
         if out.exists() and not out.is_dir():
             raise WeightsError(f"export_weights(out={str(out)!r}) must be a directory, not a file.")

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, ShardingStrategy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise import ParallelConfig, unwrap, wrap
+from shardwise import STRATEGIES, ParallelConfig, unwrap, wrap
 from shardwise.models import GPT, Block, GPTConfig, LoRALM, random_lm_batches
 from shardwise.parity import (
     ParityError,
@@ -165,17 +165,7 @@ def world2_cases(data):
 
 def world4_cases(data):
     block = {Block}
-    good = {
-        s: ParallelConfig(strategy=s, auto_wrap_policy=block)
-        for s in (
-            "ddp",
-            "no_shard",
-            "shard_grad_op",
-            "full_shard",
-            "hybrid_shard",
-            "hybrid_shard_zero2",
-        )
-    }
+    good = {s: ParallelConfig(strategy=s, auto_wrap_policy=block) for s in STRATEGIES}
     good["hybrid_fsdp1_name"] = ParallelConfig(
         strategy="HYBRID_SHARD", dp_shard=2, auto_wrap_policy=block
     )

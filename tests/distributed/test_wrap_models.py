@@ -98,8 +98,19 @@ def ignored_params() -> dict:
     }
 
 
+def merged_fp32_unit_dtype() -> str:
+    """The dtype the tied head computes in when its merged unit holds an fp32 embedding."""
+    seen = []
+    config = ParallelConfig(mixed_precision="bf16", keep_fp32=["Embedding"])
+    model = wrap(GPT(CFG), config)
+    model.head.register_forward_hook(lambda m, args, out: seen.append(str(m.weight.dtype)))
+    model(random_lm_batches(CFG, 1, 2)[0][0])
+    return seen[0]
+
+
 def all_cases() -> dict:
     return {
+        "merged_fp32": merged_fp32_unit_dtype(),
         "cnn": {s: cnn_bf16(s) for s in ("ddp", "full_shard", "shard_grad_op")},
         "frozen": {s: frozen_grads(s) for s in STRATEGIES},
         "tied": {
@@ -151,3 +162,7 @@ def test_ignored_params_stay_unsharded(results):
             "others_sharded": True,
             "pos_emb_grad_local": True,
         }
+
+
+def test_merged_fp32_unit_computes_in_fp32(results):
+    assert [r["merged_fp32"] for r in results] == ["torch.float32", "torch.float32"]

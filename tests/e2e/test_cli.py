@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
 
-from shardwise import Engine, Runner, RunnerConfig, shutdown
+from shardwise import STRATEGIES, Engine, Runner, RunnerConfig, shutdown
 from shardwise.checkpoint import save_checkpoint
 from shardwise.models import GPT, GPTConfig, random_lm_batches
 
@@ -144,14 +144,7 @@ def test_plan_prints_units_and_memory():
     out = cli("plan", "shardwise.models:GPT", "--world", "4", "parallel.mixed_precision=bf16")
     assert out.returncode == 0, out.stderr
     assert "WrapPlan: 3 unit(s)" in out.stdout and "auto: 2x Block" in out.stdout
-    for strategy in (
-        "ddp",
-        "no_shard",
-        "shard_grad_op",
-        "full_shard",
-        "hybrid_shard",
-        "hybrid_shard_zero2",
-    ):
+    for strategy in STRATEGIES:
         assert f"\n{strategy} " in out.stdout
 
 
@@ -194,3 +187,12 @@ def test_config_show_and_errors(tmp_path):
         bad.returncode == 2
         and "unknown key 'runner.max_step'. Did you mean 'max_steps'?" in bad.stderr
     )
+
+
+def test_run_and_plan_argument_errors():
+    bad = cli("run", "--nproc", "zero", "x.py")
+    assert bad.returncode == 2 and "--nproc='zero': use a positive integer or 'auto'" in bad.stderr
+    bad = cli("plan", "shardwise.models:CFG_NOT_THERE", "--world", "2")
+    assert bad.returncode == 2 and "has no attribute" in bad.stderr
+    bad = cli("plan", "shardwise:__version__", "--world", "2")
+    assert bad.returncode == 2 and "shardwise:__version__ is not callable" in bad.stderr

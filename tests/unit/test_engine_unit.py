@@ -183,3 +183,23 @@ def test_engine_accepts_a_model_already_wrapped():
     model = shardwise.wrap(GPT(CFG), ParallelConfig(strategy="ddp"))
     engine = Engine(model, adamw)
     assert engine.model is model and engine.config.strategy == "ddp"
+
+
+def test_checkpoint_weights_and_memory_argument_errors(tmp_path):
+    from shardwise.checkpoint import save_checkpoint
+    from shardwise.memory import estimate_memory
+    from shardwise.weights import export_weights
+
+    engine = Engine(GPT(CFG), adamw)
+    with pytest.raises(
+        ValueError, match=r"save_checkpoint\(keep_last=0\) must be a positive int or None"
+    ):
+        save_checkpoint(tmp_path, engine, keep_last=0)
+    with pytest.raises(ValueError, match=r"export_weights\(max_shard_bytes=0\) must be positive"):
+        export_weights(engine.model, tmp_path / "w", max_shard_bytes=0)
+    plan = engine.model._shardwise_wrap_info.plan
+    with pytest.raises(
+        ValueError,
+        match=r"estimate_memory\(optimizer='lion'\): use one of \['adam', 'adamw', 'none', 'sgd'\]",
+    ):
+        estimate_memory(plan, 2, optimizer="lion")

@@ -1,5 +1,6 @@
 """The wrap planner: every policy form, tied/frozen/fp32 handling, and the errors."""
 
+import contextlib
 import json
 import re
 
@@ -426,16 +427,17 @@ def test_plan_on_meta_equals_materialised_plan(make):
     cfg = ParallelConfig(mixed_precision="bf16", auto_wrap_policy="size", min_num_params=100)
     with torch.device("meta"):
         meta_model = make()
-    with pytest.warns(PlanNotice) if isinstance(make(), (ConvNet, LoRAModel)) else _nothing():
+    noisy = isinstance(make(), (ConvNet, LoRAModel))
+    with pytest.warns(PlanNotice) if noisy else contextlib.nullcontext():
         meta_plan = plan_wrap(meta_model, cfg)
-    with pytest.warns(PlanNotice) if isinstance(make(), (ConvNet, LoRAModel)) else _nothing():
+    with pytest.warns(PlanNotice) if noisy else contextlib.nullcontext():
         real_plan = plan_wrap(make(), cfg)
     assert meta_plan == real_plan
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def test_tied_merge_keeps_a_merged_fp32_unit_in_fp32():
+    # keep_fp32 makes tok_emb an fp32 unit; its tied user (head) joins it, still fp32.
+    with pytest.warns(PlanNotice):
+        plan = plan_wrap(GPT(CFG), ParallelConfig(mixed_precision="bf16", keep_fp32=["Embedding"]))
+    merged = plan.unit("tok_emb + head")
+    assert (merged.reason, merged.compute_dtype) == ("tied", "float32")

@@ -208,9 +208,7 @@ def _choose_units(index: ModelIndex, policy: Policy, fp32_classes: tuple[type, .
     return units
 
 
-def _nothing_matched(
-    model: nn.Module, index: ModelIndex, policy: Policy, config: ParallelConfig
-) -> ValueError:
+def _nothing_matched(model: nn.Module, policy: Policy, config: ParallelConfig) -> ValueError:
     if policy.description.startswith("size"):
         sizes = sorted(
             (
@@ -290,7 +288,7 @@ def plan_wrap(
 
     units = _choose_units(index, policy, fp32_classes)
     if policy.strict and not any(u.reason == "policy" for u in units):
-        raise _nothing_matched(model, index, policy, config)
+        raise _nothing_matched(model, policy, config)
     notes = list(policy.notes)
     units, tied, tied_notes = merge_tied(units, index)
     notes.extend(tied_notes)
