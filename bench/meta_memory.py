@@ -5,13 +5,20 @@ A GPT of about 2 GB of fp32 parameters is wrapped with full_shard at world size 
 
 - eager: every rank builds (and initialises) the whole model, then wrap() shards it;
 - meta: every rank builds it under `shardwise.init_empty()`, then wrap() shards it and
-  materialises and initialises only the rank's shards.
+  materialises and initialises only the rank's shards;
+- meta_load: meta build, then `wrap(weights=...)`: every rank reads its own slices of a
+  safetensors file;
+- meta_load_rank0: the same with `broadcast_from_rank0=True`: rank 0 alone reads the file,
+  one tensor at a time, and scatters the shards.
 
 Reported per rank: peak RSS during build + wrap, minus RSS before the build (glibc's mmap
-threshold pinned, the kernel's peak counter restarted, as in bench/overhead.py). Target
-(meta-device issue): the meta build stays near a quarter of the model plus one unit.
+threshold pinned, the kernel's peak counter restarted, as in bench/overhead.py), and the
+peak of anonymous RSS, sampled every 5 ms. The two differ when a rank maps the weights
+file: file pages count in RSS but belong to the page cache, which the kernel can drop.
+Target (meta-device issue): the meta build stays near a quarter of the model plus one unit.
 
-    python bench/meta_memory.py                  # ~2.3 GB model, world 4 (about a minute)
+    python bench/meta_memory.py                  # ~2.3 GB model, world 4 (a few minutes)
+    python bench/meta_memory.py --modes eager,meta
     python bench/meta_memory.py --smoke
 """
 
@@ -21,6 +28,8 @@ import argparse
 import functools
 import json
 import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -40,25 +49,60 @@ import shardwise
 from shardwise.models import GPT, GPTConfig
 from shardwise.testing import run_distributed
 
+MODES = ("eager", "meta", "meta_load", "meta_load_rank0")
 
-def _rank(cfg: GPTConfig, mode: str) -> dict[str, Any]:
+
+class _AnonPeak:
+    """Samples RssAnon (memory the process owns, file mappings excluded) in a thread."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _proc_status_bytes("RssAnon") or 0)
+
+    def __enter__(self) -> _AnonPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _rank(cfg: GPTConfig, mode: str, weights: str | None) -> dict[str, Any]:
     _pin_malloc_thresholds()
     before = _proc_status_bytes("VmRSS") or 0
+    anon_before = _proc_status_bytes("RssAnon") or 0
     _reset_rss_peak()
     build = functools.partial(GPT, cfg)
-    if mode == "meta":
-        with shardwise.init_empty():
+    with _AnonPeak() as anon:
+        if mode == "eager":
+            torch.manual_seed(0)
             model = build()
-    else:
-        torch.manual_seed(0)
-        model = build()
-    model = shardwise.wrap(model, shardwise.ParallelConfig(strategy="full_shard"))
-    dist.barrier()
+        else:
+            with shardwise.init_empty():
+                model = build()
+        model = shardwise.wrap(
+            model,
+            shardwise.ParallelConfig(strategy="full_shard"),
+            weights=weights if mode.startswith("meta_load") else None,
+            broadcast_from_rank0=mode == "meta_load_rank0",
+        )
+        dist.barrier()
     peak = _rss_peak_bytes() - before
     plan = shardwise.wrap_info(model).plan
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     largest = max(sum(u.bytes_by_dtype.values()) for u in plan.units)
-    return {"peak": peak, "local_param_bytes": local, "largest_unit_bytes": largest}
+    return {
+        "peak": peak,
+        "anon_peak": max(anon.peak - anon_before, 0),
+        "local_param_bytes": local,
+        "largest_unit_bytes": largest,
+    }
 
 
 def main() -> None:
@@ -66,8 +110,13 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=2048)
     parser.add_argument("--n-layers", type=int, default=10)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"some of {MODES}")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; choose from {MODES}")
     if args.smoke:
         args.d_model, args.n_layers = 256, 2
     cfg = GPTConfig(
@@ -85,16 +134,27 @@ def main() -> None:
         "params": params,
         "model_MiB": round(model_bytes / 2**20, 1),
     }
-    for mode in ("eager", "meta"):
-        ranks = run_distributed(_rank, args.world, args=(cfg, mode), timeout_s=1200)
-        result[f"{mode}_peak_MiB_per_rank"] = [round(r["peak"] / 2**20, 1) for r in ranks]
-        result["quarter_plus_unit_MiB"] = round(
-            (model_bytes / args.world + ranks[0]["largest_unit_bytes"]) / 2**20, 1
-        )
-    meta_peak = max(result["meta_peak_MiB_per_rank"])
-    result["meta_peak_over_quarter_plus_unit"] = round(
-        meta_peak / result["quarter_plus_unit_MiB"], 2
-    )
+    with tempfile.TemporaryDirectory(prefix="shardwise-meta-memory-") as tmp:
+        weights = None
+        if any(m.startswith("meta_load") for m in modes):
+            torch.manual_seed(0)
+            weights = str(shardwise.export_weights(GPT(cfg), tmp).parent)
+        for mode in modes:
+            ranks = run_distributed(_rank, args.world, args=(cfg, mode, weights), timeout_s=1200)
+            mib = [round(r["peak"] / 2**20, 1) for r in ranks]
+            result[f"{mode}_peak_MiB_per_rank"] = mib
+            result[f"{mode}_anon_peak_MiB_per_rank"] = [
+                round(r["anon_peak"] / 2**20, 1) for r in ranks
+            ]
+            result["quarter_plus_unit_MiB"] = round(
+                (model_bytes / args.world + ranks[0]["largest_unit_bytes"]) / 2**20, 1
+            )
+    for mode in modes:
+        if mode != "eager":
+            worst = max(result[f"{mode}_anon_peak_MiB_per_rank"])
+            result[f"{mode}_anon_peak_over_quarter_plus_unit"] = round(
+                worst / result["quarter_plus_unit_MiB"], 2
+            )
     print(json.dumps(result, indent=2))
 
 

@@ -130,6 +130,7 @@ def materialize(
     weights: str | Path | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     seed: int = 0,
+    broadcast_from_rank0: bool = False,
 ) -> list[str]:
     """Allocate the (sharded) meta model on `device` and fill it; returns what filled it.
 
@@ -151,7 +152,9 @@ def materialize(
     if weights is not None:
         from shardwise.weights import load_weights
 
-        result = load_weights(model, weights, strict=False)
+        result = load_weights(
+            model, weights, strict=False, broadcast_from_rank0=broadcast_from_rank0
+        )
         if result["missing"]:
             raise InitializationError(
                 f"weights in {weights} do not cover the meta-built model: missing "

@@ -268,6 +268,7 @@ def wrap(
     config: ParallelConfig | None = None,
     *,
     weights: str | Path | None = None,
+    broadcast_from_rank0: bool = False,
 ) -> nn.Module:
     """Parallelise `model` as `config` says and return the module to train.
 
@@ -282,6 +283,8 @@ def wrap(
     A model built on the meta device (`with shardwise.init_empty(): ...`) is sharded
     first and then materialised: each rank allocates only its shards and fills them from
     `weights` (safetensors from export_weights) or through the model's initialisers.
+    Every rank reads its own slices of `weights`, unless `broadcast_from_rank0=True`: then
+    only rank 0 reads the file and sends each rank its shards (see `load_weights`).
     """
     config = config if config is not None else ParallelConfig()
     if not isinstance(config, ParallelConfig):
@@ -305,11 +308,12 @@ def wrap(
                 weights=weights,
                 param_init_fn=config.param_init_fn,
                 seed=config.init_seed,
+                broadcast_from_rank0=broadcast_from_rank0,
             )
         elif weights is not None:
             from shardwise.weights import load_weights
 
-            load_weights(target, weights)
+            load_weights(target, weights, broadcast_from_rank0=broadcast_from_rank0)
 
     if info.world_size == 1 and not config.force_wrap:
         plan = plan_wrap(model, config, sharded=False)

@@ -207,36 +207,68 @@ def _local_slice(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]
     return tuple(shape), tuple(offset)
 
 
+def _match(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    files: dict[str, Path],
+    handles: dict[Path, Any],
+    path: str | Path,
+    strict: bool,
+) -> tuple[list[str], list[str], list[str]]:
+    """(missing, unexpected, names to load); raises WeightsError listing every mismatch."""
+    missing = sorted(set(state) - set(files))
+    unexpected = sorted(set(files) - set(state))
+    names = sorted(set(state) & set(files))
+    mismatched = []
+    for name in names:
+        file = files[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        shape = tuple(handles[file].get_slice(name).get_shape())
+        if shape != tuple(state[name].shape):
+            mismatched.append(f"{name}: file {shape} vs model {tuple(state[name].shape)}")
+    if mismatched or (strict and (missing or unexpected)):
+        raise WeightsError(
+            f"weights in {path} do not match {type(model).__name__}. Missing: {missing[:20]}. "
+            f"Unexpected: {unexpected[:20]}. Shape mismatches: {mismatched[:20]}."
+        )
+    return missing, unexpected, names
+
+
 def load_weights(
-    model: nn.Module, path: str | Path, *, strict: bool = True
+    model: nn.Module,
+    path: str | Path,
+    *,
+    strict: bool = True,
+    broadcast_from_rank0: bool = False,
 ) -> dict[str, list[str]]:
     """Fill `model` (wrapped or not) from safetensors written by `export_weights` (or any
-    file with the same names). Each rank reads only the slices its shards own.
+    file with the same names).
+
+    By default each rank reads only the slices its shards own (every rank needs the path).
+    With `broadcast_from_rank0=True` only rank 0 opens `path` (the other ranks' `path` is
+    ignored, so the weights may live on rank 0's disk alone): it reads one tensor at a time
+    and torch's `distribute_tensor` scatters each shard (or `broadcast` sends each
+    replicated tensor) to the ranks that own it. Either way no rank holds more than one
+    full tensor beyond its own shards. Without a process group (or at world size 1) the
+    two modes are the same.
 
     Raises `WeightsError` listing missing and unexpected names and shape mismatches
     (with `strict=False`, missing/unexpected are returned instead; shapes must match).
+    Under `broadcast_from_rank0`, every rank raises rank 0's error.
     """
+    import torch.distributed as dist
+
+    if broadcast_from_rank0 and dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            return _load_from_rank0(model, path, strict)
     files = _weight_files(path)
     state = _model_state(model)
-    missing = sorted(set(state) - set(files))
-    unexpected = sorted(set(files) - set(state))
-    mismatched = []
     handles: dict[Path, Any] = {}
     try:
-        for name in sorted(set(state) & set(files)):
-            file = files[name]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
-            shape = tuple(handles[file].get_slice(name).get_shape())
-            if shape != tuple(state[name].shape):
-                mismatched.append(f"{name}: file {shape} vs model {tuple(state[name].shape)}")
-        if mismatched or (strict and (missing or unexpected)):
-            raise WeightsError(
-                f"weights in {path} do not match {type(model).__name__}. Missing: {missing[:20]}. "
-                f"Unexpected: {unexpected[:20]}. Shape mismatches: {mismatched[:20]}."
-            )
+        missing, unexpected, names = _match(model, state, files, handles, path, strict)
         with torch.no_grad():
-            for name in sorted(set(state) & set(files)):
+            for name in names:
                 target = state[name]
                 piece = _local_slice(target)
                 source = handles[files[name]].get_slice(name)
@@ -249,6 +281,56 @@ def load_weights(
                     local = cast(DTensor, target).to_local()
                     if local.numel():
                         local.copy_(source[index].to(local.dtype))
+    finally:
+        handles.clear()
+    return {"missing": missing, "unexpected": unexpected}
+
+
+def _load_from_rank0(model: nn.Module, path: str | Path, strict: bool) -> dict[str, list[str]]:
+    """Rank 0 reads and checks; every rank learns the verdict before any tensor moves, so a
+    bad file raises the same error everywhere instead of leaving ranks waiting."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    state = _model_state(model)
+    handles: dict[Path, Any] = {}
+    files: dict[str, Path] = {}
+    verdict: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            files = _weight_files(path)
+            verdict[0] = _match(model, state, files, handles, path, strict)
+        except Exception as exc:  # sent to every rank, then raised everywhere
+            failure = exc
+            verdict[0] = f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(verdict, src=0)  # bounded by the process group's timeout
+    if isinstance(verdict[0], str):
+        handles.clear()
+        if failure is not None:
+            raise failure
+        raise WeightsError(f"rank 0 could not load the weights: {verdict[0]}")
+    missing, unexpected, names = verdict[0]
+    try:
+        with torch.no_grad():
+            for name in names:
+                target = state[name]
+                if dist.get_rank() == 0:
+                    full = handles[files[name]].get_tensor(name)
+                    full = full.to(device=target.device, dtype=target.dtype)
+                else:  # a NaN placeholder: a send that never arrived cannot pass unseen
+                    full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                    if full.is_floating_point():
+                        full.fill_(float("nan"))
+                if isinstance(target, DTensor):
+                    shard = distribute_tensor(
+                        full, target.device_mesh, target.placements, src_data_rank=0
+                    )
+                    target.to_local().copy_(shard.to_local())
+                else:
+                    dist.broadcast(full, src=0)
+                    target.copy_(full)
+                del full
     finally:
         handles.clear()
     return {"missing": missing, "unexpected": unexpected}

@@ -112,6 +112,14 @@ def cases(weights_dir: str, strategies: tuple[str, ...]) -> dict:
             meta(functools.partial(GPT, CFG)), ParallelConfig(strategy=s), weights=weights_dir
         )
         out[f"load_{s}"] = full_parameters(loaded)
+        # Only rank 0 is given the file: the others' path does not exist.
+        from_rank0 = wrap(
+            meta(functools.partial(GPT, CFG)),
+            ParallelConfig(strategy=s),
+            weights=weights_dir if dist.get_rank() == 0 else "/nonexistent/weights",
+            broadcast_from_rank0=True,
+        )
+        out[f"load_{s}_rank0"] = full_parameters(from_rank0)
     if dist.get_world_size() == 4:
         out["state_bytes"] = model_state_bytes()
     if "hybrid_shard" in strategies:
@@ -132,6 +140,23 @@ def cases(weights_dir: str, strategies: tuple[str, ...]) -> dict:
             meta(functools.partial(GPT, GPTConfig(d_model=48, n_layers=2))),
             ParallelConfig(),
             weights=weights_dir,
+        )
+    )
+    only_rank0 = weights_dir if dist.get_rank() == 0 else "/nonexistent/weights"
+    out["wrong_weights_rank0"] = _error(
+        lambda: wrap(
+            meta(functools.partial(GPT, GPTConfig(d_model=48, n_layers=2))),
+            ParallelConfig(),
+            weights=only_rank0,
+            broadcast_from_rank0=True,
+        )
+    )
+    out["missing_file_rank0"] = _error(
+        lambda: wrap(
+            meta(functools.partial(GPT, CFG)),
+            ParallelConfig(),
+            weights="/nonexistent/on-rank-0-too",
+            broadcast_from_rank0=True,
         )
     )
     return out
@@ -250,6 +275,25 @@ def test_meta_build_plus_load_equals_eager_build_plus_load(world2, world4, weigh
         for key in [k for k in r if k.startswith("load_")]:
             for name, value in want.items():
                 assert torch.equal(r[key][name], value), (key, name)
+
+
+def test_rank0_read_and_broadcast_equals_every_rank_reading(world2, world4):
+    for results in (world2, world4):
+        for r in results:
+            for key in [k for k in r if k.startswith("load_") and k.endswith("_rank0")]:
+                reference = r[key.removesuffix("_rank0")]
+                for name, value in reference.items():
+                    assert torch.equal(r[key][name], value), (key, name)
+
+
+def test_rank0_errors_reach_every_rank(world2, world4):
+    for r in (*world2, *world4):
+        assert r["wrong_weights_rank0"].startswith("WeightsError: ")
+        assert "Shape mismatches: ['blocks.0.attn.proj.bias: file (64,)" in r["wrong_weights_rank0"]
+        assert "weights path /nonexistent/on-rank-0-too does not exist" in r["missing_file_rank0"]
+    assert world2[1]["wrong_weights_rank0"].startswith(
+        "WeightsError: rank 0 could not load the weights: WeightsError: weights in"
+    )
 
 
 def test_buffers_are_computed_not_garbage(world2):

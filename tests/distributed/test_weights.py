@@ -55,6 +55,16 @@ def test_export_names_equal_state_dict_keys_and_round_trip(tmp_path):
         assert torch.equal(fresh.state_dict()[name], value), name
 
 
+def test_broadcast_from_rank0_without_a_group_reads_the_file(tmp_path):
+    torch.manual_seed(3)
+    export_weights(GPT(CFG), tmp_path / "w")
+    fresh = GPT(CFG)
+    load_weights(fresh, tmp_path / "w", broadcast_from_rank0=True)
+    assert torch.equal(
+        fresh.head.weight, load_file(str(tmp_path / "w" / "model.safetensors"))["head.weight"]
+    )
+
+
 def test_sharded_export_with_index_and_dtype_cast(tmp_path):
     model = trained_engine().model
     export_weights(model, tmp_path / "w", max_shard_bytes=20_000, dtype="bf16")
