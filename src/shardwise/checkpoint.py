@@ -187,12 +187,34 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _files(directory: Path) -> dict[str, dict[str, Any]]:
-    return {
-        str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(directory.rglob("*"))
+def _listing(directory: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
         if p.is_file() and p.name != MANIFEST
+    )
+
+
+def _files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {
+        n: {"size": (directory / n).stat().st_size, "sha256": _sha256(directory / n)} for n in names
     }
+
+
+def _my_share(names: list[str]) -> list[str]:
+    """This rank's part of a file list: every rank hashes 1/world of the files."""
+    rank, world = rank_and_world()
+    return names[rank::world]
+
+
+def _gather_to_all(value: Any) -> list[Any]:
+    """Every rank's `value`, on every rank (a one-element list without a group)."""
+    _, world = rank_and_world()
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -326,26 +348,38 @@ def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
     return dict(manifest)
 
 
-def verify_checkpoint(checkpoint: str | Path) -> list[str]:
-    """Problems found (empty when every file is present with its recorded size and hash)."""
+def verify_checkpoint(checkpoint: str | Path, *, shared: bool = False) -> list[str]:
+    """Problems found (empty when every file is present with its recorded size and hash).
+
+    With `shared=True` (every rank must call it) each rank hashes 1/world of the files
+    and every rank gets the whole list of problems.
+    """
     directory = resolve_checkpoint(checkpoint)
     manifest = read_manifest(directory)
+    names = sorted(manifest["files"])
     problems = []
-    for rel, want in manifest["files"].items():
-        p = directory / rel
-        if not p.is_file():
-            problems.append(f"{rel}: missing")
-        elif p.stat().st_size != want["size"]:
-            problems.append(f"{rel}: size {p.stat().st_size} != recorded {want['size']}")
-        elif _sha256(p) != want["sha256"]:
-            problems.append(f"{rel}: content differs from the recorded SHA-256 (corrupted)")
-    extra = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
-    extra -= set(manifest["files"]) | {MANIFEST}
-    problems.extend(f"{rel}: not part of the checkpoint (unexpected file)" for rel in sorted(extra))
-    try:
-        read_dcp_metadata(directory / STATE_DIR)
-    except CheckpointError as exc:
-        problems.append(str(exc))
+    for rel in _my_share(names) if shared else names:
+        want, p = manifest["files"][rel], directory / rel
+        try:
+            if not p.is_file():
+                problems.append(f"{rel}: missing")
+            elif p.stat().st_size != want["size"]:
+                problems.append(f"{rel}: size {p.stat().st_size} != recorded {want['size']}")
+            elif _sha256(p) != want["sha256"]:
+                problems.append(f"{rel}: content differs from the recorded SHA-256 (corrupted)")
+        except OSError as exc:
+            problems.append(f"{rel}: unreadable ({exc})")
+    if not shared or rank_and_world()[0] == 0:
+        extra = set(_listing(directory)) - set(manifest["files"])
+        problems.extend(
+            f"{rel}: not part of the checkpoint (unexpected file)" for rel in sorted(extra)
+        )
+        try:
+            read_dcp_metadata(directory / STATE_DIR)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    if shared:
+        problems = sorted(p for share in _gather_to_all(problems) for p in share)
     return problems
 
 
@@ -426,11 +460,24 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
+    # Every rank hashes its share of the files (they are still in the page cache).
+    hashed: dict[str, Any] | str
+    try:
+        hashed = _files(tmp, _my_share(_listing(tmp)))
+    except OSError as exc:
+        hashed = f"rank {rank}: {exc}"
+    shares = _gather_to_all(hashed)
     error = None
     if rank == 0:
         try:
+            failures = [h for h in shares if isinstance(h, str)]
+            if failures:
+                raise OSError(f"hashing the written files failed: {'; '.join(failures)}")
+            files: dict[str, Any] = {}
+            for share in shares:
+                files.update(share)
             manifest = _manifest(engine, optim_sd, world, extra, runner_state)
-            _finalize(root, tmp, final, manifest, keep_last)
+            _finalize(root, tmp, final, manifest, keep_last, files)
         except (OSError, CheckpointError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = CheckpointError(_write_failed(root, tmp, exc))
@@ -500,10 +547,17 @@ def _manifest(
 
 
 def _finalize(
-    root: Path, tmp: Path, final: Path, manifest: dict[str, Any], keep_last: int | None
+    root: Path,
+    tmp: Path,
+    final: Path,
+    manifest: dict[str, Any],
+    keep_last: int | None,
+    files: dict[str, Any],
 ) -> None:
-    """Rank 0, after every rank wrote: manifest, rename into place, `latest`, prune."""
-    manifest["files"] = _files(tmp)
+    """Rank 0, after every rank wrote and hashed: manifest, rename, `latest`, prune."""
+    # A file that no rank listed (a slow shared filesystem) is hashed here.
+    files.update(_files(tmp, [n for n in _listing(tmp) if n not in files]))
+    manifest["files"] = dict(sorted(files.items()))
     manifest["bytes"] = sum(f["size"] for f in manifest["files"].values())
     _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))
     os.rename(tmp, final)  # the moment the checkpoint becomes visible
@@ -550,7 +604,8 @@ def load_checkpoint(
 
     Works at any world size and strategy: DCP reshards model and optimizer tensors into
     this engine's layout. RNG states are restored when the world size matches the one
-    that saved. With `verify`, rank 0 checks every file's size and SHA-256 first.
+    that saved. With `verify`, every file's size and SHA-256 are checked first (each rank
+    hashes its share of the files).
     Returns the manifest (counters, runner position, `extra`).
     """
     rank, world = rank_and_world()
@@ -560,13 +615,17 @@ def load_checkpoint(
     try:
         path = resolve_checkpoint(directory)
         manifest = read_manifest(path)
-        if verify and rank == 0:
-            problems = verify_checkpoint(path)
-            if problems:
-                raise CheckpointError(
-                    f"checkpoint {path} failed verification ({len(problems)} problem(s)): "
-                    f"{'; '.join(problems[:5])}. It was not loaded."
-                )
+    except CheckpointError as exc:
+        error = exc
+    _agree(error, "reading the checkpoint manifest")
+    if verify:
+        problems = verify_checkpoint(path, shared=True)  # the same list on every rank
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {path} failed verification ({len(problems)} problem(s)): "
+                f"{'; '.join(problems[:5])}. It was not loaded."
+            )
+    try:
         if load_optimizer and manifest["optimizer"]["class"] != type(engine.optimizer).__name__:
             raise CheckpointError(
                 f"checkpoint {path} holds {manifest['optimizer']['class']} state but the engine "

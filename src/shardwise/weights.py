@@ -211,22 +211,29 @@ def _match(
     model: nn.Module,
     state: dict[str, torch.Tensor],
     files: dict[str, Path],
-    handles: dict[Path, Any],
     path: str | Path,
     strict: bool,
 ) -> tuple[list[str], list[str], list[str]]:
-    """(missing, unexpected, names to load); raises WeightsError listing every mismatch."""
+    """(missing, unexpected, names to load); raises WeightsError listing every mismatch.
+
+    Only file headers are read here. The loaders open a file once per tensor: safetensors
+    maps the file, and every page read through a long-lived handle stays in the process's
+    resident memory until the handle closes (a whole model's worth, on a rank that reads
+    it all). Closing after each tensor keeps it to one tensor.
+    """
     missing = sorted(set(state) - set(files))
     unexpected = sorted(set(files) - set(state))
     names = sorted(set(state) & set(files))
     mismatched = []
+    by_file: dict[Path, list[str]] = {}
     for name in names:
-        file = files[name]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        shape = tuple(handles[file].get_slice(name).get_shape())
-        if shape != tuple(state[name].shape):
-            mismatched.append(f"{name}: file {shape} vs model {tuple(state[name].shape)}")
+        by_file.setdefault(files[name], []).append(name)
+    for file, in_file in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in in_file:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(state[name].shape):
+                    mismatched.append(f"{name}: file {shape} vs model {tuple(state[name].shape)}")
     if mismatched or (strict and (missing or unexpected)):
         raise WeightsError(
             f"weights in {path} do not match {type(model).__name__}. Missing: {missing[:20]}. "
@@ -264,25 +271,20 @@ def load_weights(
             return _load_from_rank0(model, path, strict)
     files = _weight_files(path)
     state = _model_state(model)
-    handles: dict[Path, Any] = {}
-    try:
-        missing, unexpected, names = _match(model, state, files, handles, path, strict)
-        with torch.no_grad():
-            for name in names:
-                target = state[name]
-                piece = _local_slice(target)
-                source = handles[files[name]].get_slice(name)
+    missing, unexpected, names = _match(model, state, files, path, strict)
+    with torch.no_grad():
+        for name in names:
+            target = state[name]
+            piece = _local_slice(target)
+            with safe_open(str(files[name]), framework="pt") as f:  # see _match
                 if piece is None:
-                    data = source[:] if target.dim() else handles[files[name]].get_tensor(name)
-                    target.copy_(data.to(target.dtype))
-                else:
-                    shape, offset = piece
-                    index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-                    local = cast(DTensor, target).to_local()
-                    if local.numel():
-                        local.copy_(source[index].to(local.dtype))
-    finally:
-        handles.clear()
+                    target.copy_(f.get_tensor(name).to(target.dtype))
+                    continue
+                shape, offset = piece
+                index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+                local = cast(DTensor, target).to_local()
+                if local.numel():
+                    local.copy_(f.get_slice(name)[index].to(local.dtype))
     return {"missing": missing, "unexpected": unexpected}
 
 
@@ -293,44 +295,39 @@ def _load_from_rank0(model: nn.Module, path: str | Path, strict: bool) -> dict[s
     from torch.distributed.tensor import distribute_tensor
 
     state = _model_state(model)
-    handles: dict[Path, Any] = {}
     files: dict[str, Path] = {}
     verdict: list[Any] = [None]
     failure: BaseException | None = None
     if dist.get_rank() == 0:
         try:
             files = _weight_files(path)
-            verdict[0] = _match(model, state, files, handles, path, strict)
+            verdict[0] = _match(model, state, files, path, strict)
         except Exception as exc:  # sent to every rank, then raised everywhere
             failure = exc
             verdict[0] = f"{type(exc).__name__}: {exc}"
     dist.broadcast_object_list(verdict, src=0)  # bounded by the process group's timeout
     if isinstance(verdict[0], str):
-        handles.clear()
         if failure is not None:
             raise failure
         raise WeightsError(f"rank 0 could not load the weights: {verdict[0]}")
     missing, unexpected, names = verdict[0]
-    try:
-        with torch.no_grad():
-            for name in names:
-                target = state[name]
-                if dist.get_rank() == 0:
-                    full = handles[files[name]].get_tensor(name)
-                    full = full.to(device=target.device, dtype=target.dtype)
-                else:  # a NaN placeholder: a send that never arrived cannot pass unseen
-                    full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-                    if full.is_floating_point():
-                        full.fill_(float("nan"))
-                if isinstance(target, DTensor):
-                    shard = distribute_tensor(
-                        full, target.device_mesh, target.placements, src_data_rank=0
-                    )
-                    target.to_local().copy_(shard.to_local())
-                else:
-                    dist.broadcast(full, src=0)
-                    target.copy_(full)
-                del full
-    finally:
-        handles.clear()
+    with torch.no_grad():
+        for name in names:
+            target = state[name]
+            if dist.get_rank() == 0:
+                with safe_open(str(files[name]), framework="pt") as f:  # see _match
+                    full = f.get_tensor(name).to(device=target.device, dtype=target.dtype)
+            else:  # a NaN placeholder: a send that never arrived cannot pass unseen
+                full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                if full.is_floating_point():
+                    full.fill_(float("nan"))
+            if isinstance(target, DTensor):
+                shard = distribute_tensor(
+                    full, target.device_mesh, target.placements, src_data_rank=0
+                )
+                target.to_local().copy_(shard.to_local())
+            else:
+                dist.broadcast(full, src=0)
+                target.copy_(full)
+            del full
     return {"missing": missing, "unexpected": unexpected}
