@@ -4,7 +4,9 @@ A GPT is sharded with full_shard over `--world` CPU ranks (gloo), trained one st
 AdamW has its state, then saved with `shardwise.save_checkpoint` and loaded back with
 `shardwise.load_checkpoint` into a fresh engine. Reported per run:
 
-- save and load throughput: checkpoint bytes / wall time of the slowest rank (MB/s);
+- save and load throughput: checkpoint bytes / wall time of the slowest rank (MB/s). A
+  save includes hashing every file (SHA-256, each rank hashing its share); load is timed
+  twice, without and with that verification;
 - peak memory during save, per rank: peak RSS during the save minus RSS just before it
   (glibc's mmap threshold pinned and the kernel's peak counter restarted, as in
   bench/overhead.py), compared with one shard unit: the largest unit's parameters plus
@@ -78,9 +80,14 @@ def _rank_body(cfg: GPTConfig, root: str) -> dict[str, Any]:
         torch.equal(a.to_local(), b.to_local())
         for a, b in zip(engine.model.parameters(), fresh.model.parameters(), strict=True)
     )
+    dist.barrier()
+    start = time.perf_counter()
+    shardwise.load_checkpoint(path, fresh, verify=True)
+    load_verified_s = time.perf_counter() - start
     return {
         "save_s": save_s,
         "load_s": load_s,
+        "load_verified_s": load_verified_s,
         "save_peak_bytes": save_peak,
         "unit_bytes": unit_bytes,
         "largest_unit_params": unit_params,
@@ -116,6 +123,7 @@ def main() -> None:
         total = manifest["bytes"]
         save_s = max(r["save_s"] for r in ranks)
         load_s = max(r["load_s"] for r in ranks)
+        verified_s = max(r["load_verified_s"] for r in ranks)
         result = {
             "benchmark": "checkpoint_io",
             "command": " ".join(["bench/checkpoint_io.py", *sys.argv[1:]]),
@@ -128,6 +136,8 @@ def main() -> None:
             "load_s": round(load_s, 3),
             "save_MB_per_s": round(total / save_s / 1e6, 1),
             "load_MB_per_s": round(total / load_s / 1e6, 1),
+            "load_verified_s": round(verified_s, 3),
+            "load_verified_MB_per_s": round(total / verified_s / 1e6, 1),
             "save_peak_MiB_per_rank": [round(r["save_peak_bytes"] / 2**20, 1) for r in ranks],
             "one_unit_MiB_per_rank": round(ranks[0]["unit_bytes"] / 2**20, 1),
             "peak_over_unit": round(
