@@ -4,10 +4,15 @@
     shardwise run --nproc 2 examples/train_lm.py                  # 2 processes, FSDP
     shardwise run --nproc 4 examples/train_lm.py parallel.strategy=hybrid_shard
     python examples/train_lm.py --config my.yaml runner.max_steps=20 optimizer.lr=1e-3
+    shardwise run --nproc 2 examples/train_lm.py --init-from runs/train_lm/export \
+        --rank0-reads runner.run_dir=runs/finetune           # continue from exported weights
 
 The same job as `shardwise demo`, written out as the script you would copy: config ->
 data -> engine (wraps the model, builds the optimizer after wrapping) -> runner -> export.
 Rerunning after an interruption resumes from the latest checkpoint (runner.resume).
+With --init-from, the model is built on the meta device and wrapped with the exported
+weights, the path for models too big to build on one device: each rank allocates and fills
+only its shards (with --rank0-reads, only rank 0 reads the files and scatters them).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(HERE / "train_lm.yaml"))
+    parser.add_argument("--init-from", help="safetensors weights to start from (an export/)")
+    parser.add_argument(
+        "--rank0-reads", action="store_true", help="with --init-from: only rank 0 reads them"
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides, cls=Config)  # strict: typos are errors
@@ -44,9 +53,17 @@ def main() -> None:
     train = ByteWindows(data[:split], model_cfg.seq_len)
     val = ByteWindows(data[split:], model_cfg.seq_len)
 
+    if args.init_from:
+        with shardwise.init_empty():  # nothing allocated until wrap() has sharded it
+            model = GPT(model_cfg)
+        model = shardwise.wrap(
+            model, cfg.parallel, weights=args.init_from, broadcast_from_rank0=args.rank0_reads
+        )
+    else:
+        model = GPT(model_cfg)
     total = cfg.runner.max_steps or 1000
     engine = shardwise.Engine(
-        GPT(model_cfg),
+        model,
         cfg.optimizer.build,  # a factory: the optimizer is built from the wrapped parameters
         cfg.parallel,
         scheduler=lambda opt: cfg.scheduler.build(opt, total),
@@ -54,12 +71,17 @@ def main() -> None:
     )
     if info.is_main:
         print(shardwise.wrap_info(engine.model))
-    summary = shardwise.Runner(engine, train, val, config=cfg.runner).fit()
+    runner = shardwise.Runner(engine, train, val, config=cfg.runner)
+    if args.init_from:
+        start = runner.validate().get("loss", float("nan"))
+        if info.is_main:
+            print(f"val loss of the weights in {args.init_from}: {start:.4f}")
+    summary = runner.fit()
     shardwise.export_weights(engine.model, Path(cfg.runner.run_dir) / "export")
     if info.is_main:
         val_loss = summary["val"].get("loss", float("nan"))
         print(
-            f"done: step {summary['steps']}, val loss {val_loss:.3f}, files in {cfg.runner.run_dir}"
+            f"done: step {summary['steps']}, val loss {val_loss:.4f}, files in {cfg.runner.run_dir}"
         )
     shardwise.shutdown()
 

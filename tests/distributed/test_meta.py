@@ -18,7 +18,7 @@ from torch import nn
 
 import shardwise
 from shardwise import InitializationError, ParallelConfig, init_empty, unwrap, wrap
-from shardwise.models import GPT, GPTConfig, random_lm_batches
+from shardwise.models import GPT, ConvNet, GPTConfig, random_lm_batches
 from shardwise.parity import full_parameters, split_batch
 from shardwise.testing import run_distributed
 from shardwise.weights import WeightsError
@@ -120,6 +120,17 @@ def cases(weights_dir: str, strategies: tuple[str, ...]) -> dict:
             broadcast_from_rank0=True,
         )
         out[f"load_{s}_rank0"] = full_parameters(from_rank0)
+    # A model with persistent buffers (BatchNorm running statistics) loaded both ways.
+    for s in strategies:
+        for rank0 in (False, True):
+            cnn = wrap(
+                meta(ConvNet),
+                ParallelConfig(strategy=s, auto_wrap_policy="none"),
+                weights=f"{weights_dir}/convnet",
+                broadcast_from_rank0=rank0,
+            )
+            buffers = {n: b.clone() for n, b in unwrap(cnn).named_buffers()}
+            out[f"cnn_{s}_{'rank0' if rank0 else 'slices'}"] = {**full_parameters(cnn), **buffers}
     if dist.get_world_size() == 4:
         out["state_bytes"] = model_state_bytes()
     if "hybrid_shard" in strategies:
@@ -191,6 +202,11 @@ def weights_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("weights")
     torch.manual_seed(7)
     shardwise.export_weights(GPT(CFG), path)
+    cnn = ConvNet()
+    with torch.no_grad():  # forward passes in train mode move BatchNorm's running stats
+        for _ in range(3):
+            cnn(torch.randn(4, 3, 8, 8) * 3 + 1)
+    shardwise.export_weights(cnn, path / "convnet")
     return str(path)
 
 
@@ -294,6 +310,21 @@ def test_rank0_errors_reach_every_rank(world2, world4):
     assert world2[1]["wrong_weights_rank0"].startswith(
         "WeightsError: rank 0 could not load the weights: WeightsError: weights in"
     )
+
+
+def test_meta_build_plus_load_restores_buffers_too(world2, world4, weights_dir):
+    eager_model = ConvNet()
+    shardwise.load_weights(eager_model, f"{weights_dir}/convnet")
+    want = dict(eager_model.state_dict())
+    assert float(want["features.1.num_batches_tracked"]) == 3  # buffers are not defaults
+    assert not torch.equal(want["features.1.running_mean"], torch.zeros(8))
+    for r in (*world2, *world4):
+        keys = [k for k in r if k.startswith("cnn_")]
+        assert len(keys) >= 6
+        for key in keys:
+            assert sorted(r[key]) == sorted(want), key
+            for name, value in want.items():
+                assert torch.equal(r[key][name], value), (key, name)
 
 
 def test_buffers_are_computed_not_garbage(world2):

@@ -1,0 +1,39 @@
+"""End to end: examples/train_lm.py trained, exported, and started again from its export
+on a meta-built model, launched the way a user launches it."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from _proc import run_in_session
+
+from shardwise.testing import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_lm.py"
+
+
+def _launch(*args: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           str(EXAMPLE), *args]  # fmt: skip
+    result = run_in_session(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_train_export_then_start_from_the_export_on_meta(tmp_path):
+    first = _launch("runner.max_steps=6", "runner.val_every=6", f"runner.run_dir={tmp_path / 'a'}")
+    done = re.search(r"done: step 6, val loss (\S+),", first)
+    assert done, first
+    export = tmp_path / "a" / "export"
+    assert (export / "model.safetensors").is_file()
+    # Rank 0 alone reads the export: the meta-built model starts where the first run ended.
+    second = _launch("--init-from", str(export), "--rank0-reads", "runner.max_steps=2",
+                     f"runner.run_dir={tmp_path / 'b'}")  # fmt: skip
+    start = re.search(r"val loss of the weights in \S+: (\S+)", second)
+    assert start, second
+    assert float(start.group(1)) == float(done.group(1)), (first, second)
+    assert second.count("val loss of the weights") == 1  # printed by rank 0 only
