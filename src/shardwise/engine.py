@@ -13,6 +13,7 @@ norms come from torch's DTensor reductions, syncing from DDP/FSDP2's own switche
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -157,6 +158,19 @@ class Engine:
         self.train_config = train or TrainConfig()
         info = wrap_info(model)
         if info is not None:
+            if config is not None and config != info.config:
+                differ = [
+                    f"{f.name}={getattr(config, f.name)!r} (wrapped with "
+                    f"{getattr(info.config, f.name)!r})"
+                    for f in dataclasses.fields(config)
+                    if getattr(config, f.name) != getattr(info.config, f.name)
+                ]
+                raise ValueError(
+                    "Engine(model, config=...): the model was already wrapped by "
+                    f"shardwise.wrap with another ParallelConfig: {', '.join(differ)}. A "
+                    "wrapped model cannot be re-wrapped. Pass config=None (the wrap's config "
+                    "is used), or pass the unwrapped model and let the Engine wrap it."
+                )
             self.config = info.config
             self.model = model
         elif _already_parallel(model):

@@ -183,6 +183,12 @@ def test_engine_accepts_a_model_already_wrapped():
     model = shardwise.wrap(GPT(CFG), ParallelConfig(strategy="ddp"))
     engine = Engine(model, adamw)
     assert engine.model is model and engine.config.strategy == "ddp"
+    assert Engine(model, adamw, ParallelConfig(strategy="ddp")).config.strategy == "ddp"
+    with pytest.raises(
+        ValueError,
+        match=r"another ParallelConfig: strategy='full_shard' \(wrapped with 'ddp'\)\. A wrapped",
+    ):
+        Engine(model, adamw, ParallelConfig(strategy="full_shard"))
 
 
 def test_checkpoint_weights_and_memory_argument_errors(tmp_path):
