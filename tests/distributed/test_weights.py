@@ -122,6 +122,13 @@ def export_and_load(out: str) -> dict:
         fresh = wrap(GPT(GPTConfig()), ParallelConfig(strategy=strategy))  # a different init
         load_weights(fresh, f"{out}/ddp")
         result[f"loaded_{strategy}"] = full_parameters(fresh)
+        if strategy == "ddp":  # bf16, split over several files with an index
+            export_weights(engine.model, f"{out}/bf16", max_shard_bytes=20_000, dtype="bf16")
+        # Only rank 0 reads (the others get a path that does not exist); cast up to fp32.
+        fresh = wrap(GPT(GPTConfig()), ParallelConfig(strategy=strategy))
+        only_rank0 = f"{out}/bf16" if dist.get_rank() == 0 else "/nonexistent"
+        load_weights(fresh, only_rank0, broadcast_from_rank0=True)
+        result[f"loaded_bf16_rank0_{strategy}"] = full_parameters(fresh)
     return result
 
 
@@ -141,7 +148,14 @@ def test_sharded_export_and_load_match_single_process(tmp_path, world):
             assert torch.equal(exported[name], mine), (strategy, name)
             # ...which match single-process training (the parity bar).
             assert float((exported[name] - value).norm() / value.norm()) <= 1e-5, (strategy, name)
+        bf16 = {}
+        for file in sorted((tmp_path / "bf16").glob("*.safetensors")):
+            bf16.update(load_file(str(file)))
+        assert len(list((tmp_path / "bf16").glob("*.safetensors"))) > 1
         for rank_result in results:
+            for name, value in rank_result[f"loaded_bf16_rank0_{strategy}"].items():
+                assert value.dtype == torch.float32
+                assert torch.equal(value, bf16[name].float()), (strategy, name)
             for name, value in rank_result[f"loaded_{strategy}"].items():
                 assert (
                     torch.equal(value, exported[name])
