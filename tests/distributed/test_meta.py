@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise
-from shardwise import InitializationError, ParallelConfig, init_empty, unwrap, wrap
+from shardwise import STRATEGIES, InitializationError, ParallelConfig, init_empty, unwrap, wrap
 from shardwise.models import GPT, ConvNet, GPTConfig, random_lm_batches
 from shardwise.parity import full_parameters, split_batch
 from shardwise.testing import run_distributed
@@ -215,7 +215,7 @@ def world2(weights_dir):
     return run_distributed(
         cases,
         2,
-        args=(weights_dir, ("ddp", "no_shard", "shard_grad_op", "full_shard")),
+        args=(weights_dir, tuple(s for s in STRATEGIES if not s.startswith("hybrid"))),
         timeout_s=240,
     )
 
@@ -225,7 +225,7 @@ def world4(weights_dir):
     return run_distributed(
         cases,
         4,
-        args=(weights_dir, ("full_shard", "hybrid_shard", "hybrid_shard_zero2")),
+        args=(weights_dir, STRATEGIES),
         timeout_s=240,
     )
 
@@ -249,15 +249,8 @@ def _assert_same_distribution(got: dict, want: dict, label: str) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    [
-        "w2:ddp",
-        "w2:no_shard",
-        "w2:shard_grad_op",
-        "w2:full_shard",
-        "w4:full_shard",
-        "w4:hybrid_shard",
-        "w4:hybrid_shard_zero2",
-    ],
+    [f"w2:{s}" for s in STRATEGIES if not s.startswith("hybrid")]  # HSDP needs a 2-D mesh
+    + [f"w4:{s}" for s in STRATEGIES],
 )
 def test_meta_build_initialises_like_eager_and_trains(world2, world4, eager, case):
     world, strategy = case.split(":")
