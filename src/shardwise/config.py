@@ -187,7 +187,8 @@ class ParallelConfig:
     """Keep sharded parameters, gradients and optimizer state on CPU: bool,
     CPUOffloadPolicy or FSDP1's CPUOffload. Not available with ddp."""
     sync_module_states: bool = True
-    """Start every rank from rank 0's parameters and buffers."""
+    """Start every rank from rank 0's parameters and buffers (an eagerly built model; to
+    load a weights file through rank 0, use wrap(..., broadcast_from_rank0=True))."""
     reshard_after_forward: bool | int | None = None
     """Override the strategy's choice for non-root units (True frees gathered parameters
     after forward; an int reshards to that many ranks). None: from the strategy."""
