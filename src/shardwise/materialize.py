@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -77,10 +78,41 @@ def _seed_for_rank(mesh: Any, seed: int) -> None:
     torch.manual_seed(seed + 1_000_003 * shard_coordinate)
 
 
+def _forget_init_marks(model: nn.Module) -> None:
+    """Hugging Face models mark modules and tensors `_is_hf_initialized` while they are
+    built, and their `init_weights()` skips whatever is marked. Built on meta, nothing was
+    really initialised, so the marks would leave those parameters empty."""
+    for obj in (*model.modules(), *model.parameters(), *model.buffers()):
+        if getattr(obj, "_is_hf_initialized", False):
+            setattr(obj, "_is_hf_initialized", False)  # noqa: B010
+
+
+@contextlib.contextmanager
+def _original_class(model: nn.Module) -> Iterator[None]:
+    """Show model code its own class while its initialiser runs.
+
+    fully_shard swaps a module's class for a generated `FSDP<Name>` subclass defined in
+    torch. Code that inspects its own class can then take another path: Hugging Face
+    treats a class from outside `transformers.` as custom code and skips, for example,
+    GPT-2's scaled initialisation of its residual projections.
+    """
+    cls: type[nn.Module] = type(model)
+    bases = cls.__bases__
+    if isinstance(model, FSDPModule) and len(bases) == 2 and bases[0] is FSDPModule:
+        model.__class__ = bases[1]
+        try:
+            yield
+        finally:
+            model.__class__ = cls  # type: ignore[assignment]
+    else:
+        yield
+
+
 def _run_initialisers(
     model: nn.Module, param_init_fn: Callable[[nn.Module], None] | None
 ) -> list[str]:
     used = []
+    _forget_init_marks(model)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="DTensor random operators may not have complete support"
@@ -95,15 +127,16 @@ def _run_initialisers(
                 if callable(reset) and any(True for _ in module.parameters(recurse=False)):
                     reset()
             used.append("reset_parameters")
-        hook = getattr(model, "init_weights", None)
-        per_module = getattr(model, "_init_weights", None)
-        if callable(hook):
-            hook()
-            used.append("init_weights")
-        elif callable(per_module):
-            for module in model.modules():
-                per_module(module)
-            used.append("_init_weights")
+        with _original_class(model):
+            hook = getattr(model, "init_weights", None)
+            per_module = getattr(model, "_init_weights", None)
+            if callable(hook):
+                hook()
+                used.append("init_weights")
+            elif callable(per_module):
+                for module in model.modules():
+                    per_module(module)
+                used.append("_init_weights")
     return used
 
 

@@ -6,7 +6,7 @@ killing every process on failure or timeout (no orphans: children also die with 
 parent on Linux).
 
 Must not: know about strategies or models. Public API: `run_distributed`, `RankError`,
-`free_port`.
+`free_port`, `count_collectives`, `assert_same_distribution`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any, cast
 
-__all__ = ["RankError", "count_collectives", "free_port", "run_distributed"]
+__all__ = [
+    "RankError",
+    "assert_same_distribution",
+    "count_collectives",
+    "free_port",
+    "run_distributed",
+]
 
 
 class RankError(RuntimeError):
@@ -243,3 +249,34 @@ def count_collectives(names: tuple[str, ...] = COUNTED_COLLECTIVES) -> Iterator[
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def assert_same_distribution(
+    got: Mapping[str, Any],
+    want: Mapping[str, Any],
+    *,
+    std_rtol: float = 0.1,
+    mean_sigmas: float = 4.0,
+    label: str = "",
+) -> None:
+    """Check that each tensor in `got` looks drawn like its namesake in `want`.
+
+    Per tensor of more than one element: the standard deviations agree within `std_rtol`,
+    and the means within `mean_sigmas` standard errors. This is how a meta-device build is
+    compared with an eager build, since values drawn on other ranks cannot be identical.
+    """
+    import math
+
+    missing = sorted(set(want) - set(got))
+    if missing:
+        raise AssertionError(f"{label}: not in the tensors checked: {missing[:10]}")
+    for name, w in want.items():
+        g = got[name]
+        if w.numel() <= 1:
+            continue
+        w_mean, w_std = float(w.float().mean()), float(w.float().std())
+        g_mean, g_std = float(g.float().mean()), float(g.float().std())
+        if abs(g_std - w_std) > std_rtol * w_std + 1e-6:
+            raise AssertionError(f"{label}: {name} std {g_std:.5f}, expected {w_std:.5f}")
+        if abs(g_mean - w_mean) > mean_sigmas * w_std / math.sqrt(g.numel()) + 1e-6:
+            raise AssertionError(f"{label}: {name} mean {g_mean:.5f}, expected {w_mean:.5f}")

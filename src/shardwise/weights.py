@@ -207,6 +207,18 @@ def _local_slice(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]
     return tuple(shape), tuple(offset)
 
 
+def _tied_names(model: nn.Module) -> dict[str, set[str]]:
+    """name -> the other names of the same parameter (tied weights), from the module tree,
+    so every rank gets the same answer whatever its shards hold."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    groups: dict[int, set[str]] = {}
+    for name, p in inner.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), set()).add(name.replace("_orig_mod.", ""))
+    return {n: group - {n} for group in groups.values() if len(group) > 1 for n in group}
+
+
 def _match(
     model: nn.Module,
     state: dict[str, torch.Tensor],
@@ -221,7 +233,9 @@ def _match(
     resident memory until the handle closes (a whole model's worth, on a rank that reads
     it all). Closing after each tensor keeps it to one tensor.
     """
-    missing = sorted(set(state) - set(files))
+    tied = _tied_names(model)
+    # A tied parameter saved under one of its names (as Hugging Face saves them) is complete.
+    missing = sorted(n for n in set(state) - set(files) if not tied.get(n, set()) & set(files))
     unexpected = sorted(set(files) - set(state))
     names = sorted(set(state) & set(files))
     mismatched = []

@@ -20,7 +20,7 @@ import shardwise
 from shardwise import STRATEGIES, InitializationError, ParallelConfig, init_empty, unwrap, wrap
 from shardwise.models import GPT, ConvNet, GPTConfig, random_lm_batches
 from shardwise.parity import full_parameters, split_batch
-from shardwise.testing import run_distributed
+from shardwise.testing import assert_same_distribution, run_distributed
 from shardwise.weights import WeightsError
 
 CFG = GPTConfig(d_model=64, n_layers=2, seq_len=16)
@@ -75,10 +75,6 @@ class NoInit(nn.Module):
 def meta(factory):
     with init_empty():
         return factory()
-
-
-def stats(params: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
-    return {n: (float(p.mean()), float(p.std())) for n, p in params.items() if p.numel() > 1}
 
 
 def train_a_bit(model, steps=3):
@@ -236,17 +232,6 @@ def eager():
     return {n: p.detach().clone() for n, p in GPT(CFG).named_parameters()}
 
 
-def _assert_same_distribution(got: dict, want: dict, label: str) -> None:
-    for name, (mean, std) in stats(want).items():
-        g_mean, g_std = stats(got)[name]
-        assert abs(g_std - std) <= 0.1 * std + 1e-6, (
-            f"{label}: {name} std {g_std:.4f} vs eager {std:.4f}"
-        )
-        assert abs(g_mean - mean) <= 4 * std / math.sqrt(got[name].numel()) + 1e-6, (
-            f"{label}: {name} mean"
-        )
-
-
 @pytest.mark.parametrize(
     "case",
     [f"w2:{s}" for s in STRATEGIES if not s.startswith("hybrid")]  # HSDP needs a 2-D mesh
@@ -256,7 +241,7 @@ def test_meta_build_initialises_like_eager_and_trains(world2, world4, eager, cas
     world, strategy = case.split(":")
     results = world2 if world == "w2" else world4
     got = results[0][f"init_{strategy}"]
-    _assert_same_distribution(got["params"], eager, case)
+    assert_same_distribution(got["params"], eager, label=case)
     for name in ("blocks.0.ln1.weight", "ln_f.bias"):  # deterministic initialisers: exact
         assert torch.equal(got["params"][name], eager[name]), name
     assert all(math.isfinite(x) for x in got["losses"]) and got["losses"][-1] < got["losses"][0]
