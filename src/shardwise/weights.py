@@ -210,11 +210,10 @@ def _local_slice(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]
 def _tied_names(model: nn.Module) -> dict[str, set[str]]:
     """name -> the other names of the same parameter (tied weights), from the module tree,
     so every rank gets the same answer whatever its shards hold."""
-    from torch.nn.parallel import DistributedDataParallel
+    from shardwise.strategies import unwrap
 
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
     groups: dict[int, set[str]] = {}
-    for name, p in inner.named_parameters(remove_duplicate=False):
+    for name, p in unwrap(model).named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), set()).add(name.replace("_orig_mod.", ""))
     return {n: group - {n} for group in groups.values() if len(group) > 1 for n in group}
 
@@ -233,11 +232,11 @@ def _match(
     resident memory until the handle closes (a whole model's worth, on a rank that reads
     it all). Closing after each tensor keeps it to one tensor.
     """
-    tied = _tied_names(model)
+    tied, present = _tied_names(model), set(files)
     # A tied parameter saved under one of its names (as Hugging Face saves them) is complete.
-    missing = sorted(n for n in set(state) - set(files) if not tied.get(n, set()) & set(files))
-    unexpected = sorted(set(files) - set(state))
-    names = sorted(set(state) & set(files))
+    missing = sorted(n for n in set(state) - present if not tied.get(n, set()) & present)
+    unexpected = sorted(present - set(state))
+    names = sorted(set(state) & present)
     mismatched = []
     by_file: dict[Path, list[str]] = {}
     for name in names:
@@ -278,11 +277,8 @@ def load_weights(
     (with `strict=False`, missing/unexpected are returned instead; shapes must match).
     Under `broadcast_from_rank0`, every rank raises rank 0's error.
     """
-    import torch.distributed as dist
-
-    if broadcast_from_rank0 and dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() > 1:
-            return _load_from_rank0(model, path, strict)
+    if broadcast_from_rank0 and rank_and_world()[1] > 1:
+        return _load_from_rank0(model, path, strict)
     files = _weight_files(path)
     state = _model_state(model)
     missing, unexpected, names = _match(model, state, files, path, strict)
@@ -308,11 +304,12 @@ def _load_from_rank0(model: nn.Module, path: str | Path, strict: bool) -> dict[s
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
+    rank, _ = rank_and_world()
     state = _model_state(model)
     files: dict[str, Path] = {}
     verdict: list[Any] = [None]
     failure: BaseException | None = None
-    if dist.get_rank() == 0:
+    if rank == 0:
         try:
             files = _weight_files(path)
             verdict[0] = _match(model, state, files, path, strict)
@@ -328,7 +325,7 @@ def _load_from_rank0(model: nn.Module, path: str | Path, strict: bool) -> dict[s
     with torch.no_grad():
         for name in names:
             target = state[name]
-            if dist.get_rank() == 0:
+            if rank == 0:
                 with safe_open(str(files[name]), framework="pt") as f:  # see _match
                     full = f.get_tensor(name).to(device=target.device, dtype=target.dtype)
             else:  # a NaN placeholder: a send that never arrived cannot pass unseen

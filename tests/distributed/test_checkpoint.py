@@ -151,16 +151,58 @@ def test_reshard_check_can_fail_without_optimizer_state(tmp_path):
 # --- contents, listing, pruning --------------------------------------------------------------
 
 
+def _message(fn) -> str:
+    try:
+        fn()
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _unreadable(path: Path) -> str:
+    raise OSError("read error")
+
+
 def save_twice_keep_one(root: str) -> dict:
+    from shardwise import checkpoint as ck
+
     engine = engine_for("full_shard")
     for batch in DATA[:3]:
         train(engine, [batch])
         save_checkpoint(root, engine, keep_last=2, extra={"note": "hello"})
-    return {"rank": dist.get_rank()}
+    out: dict = {"rank": dist.get_rank()}
+    # Rank 1 fails to hash its share of the files: the save fails on every rank.
+    original = ck._sha256
+    if dist.get_rank() == 1:
+        ck._sha256 = _unreadable
+    train(engine, [DATA[3]])
+    out["hash_failure"] = _message(lambda: save_checkpoint(root, engine, keep_last=2))
+    ck._sha256 = original
+    # A file in rank 1's share of the verification is corrupted: every rank refuses.
+    latest = ck.resolve_checkpoint(root)
+    victim = latest / sorted(ck.read_manifest(latest)["files"])[1]
+    clean = victim.read_bytes()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        victim.write_bytes(clean[:-1] + bytes([clean[-1] ^ 0xFF]))
+    dist.barrier()
+    out["verify_failure"] = _message(lambda: load_checkpoint(root, engine_for("full_shard")))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        victim.write_bytes(clean)
+    out["victim"] = str(victim.relative_to(latest))
+    return out
 
 
 def test_manifest_latest_and_keep_last(tmp_path):
-    run_distributed(save_twice_keep_one, 2, args=(str(tmp_path),), timeout_s=120)
+    results = run_distributed(save_twice_keep_one, 2, args=(str(tmp_path),), timeout_s=120)
+    assert results[0]["hash_failure"].startswith("could not write checkpoint step_00000004 under")
+    assert "hashing the written files failed: rank 1: read error" in results[0]["hash_failure"]
+    assert results[1]["hash_failure"].startswith("finalising the checkpoint failed on 1 other")
+    victim = results[0]["victim"]
+    for r in results:  # found by rank 1, reported identically by both
+        assert r["verify_failure"] == results[0]["verify_failure"]
+        assert f"(1 problem(s)): {victim}: content differs" in r["verify_failure"]
     complete = [c.path.name for c in list_checkpoints(tmp_path) if c.complete]
     assert complete == ["step_00000002", "step_00000003"]
     assert resolve_checkpoint(tmp_path).name == "step_00000003"
