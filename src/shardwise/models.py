@@ -212,3 +212,47 @@ class LoRALM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return F.cross_entropy(self.head(x).flatten(0, 1).float(), targets.flatten())
+
+
+class Embeddings(nn.Module):
+    """Token embedding plus LayerNorm: a unit of its own in BERT-like plans."""
+
+    def __init__(self, vocab_size: int, d: int) -> None:
+        super().__init__()
+        self.word = nn.Embedding(vocab_size, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.word(x))
+
+
+class Head(nn.Module):
+    """BERT's MLM head: the decoder's bias is the head's own `bias`, its weight the
+    embedding's: two ties, one reaching outside the head."""
+
+    def __init__(self, word: nn.Embedding) -> None:
+        super().__init__()
+        vocab_size, d = word.weight.shape
+        self.transform = nn.Linear(d, d)
+        self.decoder = nn.Linear(d, vocab_size)
+        self.bias = self.decoder.bias
+        self.decoder.weight = word.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(torch.tanh(self.transform(h)))
+
+
+class CrossTied(nn.Module):
+    """A BERT-shaped LM whose ties cross shard-unit boundaries (tests the planner)."""
+
+    def __init__(self, vocab_size: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.embeddings = Embeddings(vocab_size, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.head = Head(self.embeddings.word)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embeddings(x)
+        for layer in self.layers:
+            h = h + torch.relu(layer(h))
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())

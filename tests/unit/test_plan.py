@@ -10,7 +10,7 @@ from torch import nn
 
 import shardwise
 from shardwise import ParallelConfig, PlanNotice, plan_wrap
-from shardwise.models import GPT, MLP, Attention, Block, ConvNet, GPTConfig
+from shardwise.models import GPT, MLP, Attention, Block, ConvNet, CrossTied, Embeddings, GPTConfig
 from shardwise.models import LoRALM as LoRAModel
 from shardwise.wrap import detect_blocks, registered_policies
 
@@ -277,6 +277,55 @@ def test_shared_module_registered_twice():
     plan = plan_wrap(model, ParallelConfig(auto_wrap_policy={nn.Linear}))
     assert units(plan) == [("0.0 + 1.0", "Linear", "tied"), ("", "Sequential", "root")]
     assert plan.total_params == 20
+
+
+def test_ties_reaching_outside_their_common_ancestor_land_in_one_unit():
+    # The head's bias tie sits under `head`, but the head's decoder is also tied to the
+    # embeddings unit: all three must end in one unit, and the plan says so.
+    plan = plan_wrap(CrossTied(), ParallelConfig(auto_wrap_policy={Embeddings, nn.Linear}))
+    assert units(plan) == [
+        ("layers.0", "Linear", "policy"),
+        ("layers.1", "Linear", "policy"),
+        ("head.transform", "Linear", "policy"),
+        ("embeddings + head", "Embeddings+Head", "tied"),
+        ("", "CrossTied", "root"),
+    ]
+    assert plan.tied_units == ["embeddings + head", "embeddings + head"]
+    text = str(plan)
+    assert "tied: embeddings.word.weight = head.decoder.weight -> unit embeddings + head" in text
+    assert "tied: head.decoder.bias = head.bias -> unit embeddings + head" in text
+
+
+def test_bert_for_masked_lm_ties_are_planned_whole():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+    )
+    plan = plan_wrap(transformers.BertForMaskedLM(cfg), ParallelConfig())
+    assert plan.tied_units == ["bert.embeddings + cls.predictions"] * 2
+    assert [u.fqn for u in plan] == [
+        "bert.encoder.layer.0",
+        "bert.encoder.layer.1",
+        "bert.embeddings + cls.predictions",
+        "",
+    ]
+
+
+def test_tie_held_by_the_root_folds_units_into_the_root():
+    class RootHeld(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            self.weight = self.inner[0].weight  # the root holds it directly, too
+
+    plan = plan_wrap(RootHeld(), ParallelConfig(auto_wrap_policy={nn.Linear}))
+    assert units(plan) == [("inner.1", "Linear", "policy"), ("", "RootHeld", "root")]
+    assert plan.tied_units == [""]
+    assert any("fold into the root unit" in n for n in plan.notes)
 
 
 # --- frozen parameters ---------------------------------------------------------------------

@@ -38,8 +38,12 @@ from shardwise.wrap.units import (
     assign,
     merge_tied,
     mixed_units,
+    owning_unit,
     sort_units,
     split_frozen,
+)
+from shardwise.wrap.units import (
+    shared_params as _shared,
 )
 
 
@@ -94,6 +98,9 @@ class WrapPlan:
     mixed_units: list[MixedUnit] = field(default_factory=list)
     ignored_params: list[str] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)
+    """Each shared parameter's names (one parameter reached by several module paths)."""
+    tied_units: list[str] = field(default_factory=list)
+    """The unit holding each `tied` group whole (same order)."""
 
     def __iter__(self) -> Iterator[WrapUnit]:
         return iter(self.units)
@@ -138,6 +145,8 @@ class WrapPlan:
                 f"{u.compute_dtype:>9} {u.reshard_after_forward!s:>7} "
                 f"{'yes' if u.activation_checkpointing else '':>3}  {u.reason}"
             )
+        for names, unit in zip(self.tied, self.tied_units, strict=True):
+            lines.append(f"tied: {' = '.join(names)} -> unit {unit or '<root>'}")
         lines.extend(f"note: {n}" for n in self.notes)
         for m in self.mixed_units:
             lines.append(f"mixed: {m.unit}: frozen {m.frozen} | trainable {m.trainable}")
@@ -297,6 +306,8 @@ def plan_wrap(
     if sharded:  # only FSDP units hold parameters together; DDP and world 1 have none
         units, mixed = _handle_frozen(units, index, config, notes)
 
+    tied_units = _tied_units(units, index, tied)
+
     fp32_units = [u for u in units if u.fp32]
     if fp32_units:
         names = ", ".join(" + ".join(u.members) for u in fp32_units)
@@ -315,7 +326,25 @@ def plan_wrap(
         mixed_units=mixed,
         ignored_params=ignored_names,
         tied=tied,
+        tied_units=tied_units,
     )
+
+
+def _tied_units(units: list[Unit], index: ModelIndex, tied: list[list[str]]) -> list[str]:
+    """The unit holding each tied group; an error if a later step split one."""
+    out = []
+    for (_, users), names in zip(_shared(index), tied, strict=True):
+        owners = {id(owning_unit(units, u)): owning_unit(units, u) for u in users}
+        if len(owners) > 1:
+            where = [" + ".join(o.members) if o else "<root>" for o in owners.values()]
+            raise ValueError(
+                f"shardwise: the plan splits tied parameter {' = '.join(names)} across units "
+                f"{where} (frozen_policy='split' separated its users). FSDP2 cannot shard one "
+                "parameter in two units: use frozen_policy='warn', or freeze all of its users."
+            )
+        owner = next(iter(owners.values()))
+        out.append(" + ".join(owner.members) if owner else "")
+    return out
 
 
 def _describe(

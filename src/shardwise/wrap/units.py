@@ -22,16 +22,6 @@ def is_within(fqn: str, ancestor: str) -> bool:
     return ancestor == "" or fqn == ancestor or fqn.startswith(ancestor + ".")
 
 
-def common_ancestor(fqns: list[str]) -> str:
-    parts = [f.split(".") if f else [] for f in fqns]
-    prefix: list[str] = []
-    for level in zip(*parts, strict=False):
-        if any(p != level[0] for p in level):
-            break
-        prefix.append(level[0])
-    return ".".join(prefix)
-
-
 @dataclass
 class ModelIndex:
     """Every module path in post-order, with each path's direct (unignored) parameters."""
@@ -134,46 +124,71 @@ def assign(units: list[Unit], index: ModelIndex) -> list[list[int]]:
     return result
 
 
+def shared_params(index: ModelIndex) -> list[tuple[int, list[str]]]:
+    """(parameter id, every module path holding it) for parameters held by several paths."""
+    return [(pid, users) for pid, users in index.users.items() if len(users) > 1]
+
+
+def owning_unit(units: list[Unit], fqn: str) -> Unit | None:
+    """The unit whose fully_shard call manages a parameter held directly by `fqn`: the
+    innermost unit containing it (inner units are sharded first). None: the root."""
+    best: tuple[int, Unit] | None = None
+    for unit in units:
+        for member in unit.members:
+            if is_within(fqn, member):
+                depth = len(member.split(".")) if member else 0
+                if best is None or depth > best[0]:
+                    best = (depth, unit)
+    return None if best is None else best[1]
+
+
+def _outermost_members(members: list[str]) -> tuple[str, ...]:
+    """Members not inside another member (a module's subtree already comes with it)."""
+    unique = list(dict.fromkeys(members))
+    return tuple(m for m in unique if not any(o != m and is_within(m, o) for o in unique))
+
+
 def merge_tied(
     units: list[Unit], index: ModelIndex
 ) -> tuple[list[Unit], list[list[str]], list[str]]:
-    """Make each shared parameter's users land in one unit.
+    """Make every user of each shared parameter land in one unit.
 
-    A shared parameter is owned by the first unit (post-order) containing one of its
-    users; another user outside that unit would then read a resharded parameter. Such
-    units (and loose users) below the users' common ancestor are merged into one unit.
+    fully_shard manages a parameter in the first (innermost) unit whose modules hold it;
+    a user in another unit would read a parameter that unit does not gather, and FSDP2
+    refuses it ("shared with a parameter already managed by another FSDP group"). So the
+    units managing the users of one parameter are merged, wherever they sit in the tree
+    (a tie may join an embedding with a head far from it), together with the users that
+    only the root manages. A user that is the root itself folds the units into the root.
+    Merging can split another tie, so this repeats until every tie sits in one unit.
     Returns the new units, the tied groups (parameter FQNs) and notes.
     """
-    groups: list[list[str]] = []
+    shared = shared_params(index)
+    groups = [[_param_path(index, pid, u) for u in users] for pid, users in shared]
     notes: list[str] = []
-    for pid, users in index.users.items():
-        if len(users) < 2:
-            continue
-        groups.append([_param_path(index, pid, u) for u in users])
-        top = common_ancestor(users)
-        below = [
-            u
-            for u in units
-            if u.members != (top,) and all(is_within(m, top) and m != top for m in u.members)
-        ]
-        conflicting = [u for u in below if any(u.contains(x) for x in users)]
-        if not conflicting:
-            continue
-        outermost = [
-            u
-            for u in conflicting
-            if not any(o is not u and all(o.contains(m) for m in u.members) for o in conflicting)
-        ]
-        loose = [x for x in users if not any(u.contains(x) for u in outermost)]
-        members = tuple(dict.fromkeys(m for u in outermost for m in u.members).keys()) + tuple(
-            loose
-        )
-        merged = Unit(members, "tied", fp32=any(u.fp32 for u in outermost))
-        units = [u for u in units if u not in outermost] + [merged]
-        notes.append(
-            f"tied parameter {index.names[pid]} is used by {users}: merged "
-            f"{[' + '.join(u.members) for u in outermost] + loose} into one unit"
-        )
+    changed = True
+    while changed:
+        changed = False
+        for pid, users in shared:
+            owners = [owning_unit(units, u) for u in users]
+            distinct = list({id(o): o for o in owners if o is not None}.values())
+            if len(distinct) + (None in owners) < 2:
+                continue
+            loose = [u for u, o in zip(users, owners, strict=True) if o is None]
+            units = [u for u in units if all(u is not d for d in distinct)]
+            before = [" + ".join(d.members) for d in distinct] + loose
+            if "" in loose:  # the root holds it directly: the root is the only unit to join
+                notes.append(
+                    f"tied parameter {index.names[pid]} is used by {users}, one of them the "
+                    f"root: {[' + '.join(d.members) for d in distinct]} fold into the root unit"
+                )
+            else:
+                members = _outermost_members([m for d in distinct for m in d.members] + loose)
+                units.append(Unit(members, "tied", fp32=any(d.fp32 for d in distinct)))
+                notes.append(
+                    f"tied parameter {index.names[pid]} is used by {users}: merged {before} "
+                    "into one unit"
+                )
+            changed = True
     return units, groups, notes
 
 
