@@ -29,11 +29,20 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import ParallelConfig
+from shardwise.losses import VIS_KEYS, model_parse_losses, parse_losses, split_outputs
+from shardwise.optim import (
+    OptimizerFactory,
+    build_optimizer,
+    build_scheduler,
+    is_optim_wrapper,
+    read_optim_wrapper,
+)
 from shardwise.strategies import unwrap, wrap, wrap_info
+
+__all__ = ["VIS_KEYS", "Engine", "TrainConfig", "parse_losses", "total_grad_norm"]
 
 MODES = ("loss", "predict", "tensor")
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
@@ -71,57 +80,6 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.init_scale={self.init_scale!r} must be > 0.")
 
 
-def parse_losses(outputs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The total loss to backpropagate and the scalar values to log.
-
-    A tensor is the loss. In a mapping, every scalar (or list of tensors, averaged then
-    summed) is logged and the keys containing 'loss' are summed into the total; other
-    entries (predictions for visualisation) are passed over. An object with a `.loss`
-    tensor (Hugging Face outputs) gives that loss.
-    """
-    if isinstance(outputs, torch.Tensor):
-        if outputs.numel() != 1:
-            raise ValueError(
-                f"Engine: the model returned a tensor of shape {tuple(outputs.shape)}; a loss "
-                "must be a scalar. Reduce it (e.g. .mean()) in forward, or return a dict."
-            )
-        return outputs.reshape(()), {"loss": outputs.detach().reshape(())}
-    if isinstance(outputs, Mapping):
-        logs: dict[str, torch.Tensor] = {}
-        for key, value in outputs.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                logs[key] = value.reshape(())
-            elif (
-                isinstance(value, (list, tuple))
-                and value
-                and all(isinstance(v, torch.Tensor) for v in value)
-            ):
-                logs[key] = torch.stack([v.mean() for v in value]).sum()
-        loss_keys = [k for k in logs if "loss" in k]
-        if loss_keys:
-            total = torch.stack([logs[k] for k in loss_keys]).sum()
-            detached = {k: v.detach() for k, v in logs.items()}
-            detached["loss"] = total.detach()
-            return total, detached
-    loss = getattr(outputs, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return parse_losses(loss)
-    raise TypeError(
-        f"Engine: the model returned {_describe(outputs)}; expected a scalar loss tensor, a "
-        "dict whose keys containing 'loss' hold the losses, or an object with a .loss tensor."
-    )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, Mapping):
-        return f"a {type(value).__name__} with keys {list(value)[:8]} and no scalar 'loss' entry"
-    if isinstance(value, (list, tuple)):
-        kinds = [type(v).__name__ for v in value[:4]]
-        return f"a {type(value).__name__} of {len(value)} item(s) ({', '.join(kinds)})"
-    text = repr(value)
-    return f"{type(value).__name__} ({text[:60]}{'...' if len(text) > 60 else ''})"
-
-
 def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
     """L2 norm of all gradients over every shard and replica (a plain tensor).
 
@@ -149,7 +107,7 @@ class Engine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | Any,
         config: ParallelConfig | None = None,
         scheduler: Any = None,
         *,
@@ -180,8 +138,10 @@ class Engine:
             self.config = config or ParallelConfig()
             self.model = wrap(model, self.config)
         self.device = _model_device(self.model)
-        self.optimizer = _build_optimizer(optimizer, self.model)
-        self.scheduler = _build_scheduler(scheduler, self.optimizer)
+        if is_optim_wrapper(optimizer):
+            optimizer = self._adopt_optim_wrapper(optimizer)
+        self.optimizer = build_optimizer(optimizer, self.model)
+        self.scheduler = build_scheduler(scheduler, self.optimizer)
         self.scaler = self._build_scaler()
         self.micro_step = 0
         self.step = 0
@@ -190,6 +150,37 @@ class Engine:
         self._window: list[dict[str, torch.Tensor]] = []
 
     # --- set-up ---------------------------------------------------------------------
+
+    def _adopt_optim_wrapper(self, wrapper: Any) -> torch.optim.Optimizer:
+        """Take an mmengine OptimWrapper's optimizer, accumulation and clipping; the Engine
+        then steps them itself (see `optim.read_optim_wrapper`)."""
+        name = type(wrapper).__name__
+        settings = read_optim_wrapper(wrapper, self.device.type)
+        tc = self.train_config
+        theirs_by_field: tuple[tuple[str, Any, Any], ...] = (
+            ("accumulate_steps", settings.accumulate_steps, 1),
+            ("max_grad_norm", settings.max_grad_norm, None),
+        )
+        for field_name, theirs, default in theirs_by_field:
+            ours = getattr(tc, field_name)
+            if theirs != default and ours not in (default, theirs):
+                raise ValueError(
+                    f"Engine: {name} asks for {field_name}={theirs} but TrainConfig."
+                    f"{field_name}={ours}. Set it in one place."
+                )
+            if theirs != default:
+                tc = dataclasses.replace(tc, **{field_name: theirs})
+        self.train_config = tc
+        ours_dtype = self.config.precision.param_dtype or torch.float32
+        if settings.amp_dtype is not None and settings.amp_dtype != ours_dtype:
+            raise ValueError(
+                f"Engine: {name} computes in {settings.amp_dtype} but ParallelConfig."
+                f"mixed_precision={self.config.mixed_precision!r} computes in {ours_dtype}. "
+                "Under shardwise the model's compute dtype comes from ParallelConfig (FSDP2's "
+                "policy, or autocast for ddp and one process), not from the wrapper's autocast: "
+                f"set ParallelConfig.mixed_precision='{_short(settings.amp_dtype)}'."
+            )
+        return settings.optimizer
 
     def _build_scaler(self) -> ShardedGradScaler | None:
         use = self.train_config.grad_scaler
@@ -239,13 +230,15 @@ class Engine:
 
     # --- steps ------------------------------------------------------------------------
 
-    def train_step(self, batch: Any, *, force_update: bool = False) -> dict[str, float]:
+    def train_step(self, batch: Any, *, force_update: bool = False) -> dict[str, Any]:
         """Forward + backward one micro-batch; update on the last of the window.
 
         Returns the micro-batch's loss values. On the micro-batch that updates (or with
         `force_update`, e.g. at the end of an epoch), returns instead the window's mean
         values averaged across ranks, plus `grad_norm`, `lr`, `loss_scale` and
         `skipped` (1.0 when fp16 scaling found inf/nan gradients and skipped the step).
+        A model returning `(losses, preds[, masks])` gets them back, untouched, under
+        `vis_preds`/`vis_masks`. A model with its own `parse_losses` has it called.
         """
         tc = self.train_config
         update = force_update or self.micro_step + 1 >= tc.accumulate_steps
@@ -253,16 +246,20 @@ class Engine:
             self.model.train()
         with self._gradient_sync(update or tc.sync_each_microbatch):
             outputs = self.forward(batch, "loss")
-            loss, logs = parse_losses(outputs)
+            losses, passed = split_outputs(outputs)
+            loss, logs = model_parse_losses(unwrap(self.model), losses)
             scaled = loss / tc.accumulate_steps
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         self.last_outputs = outputs
         self._window.append(logs)
         self.micro_step += 1
+        result: dict[str, Any]
         if not update:
-            return {k: float(v) for k, v in logs.items()}
-        result = self._reduce_window()
-        result.update(self._update())
+            result = {k: float(v) for k, v in logs.items()}
+        else:
+            result = self._reduce_window()
+            result.update(self._update())
+        result.update(passed)  # predictions for visualisation: as returned, never averaged
         return result
 
     def _reduce_window(self) -> dict[str, float]:
@@ -385,61 +382,5 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _build_optimizer(
-    optimizer: torch.optim.Optimizer | OptimizerFactory, model: nn.Module
-) -> torch.optim.Optimizer:
-    model_params = list(model.parameters())
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        if not callable(optimizer):
-            raise TypeError(
-                f"Engine(optimizer=...) got {type(optimizer).__name__}; expected a "
-                "torch.optim.Optimizer or a factory such as lambda params: AdamW(params, lr=3e-4)."
-            )
-        built = optimizer([p for p in model_params if p.requires_grad])
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(
-                f"Engine: the optimizer factory returned {type(built).__name__}, not a "
-                "torch.optim.Optimizer."
-            )
-        return built
-    ids = {id(p) for p in model_params}
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    foreign = [p for p in held if id(p) not in ids]
-    if foreign:
-        raise ValueError(
-            f"Engine: the optimizer holds {len(foreign)} of {len(held)} parameter(s) that are "
-            "not the wrapped model's: it was built before wrapping, and sharding replaced the "
-            "parameters, so it would update tensors the model no longer uses. Pass a factory "
-            "instead, Engine(model, lambda params: torch.optim.AdamW(params, lr=...)), or "
-            "build the optimizer from the wrapped model's parameters after shardwise.wrap()."
-        )
-    held_ids = {id(p) for p in held}
-    missing = [
-        n for n, p in unwrap(model).named_parameters() if p.requires_grad and id(p) not in held_ids
-    ]
-    if missing:
-        warnings.warn(
-            f"Engine: {len(missing)} trainable parameter(s) are not in the optimizer and will "
-            f"not be updated: {missing[:10]}",
-            stacklevel=3,
-        )
-    return optimizer
-
-
-def _build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
-    if scheduler is None:
-        return None
-    if hasattr(scheduler, "step") and hasattr(scheduler, "optimizer"):
-        if scheduler.optimizer is not optimizer:
-            raise ValueError(
-                "Engine: the scheduler was built for a different optimizer than the engine's. "
-                "Pass a factory instead: scheduler=lambda opt: torch.optim.lr_scheduler."
-                "CosineAnnealingLR(opt, T_max=...)."
-            )
-        return scheduler
-    if callable(scheduler):
-        return scheduler(optimizer)
-    raise TypeError(
-        f"Engine(scheduler=...) got {type(scheduler).__name__}; expected an LR scheduler or a "
-        "factory taking the optimizer."
-    )
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

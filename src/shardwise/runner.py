@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from shardwise.distributed import rank_and_world
-from shardwise.engine import Engine, parse_losses
+from shardwise.engine import VIS_KEYS, Engine, parse_losses
 from shardwise.metrics import MetricsLogger
 
 EvaluateFn = Callable[[Any, Any], dict[str, float]]
@@ -264,6 +264,7 @@ class Runner:
                     logs = engine.train_step(batch, force_update=i == n - 1)
                     if "grad_norm" not in logs:
                         continue
+                    logs = {k: v for k, v in logs.items() if k not in VIS_KEYS}
                     done = engine.step + engine.skipped_steps
                     # Where the loop stands after this update: what a resume needs.
                     position = {

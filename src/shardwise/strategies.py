@@ -36,6 +36,7 @@ from shardwise.distributed import (
 )
 from shardwise.materialize import has_meta, materialize
 from shardwise.mesh import MeshSpec, resolve_mesh
+from shardwise.optim import mark_replaced
 from shardwise.precision import Precision, apply_autocast
 from shardwise.wrap.plan import WrapPlan, plan_wrap
 
@@ -340,7 +341,10 @@ def wrap(
 
     if config.sync_module_states and not on_meta:  # a meta model has no values to sync
         sync_module_states(model)
+    originals = list(model.parameters())
     mesh = _apply_fsdp(model, config, info, spec, plan)
     fill(model, mesh)  # after sharding: each rank allocates and fills only its shards
+    # An optimizer built from `originals` would train nothing: refuse it at its first step.
+    mark_replaced(originals, model.parameters())
     setattr(model, _INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))
     return model

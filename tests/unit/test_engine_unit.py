@@ -40,6 +40,7 @@ def test_parse_losses_tensor_dict_and_object():
         "loss_a": 2.0,
         "loss_b": 6.0,
         "acc": 0.5,
+        "vis": 1.0,  # every tensor entry is logged as its mean, as mmengine does
         "loss": 8.0,
     }
     assert float(parse_losses(SimpleNamespace(loss=t, logits=torch.ones(2)))[0]) == 2.0
@@ -49,12 +50,8 @@ def test_parse_losses_tensor_dict_and_object():
     ("value", "match"),
     [
         (
-            (torch.ones(()), torch.ones(())),
-            r"the model returned a tuple of 2 item\(s\) \(Tensor, Tensor\); expected a scalar loss tensor",
-        ),
-        (
-            {"logits": torch.ones(2)},
-            r"the model returned a dict with keys \['logits'\] and no scalar 'loss' entry",
+            (torch.ones(()),) * 4,
+            r"the model returned a tuple of 4 item\(s\) \(Tensor, Tensor, Tensor, Tensor\); expected a scalar loss tensor",
         ),
         ("done", r"the model returned str \('done'\)"),
     ],
@@ -63,6 +60,11 @@ def test_model_returning_no_loss_says_what_it_returned(value, match):
     engine = Engine(Returns(value), adamw)
     with pytest.raises(TypeError, match=match):
         engine.train_step(torch.ones(1, 2))
+    with pytest.raises(
+        ValueError,
+        match=r"the model returned a dict with keys \['logits'\]: no key contains 'loss'",
+    ):
+        Engine(Returns({"logits": torch.ones(2)}), adamw).train_step(torch.ones(1, 2))
 
 
 def test_non_scalar_tensor_loss():
@@ -115,7 +117,7 @@ def test_optimizer_missing_trainable_params_warns():
 def test_bad_optimizer_and_scheduler():
     with pytest.raises(
         TypeError,
-        match=r"Engine\(optimizer=\.\.\.\) got int; expected a torch\.optim\.Optimizer or a factory",
+        match=r"Engine\(optimizer=\.\.\.\) got int; expected a torch\.optim\.Optimizer, a factory such as lambda params: AdamW\(params, lr=3e-4\), or mmengine's OptimWrapper",
     ):
         Engine(GPT(CFG), 3)
     other = torch.optim.SGD(GPT(CFG).parameters(), lr=0.1)

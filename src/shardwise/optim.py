@@ -1,0 +1,175 @@
+"""Optimizers meeting wrapped models: built after wrapping, or stopped loudly.
+
+Owns: building the optimizer and scheduler the Engine steps (from factories or objects),
+the check that an optimizer holds the wrapped model's own parameters, the process-wide
+optimizer step hook that refuses an optimizer built before `shardwise.wrap` replaced its
+parameters, and the translation of mmengine's `OptimWrapper`/`AmpOptimWrapper` (read by
+duck typing: this module never imports mmengine).
+
+Must not: step optimizers itself (engine.py does), or import a host library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+_REPLACED_ATTR = "_shardwise_replaced_by_wrap"
+# Bumped whenever wrap replaces parameters, so an optimizer checked before is checked again.
+_generation = 0
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_hook_handle: Any = None
+
+
+def is_optim_wrapper(value: object) -> bool:
+    """mmengine's OptimWrapper (or anything with its interface)."""
+    return all(hasattr(value, a) for a in ("update_params", "optim_context", "optimizer"))
+
+
+def mark_replaced(old: Iterable[nn.Parameter], new: Iterable[nn.Parameter]) -> None:
+    """Remember the parameters sharding replaced, so a stale optimizer is caught at its
+    first step (`fully_shard` swaps every parameter for a new DTensor parameter)."""
+    global _generation, _hook_handle
+    kept = {id(p) for p in new}
+    for p in old:
+        if id(p) not in kept:
+            setattr(p, _REPLACED_ATTR, True)
+    _generation += 1
+    if _hook_handle is None:
+        _hook_handle = register_optimizer_step_pre_hook(_refuse_stale)
+
+
+def _refuse_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _checked.get(optimizer) == _generation:  # one look per optimizer and wrap
+        return
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    stale = sum(1 for p in held if getattr(p, _REPLACED_ATTR, False))
+    if stale:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): {stale} of {len(held)} parameter(s) in this "
+            "optimizer were replaced when shardwise.wrap sharded the model (fully_shard swaps "
+            "each parameter for a sharded DTensor parameter). The optimizer was built before "
+            "wrapping, so it would update tensors the model no longer uses and training would "
+            "not change the model. Build it after wrapping: model = shardwise.wrap(model, "
+            "config); optimizer = torch.optim.AdamW(model.parameters(), ...)."
+        )
+    _checked[optimizer] = _generation
+
+
+def build_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer to step: a torch optimizer holding `model`'s parameters, or one built
+    by a factory from them (an OptimWrapper is translated by the Engine first)."""
+    from shardwise.strategies import unwrap
+
+    model_params = list(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError(
+                f"Engine(optimizer=...) got {type(optimizer).__name__}; expected a "
+                "torch.optim.Optimizer, a factory such as lambda params: AdamW(params, "
+                "lr=3e-4), or mmengine's OptimWrapper."
+            )
+        built = optimizer([p for p in model_params if p.requires_grad])
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(
+                f"Engine: the optimizer factory returned {type(built).__name__}, not a "
+                "torch.optim.Optimizer."
+            )
+        return built
+    ids = {id(p) for p in model_params}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = [p for p in held if id(p) not in ids]
+    if foreign:
+        raise ValueError(
+            f"Engine: the optimizer holds {len(foreign)} of {len(held)} parameter(s) that are "
+            "not the wrapped model's: it was built before wrapping, and sharding replaced the "
+            "parameters, so it would update tensors the model no longer uses. Pass a factory "
+            "instead, Engine(model, lambda params: torch.optim.AdamW(params, lr=...)), or "
+            "build the optimizer from the wrapped model's parameters after shardwise.wrap()."
+        )
+    held_ids = {id(p) for p in held}
+    missing = [
+        n for n, p in unwrap(model).named_parameters() if p.requires_grad and id(p) not in held_ids
+    ]
+    if missing:
+        warnings.warn(
+            f"Engine: {len(missing)} trainable parameter(s) are not in the optimizer and will "
+            f"not be updated: {missing[:10]}",
+            stacklevel=3,
+        )
+    return optimizer
+
+
+def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    if scheduler is None:
+        return None
+    if hasattr(scheduler, "step") and hasattr(scheduler, "optimizer"):
+        if scheduler.optimizer is not optimizer:
+            raise ValueError(
+                "Engine: the scheduler was built for a different optimizer than the engine's. "
+                "Pass a factory instead: scheduler=lambda opt: torch.optim.lr_scheduler."
+                "CosineAnnealingLR(opt, T_max=...)."
+            )
+        return scheduler
+    if callable(scheduler):
+        return scheduler(optimizer)
+    raise TypeError(
+        f"Engine(scheduler=...) got {type(scheduler).__name__}; expected an LR scheduler or a "
+        "factory taking the optimizer."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class WrapperSettings:
+    """What an mmengine OptimWrapper asks for, in shardwise's words."""
+
+    optimizer: torch.optim.Optimizer
+    accumulate_steps: int
+    max_grad_norm: float | None
+    amp_dtype: torch.dtype | None
+    """The dtype an AmpOptimWrapper computes in (None: a plain OptimWrapper)."""
+
+
+def read_optim_wrapper(wrapper: Any, device_type: str) -> WrapperSettings:
+    """Translate mmengine's OptimWrapper/AmpOptimWrapper, or refuse what cannot carry over.
+
+    The Engine steps the wrapper's optimizer itself: its own global-norm clipping (over
+    every shard and replica; mmengine's `clip_grad_norm_` would see only local shards),
+    its own gradient-sync switch for accumulation, and its own loss scaler. The wrapper's
+    `update_params` is therefore not called.
+    """
+    name = type(wrapper).__name__
+    optimizer = wrapper.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"Engine: {name}.optimizer is {type(optimizer).__name__}, not an optimizer."
+        )
+    counts = int(getattr(wrapper, "_accumulative_counts", 1))
+    max_norm = None
+    clip = getattr(wrapper, "clip_grad_kwargs", None)
+    if clip:
+        clip_func = getattr(getattr(wrapper, "clip_func", None), "__name__", "clip_grad_norm_")
+        norm_type = float(clip.get("norm_type", 2.0))
+        extra = sorted(set(clip) - {"max_norm", "norm_type"})
+        if clip_func != "clip_grad_norm_" or norm_type != 2.0 or extra or "max_norm" not in clip:
+            raise ValueError(
+                f"Engine: {name}(clip_grad={dict(clip)!r}) with {clip_func} is not supported: "
+                "shardwise clips by the global L2 norm over every shard and replica only. Use "
+                "clip_grad=dict(max_norm=...) (norm_type 2), or remove clip_grad."
+            )
+        max_norm = float(clip["max_norm"])
+    amp_dtype = None
+    if hasattr(wrapper, "loss_scaler") and hasattr(wrapper, "cast_dtype"):  # AmpOptimWrapper
+        amp_dtype = wrapper.cast_dtype or (
+            torch.float16 if device_type == "cuda" else torch.bfloat16  # autocast's default
+        )
+    return WrapperSettings(optimizer, counts, max_norm, amp_dtype)

@@ -1,0 +1,269 @@
+"""The mmengine step contract, side by side with mmengine itself (one process).
+
+Each case runs the same model through mmengine's own path (BaseModel.parse_losses,
+OptimWrapper.update_params) and through shardwise's Engine, and asks for the same loss,
+logs and parameters: non-scalar loss entries, a model's own parse_losses, tuple outputs,
+OptimWrapper accumulation and clipping, and the optimizer built before wrapping.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise import Engine, ParallelConfig, TrainConfig, parse_losses
+
+mmengine = pytest.importorskip("mmengine")
+from mmengine.model import BaseModel  # noqa: E402
+from mmengine.optim import AmpOptimWrapper, OptimWrapper  # noqa: E402
+
+
+class MMToy(BaseModel):
+    """Per-sample and list-of-tensor loss entries, as mmdet/mmpose heads return them."""
+
+    def __init__(self, outputs: str = "dict") -> None:
+        super().__init__()
+        self.outputs = outputs
+        self.backbone = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, inputs, labels=None, mode="tensor"):
+        logits = self.head(torch.relu(self.backbone(inputs)))
+        if mode != "loss":
+            return logits
+        losses = {
+            "loss_cls": F.cross_entropy(logits, labels, reduction="none"),  # per sample
+            "loss_aux": [logits.pow(2).mean(1) * 0.1, logits.abs() * 0.1],  # non-scalars
+            "acc": (logits.argmax(-1) == labels).float(),
+        }
+        if self.outputs == "pose":  # mmpose / mmseg
+            return losses, logits.detach()
+        if self.outputs == "pretrain":  # mmpretrain
+            return losses, logits.detach(), labels > 0
+        return losses
+
+
+class Reweighting(MMToy):
+    """A BaseModel subclass whose parse_losses reweights, as some OpenMMLab models do."""
+
+    def parse_losses(self, losses):
+        loss, log_vars = super().parse_losses(losses)
+        loss = 0.25 * loss + 2.0 * log_vars["loss_aux"]
+        log_vars["loss"] = loss
+        return loss, log_vars
+
+
+def batch(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "inputs": torch.randn(6, 4, generator=g),
+        "labels": torch.randint(0, 3, (6,), generator=g),
+    }
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def mmengine_step(model: BaseModel, data: dict, wrapper) -> dict:
+    """The seed's train_step: preprocess, forward(mode='loss'), split tuples,
+    module.parse_losses, optim_wrapper.update_params."""
+    with wrapper.optim_context(model):
+        out = model(**model.data_preprocessor(data, True), mode="loss")
+    losses = out[0] if isinstance(out, tuple) else out
+    loss, log_vars = model.parse_losses(losses)
+    wrapper.update_params(loss)
+    return {k: float(v.detach()) for k, v in log_vars.items()}
+
+
+def assert_same_params(a: nn.Module, b: nn.Module, rtol: float = 0.0) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=0.0, msg=name)
+
+
+@pytest.mark.parametrize("cls", [MMToy, Reweighting])
+def test_losses_and_update_equal_mmengine(cls):
+    torch.manual_seed(0)
+    ours = cls()
+    theirs = copy.deepcopy(ours)
+    expected = mmengine_step(theirs, batch(), OptimWrapper(sgd(theirs.parameters())))
+    logs = Engine(ours, sgd).train_step(batch())
+    # Measured before the fix: per-sample entries dropped from the total (8.2e-5 vs 1.466),
+    # and a model's own parse_losses ignored (parameters 11% off after one step).
+    assert {k: logs[k] for k in expected} == pytest.approx(expected, rel=1e-6)
+    assert_same_params(ours, theirs)
+
+
+def test_parse_losses_follows_mmengine_for_every_entry_kind():
+    t = torch.tensor([1.0, 3.0])
+    losses = {"loss_a": t, "loss_b": [t, t * 2], "acc": torch.tensor([0.0, 1.0])}
+    total, logs = parse_losses(losses)
+    ref_total, ref_logs = BaseModel.parse_losses(None, losses)
+    assert float(total) == float(ref_total) == 2.0 + 6.0
+    assert {k: float(v) for k, v in logs.items()} == {k: float(v) for k, v in ref_logs.items()}
+
+
+@pytest.mark.parametrize("outputs", ["pose", "pretrain"])
+def test_tuple_outputs_pass_predictions_through(outputs):
+    torch.manual_seed(0)
+    ours = MMToy(outputs)
+    theirs = copy.deepcopy(ours)
+    expected = mmengine_step(theirs, batch(), OptimWrapper(sgd(theirs.parameters())))
+    logs = Engine(ours, sgd).train_step(batch())
+    assert logs["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert_same_params(ours, theirs)
+    assert logs["vis_preds"].shape == (6, 3) and not logs["vis_preds"].requires_grad
+    if outputs == "pretrain":
+        assert torch.equal(logs["vis_masks"], batch()["labels"] > 0)
+    else:
+        assert "vis_masks" not in logs
+
+
+def test_non_tensor_loss_entry_is_refused_as_mmengine_does():
+    class Bad(nn.Module):  # a plain model: shardwise's parse_losses, not BaseModel's
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, inputs, labels):
+            return {"loss": self.lin(inputs).mean(), "name": "x"}
+
+    with pytest.raises(TypeError, match=r"is not\s+a tensor or list of tensors"):
+        BaseModel.parse_losses(None, {"name": "x"})
+    with pytest.raises(
+        TypeError,
+        match=r"loss dict has 'name' = str \('x'\), which is not a tensor or a list of tensors \(mmengine's parse_losses refuses it too\)\. Return predictions beside the losses instead: forward\(mode='loss'\) -> \(losses, preds\)",
+    ):
+        Engine(Bad(), sgd).train_step(batch())
+
+
+def test_loss_dict_without_a_loss_key():
+    with pytest.raises(
+        ValueError, match=r"no key contains 'loss', so there is nothing to backpropagate"
+    ):
+        parse_losses({"acc": torch.ones(2)})
+
+
+def test_own_parse_losses_must_return_a_pair():
+    class Odd(MMToy):
+        def parse_losses(self, losses):
+            return losses["loss_cls"].mean()
+
+    with pytest.raises(
+        TypeError,
+        match=r"Odd\.parse_losses returned a tensor of shape \(\); expected \(loss tensor, dict",
+    ):
+        Engine(Odd(), sgd).train_step(batch())
+
+
+# --- OptimWrapper ----------------------------------------------------------------------------
+
+
+def test_optim_wrapper_accumulation_and_clipping_equal_mmengine():
+    torch.manual_seed(0)
+    ours = MMToy()
+    theirs = copy.deepcopy(ours)
+    clip = {"max_norm": 0.05}  # well below the gradient norm: clipping acts every step
+    their_wrapper = OptimWrapper(
+        sgd(theirs.parameters()), accumulative_counts=2, clip_grad=dict(clip)
+    )
+    engine = Engine(
+        ours, OptimWrapper(sgd(ours.parameters()), accumulative_counts=2, clip_grad=dict(clip))
+    )
+    assert engine.train_config.accumulate_steps == 2 and engine.train_config.max_grad_norm == 0.05
+    their_wrapper.initialize_count_status(theirs, 0, 4)
+    for i in range(4):
+        mmengine_step(theirs, batch(i), their_wrapper)
+        logs = engine.train_step(batch(i))
+    assert engine.step == 2 and "grad_norm" in logs
+    assert_same_params(ours, theirs, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("clip", "match"),
+    [
+        (
+            {"type": "value", "clip_value": 1.0},
+            r"clip_grad=\{'clip_value': 1\.0\}\) with clip_grad_value_ is not supported",
+        ),
+        (
+            {"max_norm": 1.0, "norm_type": 1},
+            r"with clip_grad_norm_ is not supported: shardwise clips by the global L2 norm",
+        ),
+    ],
+)
+def test_optim_wrapper_clipping_other_than_l2_is_refused(clip, match):
+    model = MMToy()
+    with pytest.raises(ValueError, match=match):
+        Engine(model, OptimWrapper(sgd(model.parameters()), clip_grad=clip))
+
+
+def test_optim_wrapper_settings_conflicting_with_train_config():
+    model = MMToy()
+    wrapper = OptimWrapper(sgd(model.parameters()), accumulative_counts=2)
+    with pytest.raises(
+        ValueError,
+        match=r"OptimWrapper asks for accumulate_steps=2 but TrainConfig\.accumulate_steps=4\. Set it in one place",
+    ):
+        Engine(model, wrapper, train=TrainConfig(accumulate_steps=4))
+
+
+def amp_wrapper(optimizer):
+    """AmpOptimWrapper refuses to be built on CPU; its attributes are what the Engine reads."""
+    wrapper = AmpOptimWrapper.__new__(AmpOptimWrapper)
+    OptimWrapper.__init__(wrapper, optimizer)
+    wrapper.loss_scaler, wrapper.cast_dtype = None, torch.bfloat16
+    return wrapper
+
+
+def test_amp_optim_wrapper_dtype_must_match_the_config():
+    model = MMToy()
+    wrapper = amp_wrapper(sgd(model.parameters()))
+    with pytest.raises(
+        ValueError,
+        match=r"AmpOptimWrapper computes in torch\.bfloat16 but ParallelConfig\.mixed_precision='fp32' computes in torch\.float32\. .* set ParallelConfig\.mixed_precision='bf16'",
+    ):
+        Engine(model, wrapper)
+    model = MMToy()
+    wrapper = amp_wrapper(sgd(model.parameters()))
+    engine = Engine(model, wrapper, ParallelConfig(mixed_precision="bf16"))
+    assert engine.optimizer is wrapper.optimizer
+    assert engine.train_step(batch())["loss"] > 0
+
+
+# --- an optimizer built before wrap -----------------------------------------------------------
+
+
+def test_optimizer_built_before_wrap_is_refused_at_its_first_step():
+    import shardwise
+
+    shardwise.init_distributed()  # a one-rank group, so full_shard really shards
+    model = MMToy()
+    early = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    wrapped = shardwise.wrap(model, ParallelConfig(strategy="full_shard", force_wrap=True))
+    wrapped(**batch(), mode="loss")["loss_cls"].mean().backward()
+    # Before: the step ran, and the parameters never changed.
+    with pytest.raises(
+        RuntimeError,
+        match=r"AdamW\.step\(\): 4 of 4 parameter\(s\) in this optimizer were replaced when shardwise\.wrap sharded the model .* Build it after wrapping",
+    ):
+        early.step()
+    late = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    late.step()  # the right order steps as usual
+
+
+def test_optimizer_checked_before_a_later_wrap_is_checked_again():
+    import shardwise
+
+    shardwise.init_distributed()
+    model = MMToy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(**batch(), mode="loss")["loss_cls"].mean().backward()
+    opt.step()  # fine: nothing is wrapped yet
+    shardwise.wrap(model, ParallelConfig(strategy="full_shard", force_wrap=True))
+    with pytest.raises(RuntimeError, match=r"were replaced when shardwise\.wrap sharded the model"):
+        opt.step()
