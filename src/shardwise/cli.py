@@ -70,8 +70,13 @@ def _checkpoint(args: argparse.Namespace) -> int:
         return 0 if not problems else 1
     from shardwise.weights import export_weights
 
+    # A corrupted checkpoint raises CheckpointError (a RuntimeError): main() exits 2 with it.
     path = export_weights(
-        args.dir, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes
+        args.dir,
+        args.out,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_bytes,
+        verify=not args.no_verify,
     )
     print(f"wrote {path}")
     return 0
@@ -301,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("ls", "list the checkpoints under a root, newest last"),
         ("inspect", "show a checkpoint's manifest and tensors"),
         ("verify", "check every file's size and SHA-256 (exit 1 on problems)"),
-        ("export", "write the model weights as consolidated safetensors"),
+        ("export", "verify, then write the model weights as consolidated safetensors"),
     ):
         p = actions.add_parser(name, help=text)
         p.add_argument("dir", help="a checkpoint, or a root holding checkpoints (its latest)")
@@ -309,6 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", required=True, help="output directory")
             p.add_argument("--dtype", default=None, help="cast floating tensors (e.g. bf16)")
             p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30)
+            p.add_argument(
+                "--no-verify",
+                action="store_true",
+                help="skip the size and SHA-256 check of the checkpoint's files (done by default)",
+            )
     ckpt.set_defaults(func=_checkpoint)
     return parser
 

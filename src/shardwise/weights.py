@@ -6,11 +6,17 @@ or `_orig_mod.` prefixes, in Hugging Face's layout: `model.safetensors`, or numb
 plus `model.safetensors.index.json` above `max_shard_bytes`. One tensor is gathered at a
 time, onto CPU, so no rank's accelerator ever holds the whole model.
 
+A model with a Hugging Face config (`model.config.save_pretrained`) also gets its
+config.json (and generation_config.json), so `from_pretrained` opens the export; that is
+duck-typed, and transformers is never imported here. A checkpoint is verified against its
+manifest's SHA-256 hashes before any tensor is read, as `load_checkpoint` does.
+
 Must not: invent a format (safetensors is the format) or unpickle anything.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterator
@@ -35,6 +41,28 @@ class WeightsError(ValueError):
     """Weights could not be exported or loaded; the message lists what did not match."""
 
 
+def _checked_checkpoint(directory: str | Path, out: Path, verify: bool) -> Path:
+    """The checkpoint `directory` names, resolved once (a later save may move `latest`, and
+    the checkpoint read must be the one verified), refused before `out` is touched if its
+    files differ from its manifest.
+
+    Corruption is found by the same check `load_checkpoint` runs, so the two cannot
+    disagree about what an intact checkpoint is (and `shardwise checkpoint verify` is it).
+    """
+    from shardwise.checkpoint import CheckpointError, resolve_checkpoint, verify_checkpoint
+
+    path = resolve_checkpoint(directory)
+    problems = verify_checkpoint(path) if verify else []
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} failed verification ({len(problems)} problem(s)): "
+            f"{'; '.join(problems[:5])}. Nothing was written to {out}. Export an intact "
+            "checkpoint (`shardwise checkpoint ls` lists them), or pass verify=False "
+            "(--no-verify) to export the bytes as they are."
+        )
+    return path
+
+
 def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state_dict under its own FQNs (no wrapper prefixes), DTensors if sharded."""
     return cast(dict[str, torch.Tensor], get_model_state_dict(model))
@@ -53,17 +81,21 @@ def _checkpoint_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for the model entries of a shardwise checkpoint, read in batches."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException as DCPException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from shardwise.checkpoint import (
         STATE_DIR,
+        CheckpointError,
+        _root_cause,
         _SafeReader,
         _TensorOnlyLoadPlanner,
         resolve_checkpoint,
         single_process_ok,
     )
 
-    state_dir = resolve_checkpoint(directory) / STATE_DIR
+    path = resolve_checkpoint(directory)
+    state_dir = path / STATE_DIR
     metadata = _SafeReader(state_dir).read_metadata()
     entries = [
         (key, md)
@@ -77,13 +109,19 @@ def _checkpoint_tensors(
         batch[key] = tensor
         size += tensor.numel() * tensor.element_size()
         if size >= max_bytes or i == len(entries) - 1:
-            with single_process_ok():
-                dcp.load(
-                    batch,
-                    storage_reader=_SafeReader(state_dir),
-                    planner=_TensorOnlyLoadPlanner(),
-                    no_dist=True,
-                )
+            try:
+                with single_process_ok():
+                    dcp.load(
+                        batch,
+                        storage_reader=_SafeReader(state_dir),
+                        planner=_TensorOnlyLoadPlanner(),
+                        no_dist=True,
+                    )
+            # DCP's own exception is a BaseException: unwrapped, it escapes the CLI's handler.
+            except (RuntimeError, ValueError, KeyError, DCPException) as exc:
+                raise CheckpointError(
+                    f"could not read checkpoint {path}: {_root_cause(exc)}"
+                ) from None
             for k, t in batch.items():
                 yield k.removeprefix("model."), t
             batch, size = {}, 0
@@ -118,6 +156,12 @@ class _ShardWriter:
         self.files.append((path, list(self.pending)))
         self.pending, self.size = {}, 0
 
+    def discard(self) -> None:
+        """Remove what was written, so a failed export leaves no half of one behind."""
+        for path, _ in self.files:
+            path.unlink(missing_ok=True)
+        self.files, self.pending = [], {}
+
     def close(self) -> Path:
         self.flush()
         if len(self.files) == 1:
@@ -138,12 +182,55 @@ class _ShardWriter:
         return self.out / INDEX_FILE
 
 
+def _original_class_name(model: nn.Module) -> str:
+    """The model's own class name: fully_shard swaps in a generated `FSDP<Name>` subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper around the model
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _save_hf_configs(model: nn.Module, out: Path) -> None:
+    """config.json (and generation_config.json) of a Hugging Face model, without which
+    `from_pretrained(out)` cannot know what model the weights belong to.
+
+    Duck-typed, so transformers is never imported: anything with `save_pretrained` is saved
+    by it. Like transformers' own `save_pretrained`, `architectures` names the model class
+    (tools such as vLLM pick the class from it); it is set on a copy, not the user's config.
+    """
+    config: Any = getattr(model, "config", None)
+    if callable(getattr(config, "save_pretrained", None)):
+        config = copy.copy(config)
+        if hasattr(config, "architectures"):
+            config.architectures = [_original_class_name(model)]
+        config.save_pretrained(out)
+    generation: Any = getattr(model, "generation_config", None)  # None if it cannot generate
+    if callable(getattr(generation, "save_pretrained", None)):
+        generation.save_pretrained(out)
+
+
+def _write_all(
+    tensors: Iterator[tuple[str, torch.Tensor]], writer: _ShardWriter, writes: bool
+) -> Path | None:
+    """Drain `tensors` on every rank (a model's gathers are collectives); only the writing
+    rank keeps them. A failure midway removes the files already written."""
+    try:
+        for name, tensor in tensors:
+            if writes:
+                writer.add(name, tensor)
+        return writer.close() if writes else None
+    except BaseException:
+        writer.discard()
+        raise
+
+
 def export_weights(
     source: nn.Module | str | Path,
     out: str | Path,
     *,
     dtype: torch.dtype | str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    verify: bool = True,
 ) -> Path | None:
     """Write `source`'s weights as consolidated safetensors into the directory `out`.
 
@@ -151,29 +238,39 @@ def export_weights(
     rank 0 writes) or a shardwise checkpoint directory (read without a process group).
     Returns the written file (model.safetensors or the index) on the writing rank, None
     on others. `dtype` casts floating-point tensors (e.g. "bf16").
+
+    A Hugging Face model (its `config` has `save_pretrained`) also gets config.json, and
+    generation_config.json when it has a generation config, so `from_pretrained(out)`
+    opens the export. A checkpoint directory holds no model object, hence no config: write
+    it yourself with `model.config.save_pretrained(out)`.
+
+    From a checkpoint, `verify` (as in `load_checkpoint`) first checks every file's size
+    and SHA-256 against the manifest; on a mismatch it raises `CheckpointError` naming the
+    file, and nothing is written to `out`. A read that fails midway removes what it wrote.
     """
     from shardwise.precision import parse_dtype
+    from shardwise.strategies import unwrap
 
     cast = parse_dtype(dtype, "export_weights(dtype)")
     if max_shard_bytes < 1:
         raise ValueError(f"export_weights(max_shard_bytes={max_shard_bytes}) must be positive.")
     out = Path(out)
     writes = rank_and_world()[0] == 0
-    if writes:
-        if out.exists() and not out.is_dir():
-            raise WeightsError(f"export_weights(out={str(out)!r}) must be a directory, not a file.")
-        out.mkdir(parents=True, exist_ok=True)
+    if writes and out.exists() and not out.is_dir():
+        raise WeightsError(f"export_weights(out={str(out)!r}) must be a directory, not a file.")
     if isinstance(source, nn.Module):
         tensors: Iterator[tuple[str, torch.Tensor]] = _model_tensors(source)
     else:
         if not writes:
             return None
-        tensors = _checkpoint_tensors(source, max_shard_bytes)
-    writer = _ShardWriter(out, max_shard_bytes, cast)
-    for name, tensor in tensors:
-        if writes:
-            writer.add(name, tensor)
-    return writer.close() if writes else None
+        # Before `out` is created: a corrupted checkpoint leaves nothing there.
+        tensors = _checkpoint_tensors(_checked_checkpoint(source, out, verify), max_shard_bytes)
+    if writes:
+        out.mkdir(parents=True, exist_ok=True)
+    written = _write_all(tensors, _ShardWriter(out, max_shard_bytes, cast), writes)
+    if writes and isinstance(source, nn.Module):
+        _save_hf_configs(unwrap(source), out)
+    return written
 
 
 def _weight_files(path: str | Path) -> dict[str, Path]:

@@ -4,18 +4,28 @@ models, names without wrapper prefixes, and a Hugging Face model loading our exp
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from shardwise import Engine, ParallelConfig, shutdown, unwrap, wrap
-from shardwise.checkpoint import save_checkpoint
+from shardwise import Engine, ParallelConfig, shutdown, wrap
+from shardwise.checkpoint import CheckpointError, read_dcp_metadata, save_checkpoint
 from shardwise.models import GPT, GPTConfig, random_lm_batches
 from shardwise.parity import full_parameters, split_batch
 from shardwise.testing import run_distributed
-from shardwise.weights import INDEX_FILE, WeightsError, export_weights, load_weights
+from shardwise.weights import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    WeightsError,
+    export_weights,
+    load_weights,
+)
 
 CFG = GPTConfig()
 DATA = random_lm_batches(CFG, 2, 8, seed=1)
@@ -107,6 +117,85 @@ def test_load_weights_errors_list_names_and_shapes(tmp_path):
         export_weights(GPT(CFG), tmp_path / "w" / "model.safetensors")
 
 
+# --- a corrupted checkpoint is refused ---------------------------------------------------------
+
+
+def _flip_a_bit_in(checkpoint: Path, tensor: torch.Tensor) -> tuple[Path, bytes]:
+    """Flip one bit inside `tensor`'s bytes in the checkpoint's data file, so the export
+    would silently differ; returns the file and its clean bytes."""
+    raw = tensor.detach().numpy().tobytes()
+    for shard in sorted((checkpoint / "state").glob("*.distcp")):
+        clean = shard.read_bytes()
+        at = clean.find(raw)
+        if at >= 0:
+            data = bytearray(clean)
+            data[at + 5] ^= 0x01
+            shard.write_bytes(bytes(data))
+            return shard, clean
+    raise AssertionError("the tensor's bytes are in no data file of the checkpoint")
+
+
+def export_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", "checkpoint", "export", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_export_refuses_a_corrupted_checkpoint_and_writes_nothing(tmp_path):
+    engine = trained_engine()
+    ck = save_checkpoint(tmp_path / "ck", engine)
+    shard, clean = _flip_a_bit_in(ck, engine.model.tok_emb.weight)
+    victim = f"state/{shard.name}"
+    out = tmp_path / "out"
+    with pytest.raises(
+        CheckpointError,
+        match=rf"checkpoint {re.escape(str(ck))} failed verification \(1 problem\(s\)\): "
+        rf"{victim}: content differs from the recorded SHA-256 \(corrupted\)\. "
+        rf"Nothing was written to {re.escape(str(out))}",
+    ):
+        export_weights(tmp_path / "ck", out)
+    assert not out.exists()
+    run = export_cli(str(tmp_path / "ck"), "--out", str(out))
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"{victim}: content differs from the recorded SHA-256" in run.stderr
+    assert f"Nothing was written to {out}" in run.stderr and "Traceback" not in run.stderr
+    assert not out.exists()
+    # verify=False reads the bytes as they are: the export differs from the model.
+    flipped = load_file(str(export_weights(ck, tmp_path / "unchecked", verify=False)))
+    assert not torch.equal(flipped["tok_emb.weight"], engine.model.tok_emb.weight)
+    # The intact checkpoint exports, through the function and the CLI.
+    shard.write_bytes(clean)
+    exported = load_file(str(export_weights(ck, out)))
+    assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in exported.items())
+    run = export_cli(str(ck), "--out", str(tmp_path / "out_cli"))
+    assert run.returncode == 0 and (tmp_path / "out_cli" / SINGLE_FILE).is_file(), run.stderr
+
+
+def _end(stored) -> int:
+    return int(stored.offset + stored.length)
+
+
+def test_an_unreadable_checkpoint_leaves_no_partial_export(tmp_path):
+    engine = trained_engine()
+    ck = save_checkpoint(tmp_path / "ck", engine)
+    # Tear the file inside the model's last tensor: the ones before it read (and are written
+    # as parts, at this shard size) before the read fails.
+    stored = read_dcp_metadata(ck / "state").storage_data
+    last = max((s for i, s in stored.items() if i.fqn.startswith("model.")), key=_end)
+    shard = ck / "state" / last.relative_path
+    shard.write_bytes(shard.read_bytes()[: last.offset + 10])
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=rf"could not read checkpoint {re.escape(str(ck))}: "):
+        export_weights(ck, out, max_shard_bytes=20_000, verify=False)
+    assert list(out.iterdir()) == []
+    run = export_cli(str(ck), "--out", str(out), "--max-shard-bytes", "20000", "--no-verify")
+    assert run.returncode == 2 and "could not read checkpoint" in run.stderr, run.stderr
+    assert list(out.iterdir()) == []
+
+
 # --- distributed ------------------------------------------------------------------------------
 
 
@@ -176,9 +265,7 @@ def hf_train_and_export(out: str) -> dict:
     )
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     engine.train_step({"input_ids": ids, "labels": ids})  # zero configuration: .loss is used
-    export_weights(engine.model, out)
-    if dist.get_rank() == 0:
-        unwrap(engine.model).config.save_pretrained(out)
+    export_weights(engine.model, out)  # with config.json, which from_pretrained needs
     probe = torch.arange(16).unsqueeze(0)
     logits = engine.val_step({"input_ids": probe}).logits
     units = [u.fqn for u in engine.model._shardwise_wrap_info.plan.units]
@@ -194,3 +281,58 @@ def test_hugging_face_loads_our_export_with_its_own_loader(tmp_path):
     with torch.no_grad():
         logits = model(torch.arange(16).unsqueeze(0)).logits
     torch.testing.assert_close(logits, results[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+PROBE = torch.arange(16).unsqueeze(0)
+
+
+def tiny_gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+
+
+def hf_export(out: str) -> dict:
+    """Export a GPT-2 LM wrapped by each strategy; return its logits on PROBE."""
+    from transformers import GPT2LMHeadModel
+
+    logits = {}
+    for strategy in ("ddp", "full_shard"):  # a wrapper around the model, and FSDP2's subclass
+        torch.manual_seed(0)
+        model = wrap(GPT2LMHeadModel(tiny_gpt2_config()), ParallelConfig(strategy=strategy))
+        export_weights(model, f"{out}/{strategy}")
+        model.eval()
+        with torch.no_grad():
+            logits[strategy] = model(PROBE).logits
+    return logits
+
+
+def test_from_pretrained_opens_the_export_of_a_wrapped_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    results = run_distributed(hf_export, 2, args=(str(tmp_path),), timeout_s=180)
+    for strategy in ("ddp", "full_shard"):
+        out = tmp_path / strategy
+        assert (out / "generation_config.json").is_file(), strategy
+        # The model's own class, not FSDP2's generated FSDPGPT2LMHeadModel (vLLM reads it).
+        config = json.loads((out / "config.json").read_text())
+        assert config["architectures"] == ["GPT2LMHeadModel"], strategy
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+        assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_embd == 32
+        assert model.generation_config.eos_token_id == 0  # ours, not GPT-2's 50256
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(PROBE).logits, results[0][strategy])
+    # A model without a generation config gets config.json alone; a plain module neither.
+    torch.manual_seed(0)
+    base = transformers.GPT2Model(tiny_gpt2_config())
+    export_weights(base, tmp_path / "base")
+    assert sorted(p.name for p in (tmp_path / "base").iterdir()) == ["config.json", SINGLE_FILE]
+    assert base.config.architectures is None  # the user's config is left as it was
+    loaded = transformers.AutoModel.from_pretrained(str(tmp_path / "base")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(PROBE).last_hidden_state, base.eval()(PROBE)[0])
+    export_weights(GPT(CFG), tmp_path / "plain")
+    assert [p.name for p in (tmp_path / "plain").iterdir()] == [SINGLE_FILE]
