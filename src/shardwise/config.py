@@ -11,9 +11,11 @@ Must not: read environment variables, touch torch.distributed, or know the world
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -21,6 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
 from shardwise.precision import Precision, resolve_precision
+from shardwise.vocabulary import FOREIGN_WORDS, integral, policy_from_dict, translate
 
 StrategyName = Literal[
     "ddp", "no_shard", "shard_grad_op", "full_shard", "hybrid_shard", "hybrid_shard_zero2"
@@ -42,6 +45,8 @@ _STRATEGY_ALIASES = {
     "zero3": "full_shard",
     "zero2": "shard_grad_op",
     "hsdp": "hybrid_shard",
+    "ddp_fully_sharded": "full_shard",  # Lightning's fairscale strategy (reshards: ZeRO-3)
+    "fsdp_full_shard": "full_shard",
 }
 
 WrapPolicy = Iterable[type[nn.Module]] | Callable[..., bool] | str | None
@@ -56,6 +61,8 @@ def closest(value: str, choices: Iterable[str]) -> str:
 def normalize_strategy(value: object) -> str:
     """Our canonical strategy name for a name, alias, FSDP1 name or `ShardingStrategy`."""
     name = getattr(value, "name", value)  # torch's ShardingStrategy enum members
+    if isinstance(name, str):  # str(ShardingStrategy.X), as YAML files of FSDP1 tools hold it
+        name = name.removeprefix("ShardingStrategy.")
     if not isinstance(name, str):
         raise TypeError(
             f"ParallelConfig.strategy must be a string or torch ShardingStrategy, "
@@ -201,9 +208,9 @@ class ParallelConfig:
     a registered name ('transformer_blocks', 'size', 'none', or your own), module classes
     or class names, 're:<regex>' on module FQNs, or a callable (fqn, module) -> bool
     (FSDP1-style (module, recurse, nonwrapped_numel) -> bool is recognised too)."""
-    min_num_params: int = 100_000_000
-    """For the 'size' policy: a module becomes a unit once this many parameters below it
-    are in no unit yet (FSDP1's default)."""
+    min_num_params: int | None = None
+    """For the 'size' policy only (an error with any other): a module becomes a unit once
+    this many parameters below it are in no unit yet. None: 100,000,000 (FSDP1's default)."""
     frozen_policy: str = "warn"
     """Units mixing frozen and trainable parameters: 'split' (frozen parts get units of
     their own where the module structure allows), 'warn', or 'error'."""
@@ -211,8 +218,8 @@ class ParallelConfig:
     """Module classes or class names computed in fp32 under a bf16/fp16 policy, each in
     its own unit. None: normalisation layers with running statistics (BatchNorm)."""
     ignored_modules: Any = ()
-    """Modules (classes, class names or 're:<regex>' on FQNs) left unsharded and unmanaged:
-    their gradients are not synchronised by shardwise."""
+    """Modules (instances, classes, class names or 're:<regex>' on FQNs) left unsharded and
+    unmanaged: their gradients are not synchronised by shardwise."""
     ignored_params: Any = ()
     """Parameter FQNs left unsharded and unmanaged, like ignored_modules."""
     activation_checkpointing: Any = "none"
@@ -228,10 +235,23 @@ class ParallelConfig:
     initialise its (sharded) parameters, instead of reset_parameters()."""
     init_seed: int = 0
     """Seed for initialising a meta-built model after sharding."""
-    find_unused_parameters: bool = False
-    """ddp only: tolerate parameters that get no gradient in a step (costs a graph walk)."""
-    bucket_cap_mb: float = 25.0
-    """ddp only: gradient bucket size in MiB."""
+    device_mesh: Any = None
+    """Your own torch DeviceMesh instead of one built from dp_shard: 1-D for ddp,
+    full_shard and shard_grad_op; 2-D (replicate, shard) for the hybrid strategies and
+    no_shard. FSDP1's `process_group` is accepted too: one group, or (shard group,
+    replicate group) for hybrid strategies. Set it in Python; it cannot come from YAML."""
+    find_unused_parameters: bool | None = None
+    """ddp only (an error with FSDP strategies): tolerate parameters that get no gradient in
+    a step (costs a graph walk). None: False."""
+    bucket_cap_mb: float | None = None
+    """ddp only (an error with FSDP strategies, which reduce per shard unit): gradient
+    bucket size in MiB. None: DDP's 25."""
+    broadcast_buffers: bool | None = None
+    """ddp only: send rank 0's buffers to every rank at each forward. None: True (DDP's)."""
+    gradient_as_bucket_view: bool | None = None
+    """ddp only: gradients are views into DDP's buckets (saves a copy). None: False."""
+    static_graph: bool | None = None
+    """ddp only: the set of used parameters never changes between steps. None: False."""
 
     # Resolved forms, filled in by validation.
     _precision: Precision = field(init=False, repr=False, compare=False)
@@ -239,6 +259,8 @@ class ParallelConfig:
     _backward_depth: int = field(init=False, repr=False, compare=False)
     _forward_depth: int = field(init=False, repr=False, compare=False)
     _ac_every: int = field(init=False, repr=False, compare=False)
+    _placement: dict[str, Any] = field(init=False, repr=False, compare=False)
+    """device_ids/output_device/device_id given in other systems' words, checked by wrap."""
 
     def __post_init__(self) -> None:
         validate_parallel_config(self)
@@ -272,14 +294,14 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
     for name in ("auto_wrap_policy", "keep_fp32", "ignored_modules", "ignored_params"):
         if isinstance(getattr(cfg, name), list):
             setattr(cfg, name, tuple(getattr(cfg, name)))
-    if isinstance(cfg.dp_shard, bool) or not isinstance(cfg.dp_shard, int):
-        raise TypeError(f"ParallelConfig.dp_shard must be an int, got {cfg.dp_shard!r}.")
+    cfg.dp_shard = integral(cfg.dp_shard, "ParallelConfig.dp_shard")
     if cfg.dp_shard == 0 or cfg.dp_shard < -1:
         raise ValueError(
             f"ParallelConfig.dp_shard={cfg.dp_shard} is not a valid group size. "
             "Use a positive number of ranks, or -1 to infer it."
         )
     cfg._precision = resolve_precision(cfg.mixed_precision)
+    _keep_fp32_from_fsdp1(cfg)
     cfg._offload = resolve_cpu_offload(cfg.cpu_offload)
     if cfg._offload is not None and cfg.strategy == "ddp":
         raise ValueError(
@@ -297,15 +319,7 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             f"ParallelConfig.reshard_after_forward={raf!r} is not valid. Use True, False, None "
             "(from the strategy) or a positive number of ranks to reshard to."
         )
-    if isinstance(cfg.min_num_params, bool) or not isinstance(cfg.min_num_params, int):
-        raise TypeError(
-            f"ParallelConfig.min_num_params must be an int, got {cfg.min_num_params!r}."
-        )
-    if cfg.min_num_params < 1:
-        raise ValueError(
-            f"ParallelConfig.min_num_params={cfg.min_num_params} must be >= 1 (parameters "
-            "per unit for the 'size' policy)."
-        )
+    _validate_wrap_policy(cfg)
     if cfg.frozen_policy not in FROZEN_POLICIES:
         raise ValueError(
             f"ParallelConfig.frozen_policy={cfg.frozen_policy!r} is not valid."
@@ -323,7 +337,146 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             f"ParallelConfig.compile={cfg.compile!r} is not valid. Use False, True (inductor) or a "
             "torch.compile backend name such as 'aot_eager'."
         )
-    if not cfg.bucket_cap_mb > 0:
+    _validate_ddp_only(cfg)
+    _validate_device_mesh(cfg)
+
+
+def _validate_wrap_policy(cfg: ParallelConfig) -> None:
+    """mmengine's dict policies and torch's FSDP1 policy objects become shardwise's forms;
+    min_num_params is refused where it would be silently ignored."""
+    policy = cfg.auto_wrap_policy
+    if isinstance(policy, Mapping):
+        cfg.auto_wrap_policy, size = policy_from_dict(policy)
+        if size is not None:
+            if cfg.min_num_params is not None and cfg.min_num_params != size:
+                raise ValueError(
+                    f"ParallelConfig.auto_wrap_policy gives min_num_params={size} and "
+                    f"ParallelConfig.min_num_params={cfg.min_num_params}. Set it in one place."
+                )
+            cfg.min_num_params = size
+    elif type(policy).__name__ == "ModuleWrapPolicy" and hasattr(policy, "_module_classes"):
+        cfg.auto_wrap_policy = tuple(policy._module_classes)  # FSDP1's class policy object
+    if cfg.min_num_params is None:
+        return
+    cfg.min_num_params = integral(cfg.min_num_params, "ParallelConfig.min_num_params")
+    if cfg.min_num_params < 1:
+        raise ValueError(
+            f"ParallelConfig.min_num_params={cfg.min_num_params} must be >= 1 (parameters "
+            "per unit for the 'size' policy)."
+        )
+    if cfg.auto_wrap_policy != "size":
+        raise ValueError(
+            f"ParallelConfig.min_num_params={cfg.min_num_params:,} applies to the 'size' policy "
+            f"only, but auto_wrap_policy={cfg.auto_wrap_policy!r}, which would ignore it. Set "
+            "auto_wrap_policy='size' to make units by parameter count, or remove min_num_params."
+        )
+
+
+_DDP_ONLY = {
+    "find_unused_parameters": "FSDP2 reduces whatever gradients each unit has",
+    "bucket_cap_mb": "FSDP2 reduces gradients per shard unit: the unit is the bucket (size "
+    "units with auto_wrap_policy)",
+    "broadcast_buffers": "FSDP2 does not broadcast buffers during training",
+    "gradient_as_bucket_view": "FSDP2 has no buckets",
+    "static_graph": "FSDP2 needs no graph hint",
+}
+
+
+def _validate_ddp_only(cfg: ParallelConfig) -> None:
+    for name, fsdp2 in _DDP_ONLY.items():
+        value = getattr(cfg, name)
+        if value is not None and cfg.strategy != "ddp":
+            raise ValueError(
+                f"ParallelConfig.{name}={value!r} is a DistributedDataParallel setting, but "
+                f"strategy={cfg.strategy!r} uses FSDP2 ({fsdp2}). Remove it, or use "
+                "strategy='ddp'."
+            )
+    if cfg.bucket_cap_mb is not None and not cfg.bucket_cap_mb > 0:
         raise ValueError(
             f"ParallelConfig.bucket_cap_mb={cfg.bucket_cap_mb} must be > 0 (MiB per DDP bucket)."
         )
+
+
+def _validate_device_mesh(cfg: ParallelConfig) -> None:
+    """A user's mesh (or FSDP1 process groups) must fit the strategy's shape."""
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = cfg.device_mesh
+    if mesh is None:
+        return
+    from torch.distributed import GroupMember
+
+    if mesh is GroupMember.NON_GROUP_MEMBER or (
+        isinstance(mesh, (list, tuple)) and GroupMember.NON_GROUP_MEMBER in mesh
+    ):
+        raise ValueError(
+            "ParallelConfig.device_mesh/process_group: this rank is not a member of the given "
+            "process group. shardwise treats every rank as a data-parallel replica: give a "
+            "group (or mesh) that spans all ranks."
+        )
+    hybrid = cfg.strategy in ("hybrid_shard", "hybrid_shard_zero2", "no_shard")
+    if isinstance(mesh, (list, tuple)) and len(mesh) == 2:
+        if not all(isinstance(g, ProcessGroup) for g in mesh):
+            raise TypeError(
+                f"ParallelConfig.device_mesh/process_group={mesh!r}: a pair must be two "
+                "ProcessGroups, (shard group, replicate group), as FSDP1's HYBRID_SHARD took."
+            )
+        ndim = 2
+    elif isinstance(mesh, ProcessGroup):
+        ndim = 1
+    elif isinstance(mesh, DeviceMesh):
+        ndim = mesh.ndim
+    else:
+        raise TypeError(
+            f"ParallelConfig.device_mesh got {type(mesh).__name__}; expected a torch DeviceMesh, "
+            "a ProcessGroup, or (shard group, replicate group)."
+        )
+    if ndim != (2 if hybrid else 1):
+        raise ValueError(
+            f"ParallelConfig.device_mesh is {ndim}-D but strategy={cfg.strategy!r} needs a "
+            f"{2 if hybrid else 1}-D mesh: 1-D for ddp, full_shard and shard_grad_op, 2-D "
+            "(replicate, shard) for hybrid_shard, hybrid_shard_zero2 and no_shard."
+        )
+
+
+def _keep_fp32_from_fsdp1(cfg: ParallelConfig) -> None:
+    """FSDP1's MixedPrecision(_module_classes_to_ignore=...) ran those classes in fp32 in
+    units of their own: exactly keep_fp32."""
+    ignored = getattr(cfg.mixed_precision, "_module_classes_to_ignore", None)
+    if ignored is None or not cfg.precision.is_mixed:
+        return
+    classes = tuple(ignored)
+    if cfg.keep_fp32 is None:
+        cfg.keep_fp32 = classes
+    elif set(cfg.keep_fp32) != set(classes):
+        raise ValueError(
+            f"ParallelConfig.keep_fp32={cfg.keep_fp32!r} and FSDP1 MixedPrecision"
+            f"(_module_classes_to_ignore={classes!r}) name different fp32 classes. Set only "
+            "keep_fp32."
+        )
+
+
+def _accept_other_systems_words(init: Callable[..., None]) -> Callable[..., None]:
+    """ParallelConfig(...) also takes the words of the systems it replaces: translated, or
+    refused with what FSDP2 does instead (see vocabulary.py)."""
+
+    @functools.wraps(init)
+    def __init__(self: ParallelConfig, **kwargs: Any) -> None:
+        fields = {f.name for f in dataclasses.fields(ParallelConfig) if f.init}
+        unknown = sorted(set(kwargs) - fields - FOREIGN_WORDS)
+        if unknown:
+            raise TypeError(
+                f"ParallelConfig got unknown keyword(s) {unknown}.{closest(unknown[0], fields)} "
+                f"Valid keywords: {sorted(fields)}."
+            )
+        values, placement = translate(kwargs)
+        init(self, **values)
+        self._placement = placement
+
+    return __init__
+
+
+setattr(ParallelConfig, "__init__", _accept_other_systems_words(ParallelConfig.__init__))  # noqa: B010
+# Read by schema.from_dict, so a config file may use these words too.
+ParallelConfig.FOREIGN_WORDS = FOREIGN_WORDS  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -146,3 +147,79 @@ def resolve_mesh(
     raf = strategy_reshards(strategy) if reshard_after_forward is None else reshard_after_forward
     engine = "ddp" if strategy == "ddp" else "fsdp"
     return MeshSpec(strategy, replicate, shard, raf, engine)
+
+
+def from_user_mesh(
+    strategy: str,
+    dp_shard: int,
+    value: Any,
+    device_type: str,
+    reshard_after_forward: bool | int | None = None,
+) -> tuple[MeshSpec, DeviceMesh]:
+    """The MeshSpec and DeviceMesh for a user's own DeviceMesh or FSDP1-style process
+    groups (`ParallelConfig.device_mesh`; its shape was checked with the config).
+
+    One ProcessGroup becomes a 1-D mesh over its ranks; FSDP1's (shard group, replicate
+    group) pair becomes the 2-D (replicate, shard) mesh whose rows are the shard groups,
+    learned by gathering every rank's shard group (bounded by the process group timeout).
+    The mesh must span the whole job: shardwise's batches and logs assume every rank is a
+    data-parallel replica.
+    """
+    import torch.distributed as dist
+
+    if isinstance(value, DeviceMesh):
+        mesh = value
+    elif isinstance(value, dist.ProcessGroup):
+        mesh = DeviceMesh.from_group(value, device_type)
+    else:
+        mesh = _mesh_from_group_pair(value[0], value[1], device_type)
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise ValueError(
+            f"ParallelConfig.device_mesh spans {mesh.size()} rank(s) but the job has {world}. "
+            "shardwise treats every rank as a data-parallel replica: give a mesh over all "
+            "ranks (for model parallelism beside data parallelism, wrap with torch's "
+            "fully_shard directly)."
+        )
+    shard = mesh.size(mesh.ndim - 1)
+    if strategy == "ddp":
+        shard = 1
+    if dp_shard not in (-1, shard):
+        raise ValueError(
+            f"ParallelConfig.dp_shard={dp_shard} contradicts the device_mesh, whose shard "
+            f"dimension has {shard} rank(s). Leave dp_shard=-1 with a device_mesh."
+        )
+    if strategy == "no_shard" and shard != 1:
+        raise ValueError(
+            f"strategy='no_shard' needs a device_mesh of shape (N, 1); its shard dimension "
+            f"has {shard} ranks. Use 'hybrid_shard' to shard within rows."
+        )
+    raf = strategy_reshards(strategy) if reshard_after_forward is None else reshard_after_forward
+    engine = "ddp" if strategy == "ddp" else "fsdp"
+    return MeshSpec(strategy, world // shard, shard, raf, engine), mesh
+
+
+def _mesh_from_group_pair(shard_group: Any, replicate_group: Any, device_type: str) -> DeviceMesh:
+    import torch
+    import torch.distributed as dist
+
+    mine = dist.get_process_group_ranks(shard_group)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    rows = sorted({tuple(r) for r in gathered})
+    layout = torch.tensor(rows)
+    replicas = dist.get_process_group_ranks(replicate_group)
+    column = layout[:, rows[rows.index(tuple(mine))].index(dist.get_rank())].tolist()
+    if len({len(r) for r in rows}) != 1 or sorted(column) != sorted(replicas):
+        raise ValueError(
+            "ParallelConfig.process_group=(shard group, replicate group) do not form a "
+            f"(replicate, shard) grid: shard groups {rows}, and this rank's replicate group "
+            f"{replicas} should be {column}. Each replicate group must hold the ranks at one "
+            "position of every shard group, as FSDP1's HYBRID_SHARD required."
+        )
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group],
+        device_type,
+        mesh=layout,
+        mesh_dim_names=(REPLICATE_DIM, SHARD_DIM),
+    )

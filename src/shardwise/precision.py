@@ -11,7 +11,6 @@ Must not: touch process groups or decide strategies.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -152,11 +151,24 @@ def resolve_precision(value: object) -> Precision:
     )
 
 
+def _check_buffer_dtype(value: object, where: str) -> None:
+    """FSDP1 (and mmengine's dict) cast buffers to buffer_dtype; FSDP2 never casts them.
+    None or float32 is what FSDP2 does to fp32 buffers; anything else would differ."""
+    dtype = parse_dtype(value, where)
+    if dtype not in (None, torch.float32):
+        raise ValueError(
+            f"{where}={dtype} has no FSDP2 equivalent: FSDP2 keeps buffers in their own dtype "
+            "(FSDP1 cast them). Use buffer_dtype=None or float32, and cast buffers that must "
+            "be low precision yourself before wrapping (module.to(dtype) on those modules)."
+        )
+
+
 def _precision_from_mapping(value: Mapping[str, Any]) -> Precision:
-    allowed = {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"}
+    allowed = {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs", "buffer_dtype"}
     unknown = sorted(set(value) - allowed)
     if unknown:
         raise ValueError(f"{_FIELD} has unknown key(s) {unknown}. Allowed keys: {sorted(allowed)}.")
+    _check_buffer_dtype(value.get("buffer_dtype"), f"{_FIELD}.buffer_dtype")
     return Precision(
         param_dtype=parse_dtype(value.get("param_dtype"), f"{_FIELD}.param_dtype"),
         reduce_dtype=parse_dtype(value.get("reduce_dtype"), f"{_FIELD}.reduce_dtype"),
@@ -172,17 +184,12 @@ def _from_fsdp1(value: object) -> Precision | None:
         return None
     if not isinstance(value, MixedPrecision):
         return None
-    if value.buffer_dtype is not None and value.buffer_dtype != value.param_dtype:
-        warnings.warn(
-            f"{_FIELD}: FSDP1 MixedPrecision.buffer_dtype={value.buffer_dtype} has no FSDP2 "
-            "equivalent; buffers keep their own dtype.",
-            stacklevel=3,
-        )
+    _check_buffer_dtype(value.buffer_dtype, f"{_FIELD}: FSDP1 MixedPrecision.buffer_dtype")
     if value.keep_low_precision_grads:
-        warnings.warn(
-            f"{_FIELD}: FSDP1 MixedPrecision.keep_low_precision_grads is ignored; FSDP2 "
-            "keeps gradients in the parameters' storage dtype.",
-            stacklevel=3,
+        raise ValueError(
+            f"{_FIELD}: FSDP1 MixedPrecision(keep_low_precision_grads=True) has no FSDP2 "
+            "equivalent: FSDP2 keeps gradients in the parameters' storage dtype (fp32), which "
+            "the optimizer steps. Remove keep_low_precision_grads."
         )
     return Precision(
         param_dtype=value.param_dtype,

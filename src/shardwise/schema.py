@@ -33,6 +33,7 @@ import yaml
 from shardwise.config import ParallelConfig, closest
 from shardwise.engine import TrainConfig
 from shardwise.runner import RunnerConfig
+from shardwise.vocabulary import FOREIGN_WORDS, PLACEMENT_WORDS, integral, translate
 
 T = TypeVar("T")
 
@@ -187,6 +188,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, (float, str)):
+            # 1e7 is an int count written as a float (YAML 1.1 even reads it as text).
+            try:
+                return integral(value, path, text=True)
+            except TypeError:
+                pass
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -230,8 +237,13 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "", base: Any =
     kwargs: dict[str, Any] = {}
     if base is not None:
         kwargs = {name: getattr(base, name) for name in fields}
+    if cls is ParallelConfig and FOREIGN_WORDS & set(data):
+        data = _translate_words(data, path)
     for key, value in data.items():
         where = f"{path}.{key}" if path else str(key)
+        if key in PLACEMENT_WORDS:  # checked by wrap against this rank's device
+            kwargs[key] = value
+            continue
         if key not in fields:
             raise ConfigError(
                 f"unknown key {where!r}.{closest(str(key), fields)} Valid keys"
@@ -249,6 +261,16 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "", base: Any =
         raise
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{path or 'config'}: {exc}") from None
+
+
+def _translate_words(data: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """Other systems' words in a parallel section, as ParallelConfig fields (before the
+    section is merged over its defaults, so `sharding_strategy` replaces `strategy`)."""
+    try:
+        values, placement = translate(dict(data))
+    except ValueError as exc:
+        raise ConfigError(f"{path or 'parallel'}: {exc}") from None
+    return {**values, **placement}
 
 
 def to_dict(config: Any) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from shardwise.distributed import (
     get_dist_info,
 )
 from shardwise.materialize import has_meta, materialize
-from shardwise.mesh import MeshSpec, resolve_mesh
+from shardwise.mesh import MeshSpec, from_user_mesh, resolve_mesh
 from shardwise.optim import mark_replaced
 from shardwise.precision import Precision, apply_autocast
 from shardwise.wrap.plan import WrapPlan, plan_wrap
@@ -178,8 +178,23 @@ def _prepare_blocks(model: nn.Module, plan: WrapPlan, config: ParallelConfig) ->
                     modules[fqn].compile(backend=backend)  # in place: names are unchanged
 
 
+def _check_placement(placement: dict[str, Any], info: DistInfo) -> None:
+    """DDP's device_ids/output_device and FSDP1's device_id, accepted when they name this
+    rank's own device: shardwise puts rank r on its LOCAL_RANK device itself."""
+    mine = {None, info.local_rank, info.device.index, str(info.device), info.device}
+    for word, value in placement.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if len(values) > 1 or any(v not in mine for v in values):
+            raise ValueError(
+                f"ParallelConfig: {word}={value!r} on rank {info.rank}, whose device is "
+                f"{info.device} (LOCAL_RANK {info.local_rank}). shardwise places each rank on "
+                "its own local device and cannot use another: remove it, or give "
+                f"[{info.local_rank}]."
+            )
+
+
 def _apply_ddp(
-    model: nn.Module, config: ParallelConfig, info: DistInfo, plan: WrapPlan
+    model: nn.Module, config: ParallelConfig, info: DistInfo, plan: WrapPlan, mesh: Any = None
 ) -> nn.Module:
     precision = config.precision
     apply_autocast(model, precision, info.device.type)
@@ -190,8 +205,12 @@ def _apply_ddp(
     ddp = DistributedDataParallel(
         model,
         device_ids=[info.device.index] if info.device.type == "cuda" else None,
-        find_unused_parameters=config.find_unused_parameters,
+        process_group=None if mesh is None else mesh.get_group(),
+        find_unused_parameters=bool(config.find_unused_parameters),
         bucket_cap_mb=config.bucket_cap_mb,
+        broadcast_buffers=config.broadcast_buffers is not False,
+        gradient_as_bucket_view=bool(config.gradient_as_bucket_view),
+        static_graph=bool(config.static_graph),
         init_sync=config.sync_module_states,
     )
     reduce_dtype = precision.reduce_dtype
@@ -233,9 +252,14 @@ def _fp32_policy(precision: Precision) -> MixedPrecisionPolicy:
 
 
 def _apply_fsdp(
-    model: nn.Module, config: ParallelConfig, info: DistInfo, spec: MeshSpec, plan: WrapPlan
+    model: nn.Module,
+    config: ParallelConfig,
+    info: DistInfo,
+    spec: MeshSpec,
+    plan: WrapPlan,
+    mesh: Any = None,
 ) -> Any:
-    mesh = spec.build(info.device.type)
+    mesh = mesh if mesh is not None else spec.build(info.device.type)
     modules = dict(model.named_modules(remove_duplicate=False))
     mp_policy = config.precision.to_fsdp_policy()
     fp32_policy = _fp32_policy(config.precision)
@@ -324,25 +348,36 @@ def wrap(
         setattr(model, _INFO_ATTR, WrapInfo(config, info, None, plan))
         return model
 
-    spec = resolve_mesh(
-        config.strategy,
-        config.dp_shard,
-        info.world_size,
-        local_world_size=info.local_world_size,
-        reshard_after_forward=config.reshard_after_forward,
-    )
+    _check_placement(config._placement, info)
+    user_mesh = None
+    if config.device_mesh is not None:
+        spec, user_mesh = from_user_mesh(
+            config.strategy,
+            config.dp_shard,
+            config.device_mesh,
+            info.device.type,
+            config.reshard_after_forward,
+        )
+    else:
+        spec = resolve_mesh(
+            config.strategy,
+            config.dp_shard,
+            info.world_size,
+            local_world_size=info.local_world_size,
+            reshard_after_forward=config.reshard_after_forward,
+        )
     plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
     _prepare_blocks(model, plan, config)
     if spec.engine == "ddp":
         fill(model)  # DDP replicates: every rank holds the full model anyway
-        wrapped = _apply_ddp(model, config, info, plan)
+        wrapped = _apply_ddp(model, config, info, plan, user_mesh)
         setattr(wrapped, _INFO_ATTR, WrapInfo(config, info, spec, plan))
         return wrapped
 
     if config.sync_module_states and not on_meta:  # a meta model has no values to sync
         sync_module_states(model)
     originals = list(model.parameters())
-    mesh = _apply_fsdp(model, config, info, spec, plan)
+    mesh = _apply_fsdp(model, config, info, spec, plan, user_mesh)
     fill(model, mesh)  # after sharding: each rank allocates and fills only its shards
     # An optimizer built from `originals` would train nothing: refuse it at its first step.
     mark_replaced(originals, model.parameters())

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, ShardingStrategy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -88,7 +89,14 @@ def _wrap_error_cases() -> dict[str, str]:
     partly = GPT(CFG)
     fully_shard(partly.blocks[0])
     world = dist.get_world_size()
+    other = dist.get_rank() + 1  # a device index that is not this rank's
     return {
+        "foreign_device": _error(
+            lambda: wrap(GPT(CFG), ParallelConfig(strategy="ddp", device_ids=[other]))
+        ),
+        "mesh_not_whole_job": _error(
+            lambda: wrap(GPT(CFG), ParallelConfig(device_mesh=dist.new_group([0, 1])))
+        ),
         "ddp_wrapped": _error(lambda: wrap(ddp_model, ParallelConfig())),
         "partly_sharded": _error(lambda: wrap(partly, ParallelConfig())),
         "bad_mesh": _error(
@@ -138,6 +146,15 @@ def world2_cases(data):
         "ac_ddp": ParallelConfig(strategy="ddp", activation_checkpointing="every_2"),
         # aot_eager traces and runs the same ops (no codegen): parity holds at the fp32 bar.
         "compiled": ParallelConfig(compile="aot_eager"),
+        # DDP's own keywords pass through (mmengine's MMDistributedDataParallel took them).
+        "ddp_keywords": ParallelConfig(
+            strategy="ddp",
+            broadcast_buffers=False,
+            gradient_as_bucket_view=True,
+            static_graph=True,
+            bucket_cap_mb=1,
+            device_ids=[dist.get_rank()],  # mmengine's Runner passes [LOCAL_RANK]
+        ),
     }
     out = {name: train_distributed(build, cfg, data) for name, cfg in good.items()}
     for s in ("ddp", "no_shard", "shard_grad_op", "full_shard"):
@@ -176,6 +193,25 @@ def world4_cases(data):
     good["hybrid_size"] = ParallelConfig(
         strategy="hybrid_shard_zero2", auto_wrap_policy="size", min_num_params=BLOCK_PARAMS
     )
+    # A user's own mesh, and FSDP1's process groups as the trainer mixin passes them.
+    good["user_mesh_2d"] = ParallelConfig(
+        strategy="hybrid_shard",
+        device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+        auto_wrap_policy=block,
+    )
+    good["user_mesh_1d"] = ParallelConfig(
+        device_mesh=init_device_mesh("cpu", (4,)), auto_wrap_policy=block
+    )
+    shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes all
+    replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    rank = dist.get_rank()
+    good["mixin_process_groups"] = ParallelConfig(
+        use_fsdp=True,
+        sharding_strategy="ShardingStrategy.HYBRID_SHARD",
+        process_group=(shard_groups[rank // 2], replicate_groups[rank % 2]),
+        auto_wrap_policy=block,
+    )
+    good["ddp_process_group"] = ParallelConfig(strategy="ddp", process_group=dist.group.WORLD)
     out = {name: train_distributed(build, cfg, data) for name, cfg in good.items()}
     for s in ("hybrid_shard", "hybrid_shard_zero2"):
         out[f"lora_{s}"] = train_distributed(build_lora, ParallelConfig(strategy=s), data)
@@ -215,13 +251,14 @@ def world4(data):
 W2_GOOD = [
     "ddp", "no_shard", "shard_grad_op", "full_shard", "full_shard_root_only", "fsdp1_enum",
     "cpu_offload", "prefetch", "no_reshard_override", "synced_ddp", "synced_full_shard",
-    "auto", "size", "tied_merged_unit", "ac_full_shard", "ac_ddp", "compiled",
+    "auto", "size", "tied_merged_unit", "ac_full_shard", "ac_ddp", "compiled", "ddp_keywords",
 ]  # fmt: skip
 LORA_W2 = ["lora_ddp", "lora_no_shard", "lora_shard_grad_op", "lora_full_shard", "lora_split"]
 LORA_W4 = ["lora_hybrid_shard", "lora_hybrid_shard_zero2"]
 W4_GOOD = [
     "ddp", "no_shard", "shard_grad_op", "full_shard", "hybrid_shard", "hybrid_shard_zero2",
-    "hybrid_fsdp1_name", "hybrid_offload", "hybrid_auto", "hybrid_size",
+    "hybrid_fsdp1_name", "hybrid_offload", "hybrid_auto", "hybrid_size", "user_mesh_2d",
+    "user_mesh_1d", "mixin_process_groups", "ddp_process_group",
 ]  # fmt: skip
 
 
@@ -306,6 +343,16 @@ def test_parity_check_catches_wrong_setups(world2, world4, reference, data, worl
             r"ValueError: shardwise\.wrap: submodule 'blocks\.0' is already wrapped by fully_shard \(FSDP2\)",
         ),
         (4, "partly_sharded", r"submodule 'blocks\.0' is already wrapped"),
+        (
+            2,
+            "foreign_device",
+            r"ValueError: ParallelConfig: device_ids=\[\d\] on rank \d, whose device is cpu \(LOCAL_RANK \d\)\. shardwise places each rank on its own local device",
+        ),
+        (
+            4,
+            "mesh_not_whole_job",
+            r"ValueError: ParallelConfig\.device_mesh spans 2 rank\(s\) but the job has 4\. shardwise treats every rank as a data-parallel replica|this rank is not a member of the given process group",
+        ),
         (
             2,
             "bad_mesh",

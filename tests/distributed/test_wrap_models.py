@@ -133,6 +133,21 @@ def cross_unit_ties() -> list[float]:
     return losses
 
 
+def ddp_keywords() -> dict:
+    """DDP's own keywords reach DistributedDataParallel (before, only two were passed)."""
+    model = wrap(
+        GPT(CFG),
+        ParallelConfig(
+            strategy="ddp", broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=True
+        ),
+    )
+    return {
+        "broadcast_buffers": model.broadcast_buffers,
+        "gradient_as_bucket_view": model.gradient_as_bucket_view,
+        "static_graph": model.static_graph,
+    }
+
+
 def all_cases() -> dict:
     return {
         "merged_fp32": merged_fp32_unit_dtype(),
@@ -143,6 +158,7 @@ def all_cases() -> dict:
         },
         "ignored": ignored_params(),
         "cross_tied": cross_unit_ties(),
+        "ddp_keywords": ddp_keywords(),
     }
 
 
@@ -200,3 +216,12 @@ def test_ties_across_unit_boundaries_train(results):
     for rank in range(2):
         losses = results[rank]["cross_tied"]
         assert len(losses) == 2 and losses[1] < losses[0], losses
+
+
+def test_ddp_keywords_pass_through(results):
+    for rank in range(2):
+        assert results[rank]["ddp_keywords"] == {
+            "broadcast_buffers": False,
+            "gradient_as_bucket_view": True,
+            "static_graph": True,
+        }

@@ -138,7 +138,7 @@ def test_reshard_after_forward_invalid(bad):
 
 def test_bucket_cap_must_be_positive():
     with pytest.raises(ValueError, match=r"bucket_cap_mb=0 must be > 0"):
-        ParallelConfig(bucket_cap_mb=0)
+        ParallelConfig(strategy="ddp", bucket_cap_mb=0)
 
 
 def test_precision_resolved_at_construction():

@@ -49,11 +49,20 @@ def test_fsdp1_mixed_precision_translated():
     assert (p.param_dtype, p.reduce_dtype) == (torch.float16, torch.float32)
 
 
-def test_fsdp1_fields_without_fsdp2_twin_warn():
-    with pytest.warns(UserWarning, match="buffer_dtype=torch.float16 has no FSDP2 equivalent"):
+def test_fsdp1_fields_without_fsdp2_twin_are_refused():
+    # Both used to be warnings while training went on with another meaning: now refusals.
+    with pytest.raises(
+        ValueError,
+        match=r"FSDP1 MixedPrecision\.buffer_dtype=torch\.float16 has no FSDP2 equivalent: FSDP2 keeps buffers in their own dtype",
+    ):
         resolve_precision(MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.float16))
-    with pytest.warns(UserWarning, match="keep_low_precision_grads is ignored"):
+    with pytest.raises(
+        ValueError,
+        match=r"keep_low_precision_grads=True\) has no FSDP2 equivalent: FSDP2 keeps gradients in the parameters' storage dtype",
+    ):
         resolve_precision(MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True))
+    fp32_buffers = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.float32)
+    assert resolve_precision(fp32_buffers).param_dtype == torch.bfloat16  # what FSDP2 does
 
 
 def test_unknown_preset():

@@ -163,6 +163,8 @@ def _notice(message: str) -> None:
 def _ignored(model: nn.Module, config: ParallelConfig) -> tuple[set[int], list[str]]:
     """Ids and names of the parameters config says to leave unmanaged."""
     mods = list(config.ignored_modules or ())
+    instances = {id(m) for m in mods if isinstance(m, nn.Module)}  # FSDP1 took modules
+    mods = [m for m in mods if not isinstance(m, nn.Module)]
     patterns = [
         re.compile(m[len(REGEX_PREFIX) :])
         for m in mods
@@ -171,8 +173,22 @@ def _ignored(model: nn.Module, config: ParallelConfig) -> tuple[set[int], list[s
     plain = [m for m in mods if not (isinstance(m, str) and m.startswith(REGEX_PREFIX))]
     classes = tuple(module_classes(plain, model, "ParallelConfig.ignored_modules"))
     ids: set[int] = set()
+    present = {id(m) for m in model.modules()}
+    strangers = [
+        m for m in config.ignored_modules or () if isinstance(m, nn.Module) and id(m) not in present
+    ]
+    if strangers:
+        raise ValueError(
+            f"ParallelConfig.ignored_modules holds {len(strangers)} module instance(s) that are "
+            f"not part of {type(model).__name__} (first: {type(strangers[0]).__name__}). Pass "
+            "modules of the model being wrapped, or their class names."
+        )
     for fqn, m in model.named_modules():
-        if (classes and isinstance(m, classes)) or any(p.fullmatch(fqn) for p in patterns):
+        if (
+            id(m) in instances
+            or (classes and isinstance(m, classes))
+            or any(p.fullmatch(fqn) for p in patterns)
+        ):
             ids.update(id(p) for p in m.parameters())
     named = dict(model.named_parameters(remove_duplicate=False))
     for name in config.ignored_params or ():
@@ -229,7 +245,8 @@ def _nothing_matched(model: nn.Module, policy: Policy, config: ParallelConfig) -
         )[:5]
         largest = ", ".join(f"{fqn}: {n:,}" for n, fqn in sizes)
         return ValueError(
-            f"ParallelConfig.auto_wrap_policy='size' with min_num_params={config.min_num_params:,} "
+            f"ParallelConfig.auto_wrap_policy='size' with min_num_params="
+            f"{config.min_num_params or 100_000_000:,} "
             f"made no unit below the root of {type(model).__name__}. Largest submodules: "
             f"{largest}. Lower min_num_params, or name the block classes."
         )

@@ -167,10 +167,30 @@ def callable_policy(fn: Callable[..., bool]) -> Policy:
     return Policy(lambda fqn, m, n: fn(fqn, m), f"callable {label}")
 
 
+def custom_policy(lambda_fn: Callable[[nn.Module], Any]) -> Policy:
+    """torch FSDP1's CustomPolicy: wrap where `lambda_fn(module)` is truthy. Its per-unit
+    keyword overrides (a dict return) have no shardwise meaning, so they are refused."""
+
+    def decide(fqn: str, module: nn.Module, numel: int) -> bool:
+        verdict = lambda_fn(module)
+        if isinstance(verdict, dict) and verdict:
+            raise ValueError(
+                f"{FIELD}: CustomPolicy returned per-unit overrides {sorted(verdict)} for "
+                f"{fqn!r}. shardwise applies one ParallelConfig to every unit (keep_fp32 "
+                "covers fp32 modules): return True/False, or {} to wrap with the defaults."
+            )
+        return isinstance(verdict, dict) or bool(verdict)
+
+    label = getattr(lambda_fn, "__qualname__", type(lambda_fn).__name__)
+    return Policy(decide, f"FSDP1 CustomPolicy({label})")
+
+
 def resolve_policy(value: object, model: nn.Module, config: Any = None) -> Policy:
     """A `Policy` for any accepted `auto_wrap_policy` value."""
     if isinstance(value, Policy):
         return value
+    if type(value).__name__ == "CustomPolicy" and hasattr(value, "_lambda_fn"):
+        return custom_policy(value._lambda_fn)
     if value is None:
         return Policy(lambda fqn, m, n: False, "none: the root is the only unit", strict=False)
     if isinstance(value, type) and issubclass(value, nn.Module):
@@ -207,7 +227,8 @@ def _none(model: nn.Module, config: Any) -> Policy:
 
 @register_wrap_policy("size")
 def _size(model: nn.Module, config: Any) -> Policy:
-    return size_policy(int(getattr(config, "min_num_params", 100_000_000)))
+    size = getattr(config, "min_num_params", None)
+    return size_policy(100_000_000 if size is None else int(size))  # FSDP1's default
 
 
 @register_wrap_policy("transformer_blocks")
