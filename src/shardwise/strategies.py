@@ -269,9 +269,9 @@ def _apply_fsdp(
         # Pinned memory needs an accelerator; on CPU the offload is a no-op move.
         offload = type(offload)(pin_memory=False)
     extra: dict[str, Any] = {"offload_policy": offload} if offload is not None else {}
-    if plan.ignored_params:
+    if plan.ignored_params or plan.replicated_params:
         named = dict(model.named_parameters())
-        extra["ignored_params"] = {named[n] for n in plan.ignored_params}
+        extra["ignored_params"] = {named[n] for n in plan.ignored_params + plan.replicated_params}
     sharded: list[FSDPModule] = []
     # Post-order: children before parents, so each unit owns only what no unit below owns.
     for unit in plan.units:
@@ -286,6 +286,28 @@ def _apply_fsdp(
         sharded.append(cast(FSDPModule, targets[0]))
     _wire_prefetch(sharded[:-1], sharded[-1], config)
     return mesh
+
+
+def _replicate(model: nn.Module, names: list[str]) -> None:
+    """Keep 0-dim parameters whole and equal on every rank: fully_shard cannot shard them.
+
+    Each is broadcast from rank 0 once (a meta-built model initialised them rank by rank)
+    and its gradient is averaged over all ranks as soon as backward accumulates it. During
+    accumulation that happens on every micro-batch: the sum of per-micro-batch averages is
+    the average of the sums, so the result is the same, for a few bytes each time.
+    """
+    world = dist.get_world_size()
+    for name in names:
+        param = model.get_parameter(name)
+        with torch.no_grad():
+            dist.broadcast(param.data, src=0)
+
+        def average(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)  # SUM: gloo has no AVG
+                p.grad.div_(world)
+
+        param.register_post_accumulate_grad_hook(average)
 
 
 def wrap(
@@ -379,6 +401,7 @@ def wrap(
     originals = list(model.parameters())
     mesh = _apply_fsdp(model, config, info, spec, plan, user_mesh)
     fill(model, mesh)  # after sharding: each rank allocates and fills only its shards
+    _replicate(model, plan.replicated_params)
     # An optimizer built from `originals` would train nothing: refuse it at its first step.
     mark_replaced(originals, model.parameters())
     setattr(model, _INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))

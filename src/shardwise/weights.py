@@ -256,21 +256,44 @@ def export_weights(
         raise ValueError(f"export_weights(max_shard_bytes={max_shard_bytes}) must be positive.")
     out = Path(out)
     writes = rank_and_world()[0] == 0
-    if writes and out.exists() and not out.is_dir():
-        raise WeightsError(f"export_weights(out={str(out)!r}) must be a directory, not a file.")
     if isinstance(source, nn.Module):
+        _prepare_out_on_rank0(out)  # every rank learns rank 0's verdict before any gather
         tensors: Iterator[tuple[str, torch.Tensor]] = _model_tensors(source)
     else:
         if not writes:
             return None
         # Before `out` is created: a corrupted checkpoint leaves nothing there.
         tensors = _checkpoint_tensors(_checked_checkpoint(source, out, verify), max_shard_bytes)
-    if writes:
-        out.mkdir(parents=True, exist_ok=True)
+        _prepare_out_on_rank0(out)
     written = _write_all(tensors, _ShardWriter(out, max_shard_bytes, cast), writes)
     if writes and isinstance(source, nn.Module):
         _save_hf_configs(unwrap(source), out)
     return written
+
+
+def _prepare_out_on_rank0(out: Path) -> None:
+    """Rank 0 creates `out`; with a process group every rank gets its verdict, so a bad
+    `out` fails on every rank instead of leaving the others in the first gather."""
+    import torch.distributed as dist
+
+    rank, world = rank_and_world()
+    failure: Exception | None = None
+    if rank == 0:
+        try:
+            if out.exists() and not out.is_dir():
+                raise WeightsError(
+                    f"export_weights(out={str(out)!r}) must be a directory, not a file."
+                )
+            out.mkdir(parents=True, exist_ok=True)
+        except (OSError, WeightsError) as exc:
+            failure = exc
+    if world > 1 and dist.is_initialized():
+        verdict = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(verdict, src=0)  # bounded by the process group's timeout
+        if rank != 0 and verdict[0] is not None:
+            raise WeightsError(f"rank 0 could not prepare the export directory: {verdict[0]}")
+    if failure is not None:
+        raise failure
 
 
 def _weight_files(path: str | Path) -> dict[str, Path]:

@@ -52,6 +52,20 @@ sgd = functools.partial(torch.optim.SGD, lr=0.5)
 fast_adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
 
 
+class ScaledGPT(GPT):
+    """A 0-dim parameter, as CLIP's logit_scale: fully_shard cannot shard it."""
+
+    def __init__(self) -> None:
+        super().__init__(CFG)
+        self.temperature = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, idx, targets=None):
+        logits = super().forward(idx) * self.temperature  # CLIP scales its logits so
+        if targets is None:
+            return logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def build_rank_dependent() -> GPT:
     """Each rank initialises differently (rank 0 like the reference); only
     sync_module_states makes them agree."""
@@ -160,6 +174,10 @@ def world2_cases(data):
     for s in ("ddp", "no_shard", "shard_grad_op", "full_shard"):
         out[f"lora_{s}"] = train_distributed(build_lora, ParallelConfig(strategy=s), data)
     out["lora_split"] = train_distributed(build_lora, ParallelConfig(frozen_policy="split"), data)
+    for s in ("ddp", "full_shard", "shard_grad_op"):
+        out[f"scalar_{s}"] = train_distributed(
+            ScaledGPT, ParallelConfig(strategy=s), data, optimizer=sgd
+        )
     for s in ("ddp", "full_shard"):
         cfg = ParallelConfig(strategy=s, auto_wrap_policy=block)
         out[f"synced_{s}"] = train_distributed(build_rank_dependent, cfg, data)
@@ -173,6 +191,10 @@ def world2_cases(data):
         ),
         "wrong_same_slice": train_distributed(build, fsdp, data, shard_batch=same_slice_everywhere),
         "sgd_averaged": train_distributed(build, fsdp, data, optimizer=sgd),
+        # Wrong: the scalar left unmanaged (ignored), so each rank keeps its own gradient.
+        "wrong_scalar_sgd_unsynced": train_distributed(
+            ScaledGPT, ParallelConfig(ignored_params=["temperature"]), data, optimizer=sgd
+        ),
         "wrong_sgd_summed": train_distributed(
             build, fsdp, data, optimizer=sgd, after_wrap=sum_gradients
         ),
@@ -215,6 +237,9 @@ def world4_cases(data):
     out = {name: train_distributed(build, cfg, data) for name, cfg in good.items()}
     for s in ("hybrid_shard", "hybrid_shard_zero2"):
         out[f"lora_{s}"] = train_distributed(build_lora, ParallelConfig(strategy=s), data)
+    out["scalar_hybrid_shard"] = train_distributed(
+        ScaledGPT, ParallelConfig(strategy="hybrid_shard"), data, optimizer=sgd
+    )
     hybrid = ParallelConfig(strategy="hybrid_shard", auto_wrap_policy=block)
     bad = {
         "wrong_hybrid_same_slice": train_distributed(
@@ -297,6 +322,20 @@ def test_lora_frozen_base_matches_single_process(world2, world4, lora_reference,
     assert torch.equal(got["blocks.0.fc.base.weight"], initial.blocks[0].fc.base.weight)
 
 
+@pytest.mark.parametrize(
+    "case", ["scalar_ddp", "scalar_full_shard", "scalar_shard_grad_op", "scalar_hybrid_shard"]
+)
+def test_scalar_parameters_stay_whole_and_train_like_one_process(world2, world4, data, case):
+    # Before: fully_shard refused the model ("doesn't support scalar parameters").
+    # SGD, not AdamW: Adam's normalised step would hide a gradient left unaveraged (the
+    # ranks' losses are close, and its update is nearly the gradient's sign).
+    results = world4 if "hybrid" in case else world2
+    ref = train_reference(ScaledGPT, data, optimizer=sgd)
+    assert float(ref.params["temperature"]) != 1.3  # it trains
+    for rank, (good, _, _) in enumerate(results):
+        compare_trajectories(ref, good[case], rtol=FP32_RTOL, label=f"{case} rank {rank}")
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
 def test_bf16_tracks_fp32(world2, data, strategy):
     traj, head_dtypes = world2[0][0][f"bf16_{strategy}"]
@@ -319,12 +358,14 @@ def test_sgd_control_passes(world2, data):
         (2, "wrong_unsynced_init", "loss diverges at step 0"),
         (2, "wrong_same_slice", "loss diverges at step 0"),
         (2, "wrong_sgd_summed", "loss diverges at step 1"),
+        (2, "wrong_scalar_sgd_unsynced", "diverges"),
         (4, "wrong_hybrid_same_slice", "loss diverges at step 0"),
     ],
 )
 def test_parity_check_catches_wrong_setups(world2, world4, reference, data, world, case, match):
     results = world2 if world == 2 else world4
-    ref = train_reference(build, data, optimizer=sgd) if "sgd" in case else reference
+    builder = ScaledGPT if "scalar" in case else build
+    ref = train_reference(builder, data, optimizer=sgd) if "sgd" in case else reference
     with pytest.raises(ParityError, match=match):
         compare_trajectories(ref, results[0][1][case], rtol=FP32_RTOL, label=case)
 

@@ -218,6 +218,11 @@ def export_and_load(out: str) -> dict:
         only_rank0 = f"{out}/bf16" if dist.get_rank() == 0 else "/nonexistent"
         load_weights(fresh, only_rank0, broadcast_from_rank0=True)
         result[f"loaded_bf16_rank0_{strategy}"] = full_parameters(fresh)
+    try:  # `out` is a file on rank 0: every rank must raise, none may wait in a gather
+        export_weights(engine.model, f"{out}/ddp/model.safetensors")
+        result["bad_out"] = "no error"
+    except WeightsError as exc:
+        result["bad_out"] = str(exc)
     return result
 
 
@@ -241,6 +246,11 @@ def test_sharded_export_and_load_match_single_process(tmp_path, world):
         for file in sorted((tmp_path / "bf16").glob("*.safetensors")):
             bf16.update(load_file(str(file)))
         assert len(list((tmp_path / "bf16").glob("*.safetensors"))) > 1
+        assert "must be a directory, not a file" in results[0]["bad_out"]
+        for rank_result in results[1:]:
+            assert rank_result["bad_out"].startswith(
+                "rank 0 could not prepare the export directory: WeightsError: export_weights(out="
+            ), rank_result["bad_out"]
         for rank_result in results:
             for name, value in rank_result[f"loaded_bf16_rank0_{strategy}"].items():
                 assert value.dtype == torch.float32

@@ -2,7 +2,9 @@
 
 Owns: reading a model's own `_no_split_modules` declaration (Hugging Face models have
 one) and, failing that, spotting same-class children of a ModuleList/Sequential that
-hold parameters. Pure inspection: works on the meta device, changes nothing.
+hold parameters, or, failing that, a composite block alone in one (a one-layer model, or a
+shared block that forward applies at every depth: ALBERT's trains exactly as one unit).
+Pure inspection: works on the meta device, changes nothing.
 
 Must not: decide units (plan.py) or know about policies beyond returning classes.
 """
@@ -19,7 +21,7 @@ from torch import nn
 class DetectedBlocks:
     classes: set[type[nn.Module]] = field(default_factory=set)
     source: str = ""
-    """'_no_split_modules' or 'repeated children'."""
+    """'_no_split_modules', 'repeated children' or 'a lone block in a ModuleList/Sequential'."""
     where: dict[str, str] = field(default_factory=dict)
     """class name -> where it was found (the container FQN, or the declaring class)."""
     counts: dict[str, int] = field(default_factory=dict)
@@ -55,13 +57,19 @@ def _from_no_split_modules(model: nn.Module) -> DetectedBlocks:
 
 def _from_repeated_children(model: nn.Module) -> DetectedBlocks:
     candidates: dict[type[nn.Module], str] = {}
+    lone: dict[type[nn.Module], str] = {}
     for fqn, m in model.named_modules():
         if not isinstance(m, (nn.ModuleList, nn.Sequential)):
             continue
         by_class = Counter(type(c) for c in m.children() if _has_params(c))
         for cls, n in by_class.items():
-            if n >= 2:
-                candidates.setdefault(cls, fqn or "<root>")
+            (candidates if n >= 2 else lone).setdefault(cls, fqn or "<root>")
+    source = "repeated children"
+    if not candidates:
+        # One composite block alone in a container: a one-layer model, or a block that
+        # forward applies several times (ALBERT shares one layer group across its depth).
+        candidates = {c: w for c, w in lone.items() if _is_composite(model, c)}
+        source = "a lone block in a ModuleList/Sequential"
     if not candidates:
         return DetectedBlocks()
     # Prefer composite blocks (a transformer layer) over repeated leaves (Conv2d in a
@@ -69,7 +77,7 @@ def _from_repeated_children(model: nn.Module) -> DetectedBlocks:
     composite = {c: w for c, w in candidates.items() if _is_composite(model, c)}
     chosen = composite or candidates
     outer = _outermost(model, set(chosen))
-    found = DetectedBlocks(source="repeated children")
+    found = DetectedBlocks(source=source)
     counts: Counter[str] = Counter()
     for fqn, m in model.named_modules():
         if fqn and type(m) in outer:

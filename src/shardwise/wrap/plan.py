@@ -101,6 +101,9 @@ class WrapPlan:
     """Each shared parameter's names (one parameter reached by several module paths)."""
     tied_units: list[str] = field(default_factory=list)
     """The unit holding each `tied` group whole (same order)."""
+    replicated_params: list[str] = field(default_factory=list)
+    """0-dim parameters (CLIP's logit_scale): fully_shard cannot shard them, so they stay
+    whole on every rank and wrap averages their gradients over all ranks."""
 
     def __iter__(self) -> Iterator[WrapUnit]:
         return iter(self.units)
@@ -152,6 +155,11 @@ class WrapPlan:
             lines.append(f"mixed: {m.unit}: frozen {m.frozen} | trainable {m.trainable}")
         if self.ignored_params:
             lines.append(f"ignored (unsharded, unmanaged): {self.ignored_params}")
+        if self.replicated_params:
+            lines.append(
+                f"replicated (0-dim, which fully_shard cannot shard; whole on every rank, "
+                f"gradients averaged over all ranks): {self.replicated_params}"
+            )
         return "\n".join(lines)
 
 
@@ -200,6 +208,11 @@ def _ignored(model: nn.Module, config: ParallelConfig) -> tuple[set[int], list[s
         ids.add(id(named[name]))
     names = [n for n, p in model.named_parameters() if id(p) in ids]
     return ids, names
+
+
+def _scalars(model: nn.Module, ignored: set[int]) -> list[str]:
+    """Names of the 0-dim parameters no unit can take (fully_shard shards on dim 0)."""
+    return [n for n, p in model.named_parameters() if p.dim() == 0 and id(p) not in ignored]
 
 
 def _keep_fp32_classes(model: nn.Module, config: ParallelConfig) -> tuple[type, ...]:
@@ -308,7 +321,9 @@ def plan_wrap(
             else config.reshard_after_forward
         )
     ignored_ids, ignored_names = _ignored(model, config)
-    index = ModelIndex.build(model, ignored_ids)
+    replicated = _scalars(model, ignored_ids) if sharded else []
+    named = dict(model.named_parameters())
+    index = ModelIndex.build(model, ignored_ids | {id(named[n]) for n in replicated})
     policy = resolve_policy(config.auto_wrap_policy, model, config)
     fp32_classes = _keep_fp32_classes(model, config) if sharded and precision.is_mixed else ()
 
@@ -342,6 +357,7 @@ def plan_wrap(
         notes=notes,
         mixed_units=mixed,
         ignored_params=ignored_names,
+        replicated_params=replicated,
         tied=tied,
         tied_units=tied_units,
     )
