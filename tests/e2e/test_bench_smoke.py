@@ -13,7 +13,9 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-@pytest.mark.parametrize("script", ["mfu.py", "meta_memory.py", "checkpoint_io.py", "overhead.py"])
+@pytest.mark.parametrize(
+    "script", ["mfu.py", "meta_memory.py", "checkpoint_io.py", "overhead.py", "hf_storage.py"]
+)
 def test_benchmark_smoke(script):
     out = subprocess.run(
         [sys.executable, str(BENCH / script), "--smoke"],
