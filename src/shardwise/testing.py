@@ -194,22 +194,45 @@ def _collect(
             try:
                 msg = pickle.loads(cast(Connection, conn).recv_bytes())
             except EOFError:
-                procs[rank].join(timeout=5)
-                code = procs[rank].exitcode
-                raise RankError(
-                    f"rank {rank} died without reporting (exit code {code}); the other "
-                    "ranks were killed.",
-                    rank=rank,
-                ) from None
+                raise _died(procs, rank) from None
             del pending[rank]
             if msg[0] == "error":
-                raise RankError(
+                raised = RankError(
                     f"rank {rank} raised {msg[1]}\n--- rank {rank} traceback ---\n{msg[2]}",
                     rank=rank,
                     remote_traceback=msg[2],
                 )
+                # A rank that died makes the others' collectives fail ("connection reset by
+                # peer"), sometimes before its own death is seen: report the death first.
+                dead = _first_death(procs, pending, grace_s=2.0)
+                raise dead if dead is not None else raised
             results[rank] = msg[1]
     return [results[r] for r in range(len(procs))]
+
+
+def _died(procs: list[mp.process.BaseProcess], rank: int) -> RankError:
+    procs[rank].join(timeout=5)
+    return RankError(
+        f"rank {rank} died without reporting (exit code {procs[rank].exitcode}); the other "
+        "ranks were killed.",
+        rank=rank,
+    )
+
+
+def _first_death(
+    procs: list[mp.process.BaseProcess], pending: dict[int, Connection], grace_s: float
+) -> RankError | None:
+    """A pending rank that exits without reporting within `grace_s`, if any."""
+    deadline = time.monotonic() + grace_s
+    while pending and time.monotonic() < deadline:
+        for conn in wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic())):
+            rank = next(r for r, c in pending.items() if c is conn)
+            try:
+                cast(Connection, conn).recv_bytes()
+            except EOFError:
+                return _died(procs, rank)
+            del pending[rank]  # it reported (a result or an error of its own)
+    return None
 
 
 COUNTED_COLLECTIVES = (
