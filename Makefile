@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean install
+.PHONY: demo test test-models lint typecheck unit bench clean install
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q
+
+# 47 transformers architectures under full_shard (about 1 min); .ci/run runs it after `test`.
+test-models: $(STAMP)
+	$(VENV)/bin/pytest -q -m models tests/models
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py

@@ -15,6 +15,7 @@ import copy
 import pytest
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.models  # `make test-models`, which .ci/run runs after `make test`
 
 from _hf_sweep import (
     BY_NAME,
