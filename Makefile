@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models lint typecheck unit bench clean install
+.PHONY: demo test test-models test-integrations lint typecheck unit bench clean install
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ test: lint typecheck
 # 47 transformers architectures under full_shard (about 1 min); .ci/run runs it after `test`.
 test-models: $(STAMP)
 	$(VENV)/bin/pytest -q -m models tests/models
+
+# shardwise inside mmengine's Runner and Lightning's Trainer, against their own DDP.
+test-integrations: $(STAMP)
+	$(VENV)/bin/pytest -q -m integrations tests/integrations
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
