@@ -38,3 +38,25 @@ def test_plain_python_is_world_one():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "unwrapped at world size 1" in result.stdout
     assert "done: 2 steps" in result.stdout and "on 1 rank(s)" in result.stdout
+
+
+MIXIN = ROOT / "examples" / "mixin_trainer.py"
+
+
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [
+        ([], "ddp: 2 replica group(s) x 1 shard rank(s)"),  # use_fsdp=False: DDP, as the mixin
+        (
+            ["--use-fsdp", "--sharding-strategy", "ShardingStrategy.FULL_SHARD"],
+            "full_shard: 1 replica group(s) x 2 shard rank(s)",
+        ),
+    ],
+)
+def test_trainer_mixin_example(flags, shown):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           str(MIXIN), "--steps", "2", *flags]  # fmt: skip
+    result = _run(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert shown in result.stdout and "done: 2 steps on 2 rank(s)" in result.stdout
