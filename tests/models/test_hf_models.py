@@ -15,7 +15,6 @@ import copy
 import pytest
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.models  # `make test-models`, which .ci/run runs after `make test`
 
 from _hf_sweep import (
     BY_NAME,
@@ -32,6 +31,8 @@ from _hf_sweep import (
 import shardwise
 from shardwise.parity import ParityError
 from shardwise.testing import run_distributed
+
+pytestmark = pytest.mark.models  # `make test-models`, which .ci/run runs after `make test`
 
 NAMES = list(BY_NAME)
 # The reloaded model computes exactly what the distributed one does; up to 1e-7 apart
