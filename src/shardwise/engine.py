@@ -39,7 +39,14 @@ from shardwise.optim import (
 )
 from shardwise.strategies import unwrap, wrap, wrap_info
 
-__all__ = ["VIS_KEYS", "Engine", "TrainConfig", "parse_losses", "total_grad_norm"]
+__all__ = [
+    "VIS_KEYS",
+    "Engine",
+    "TrainConfig",
+    "clip_grad_norm_",
+    "parse_losses",
+    "total_grad_norm",
+]
 
 MODES = ("loss", "predict", "tensor")
 
@@ -99,6 +106,20 @@ def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
     if not squares:
         return torch.zeros(())
     return torch.stack([s.cpu() for s in squares]).sum().sqrt()
+
+
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Scale gradients so their global norm (`total_grad_norm`) is at most `max_norm`, by
+    torch's `clip_grad_norm_` rule; returns the norm before clipping. A non-finite norm
+    clips nothing (fp16 scaling skips that step anyway). `max_norm=None` only measures."""
+    norm = total_grad_norm(parameters)
+    if max_norm is not None and math.isfinite(float(norm)):
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        if coef < 1.0:
+            for p in parameters:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm
 
 
 class Engine:
@@ -282,13 +303,7 @@ class Engine:
                 warnings.filterwarnings("ignore", message=".*scalar.*")
                 self.scaler.unscale_(self.optimizer)
         anomalous = self._anomalous_params() if tc.detect_anomalous_params else []
-        norm = total_grad_norm(params)
-        if tc.max_grad_norm is not None and math.isfinite(float(norm)):
-            coef = min(1.0, tc.max_grad_norm / (float(norm) + 1e-6))
-            if coef < 1.0:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+        norm = clip_grad_norm_(params, tc.max_grad_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the lr this update uses
         skipped = False
         if self.scaler is not None:

@@ -48,14 +48,19 @@ def mark_replaced(old: Iterable[nn.Parameter], new: Iterable[nn.Parameter]) -> N
         _hook_handle = register_optimizer_step_pre_hook(_refuse_stale)
 
 
+def stale_parameters(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(parameters `wrap` replaced, parameters held) for an optimizer."""
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    return sum(1 for p in held if getattr(p, _REPLACED_ATTR, False)), len(held)
+
+
 def _refuse_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _checked.get(optimizer) == _generation:  # one look per optimizer and wrap
         return
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    stale = sum(1 for p in held if getattr(p, _REPLACED_ATTR, False))
+    stale, held = stale_parameters(optimizer)
     if stale:
         raise RuntimeError(
-            f"{type(optimizer).__name__}.step(): {stale} of {len(held)} parameter(s) in this "
+            f"{type(optimizer).__name__}.step(): {stale} of {held} parameter(s) in this "
             "optimizer were replaced when shardwise.wrap sharded the model (fully_shard swaps "
             "each parameter for a sharded DTensor parameter). The optimizer was built before "
             "wrapping, so it would update tensors the model no longer uses and training would "

@@ -1,0 +1,233 @@
+"""Lightning scenarios for tests/integrations/test_lightning.py, run as a script.
+
+`python _lt_worker.py OUT_DIR PHASE`: Lightning's own launcher starts the second rank (it
+re-runs this script), every scenario runs in the same process group, and rank 0 writes
+OUT_DIR/<PHASE>.json after each scenario (parameters as .pt files beside it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from shardwise.integrations.lightning import ShardwiseStrategy
+from shardwise.parity import full_parameters
+
+warnings.filterwarnings("ignore")
+N, DIM, BATCH = 64, 16, 8  # 64 samples, 8 per rank per step: 4 steps an epoch at world 2
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(N, DIM, generator=g)
+    y = (x @ torch.randn(DIM, 1, generator=g)).tanh() + 0.1 * torch.randn(N, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def make_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(DIM, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
+
+
+class Lit(L.LightningModule):
+    def __init__(self, opt: str = "adamw", lr: float = 1e-2, batch: int = BATCH) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.opt, self.lr, self.batch = opt, lr, batch
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, idx: int) -> None:
+        loss = self.trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
+        self.losses.append(float(loss))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.opt == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        # Rank r takes samples r, r + world, ...: step s covers samples [s*G, (s+1)*G) of
+        # the global batch G, whatever the world size (the single-process reference's order).
+        t = self.trainer
+        sampler = DistributedSampler(dataset(), t.world_size, t.global_rank, shuffle=False)
+        return DataLoader(dataset(), batch_size=self.batch, sampler=sampler)
+
+
+class MetaLit(Lit):
+    """Layers built in configure_model: on the meta device under ShardwiseStrategy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net
+        self.built_on_meta: bool | None = None
+
+    def configure_model(self) -> None:
+        if hasattr(self, "net"):
+            return
+        self.net = make_net()
+        self.built_on_meta = all(p.is_meta for p in self.net.parameters())
+
+
+class EarlyOptimizer(Lit):
+    """Builds its optimizer in __init__, from parameters sharding will replace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.early = torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.early
+
+
+def trainer(strategy: Any, epochs: int, devices: int = 2, **kw: Any) -> L.Trainer:
+    kw.setdefault("enable_checkpointing", False)
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        **kw,
+    )
+
+
+def fit(
+    strategy: Any,
+    *,
+    seed: int = 0,
+    epochs: int = 2,
+    module: type[Lit] = Lit,
+    devices: int = 2,
+    ckpt_path: str | None = None,
+    mkw: dict[str, Any] | None = None,
+    **kw: Any,
+) -> tuple[Lit, L.Trainer]:
+    L.seed_everything(seed, verbose=False)
+    lit = module(**(mkw or {}))
+    t = trainer(strategy, epochs, devices, **kw)
+    t.fit(lit, ckpt_path=ckpt_path)
+    return lit, t
+
+
+def reference_clip(seed: int, steps: int, lr: float, clip: float) -> tuple[list[float], dict, list]:
+    """One process, the whole global batch, torch.nn.utils.clip_grad_norm_."""
+    L.seed_everything(seed, verbose=False)
+    net = Lit(opt="sgd", lr=lr).net
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    x, y = dataset().tensors
+    losses, norms = [], []
+    for s in range(steps):
+        s %= N // (2 * BATCH)
+        sl = slice(2 * BATCH * s, 2 * BATCH * (s + 1))  # rank 0's + rank 1's batch
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(net(x[sl]), y[sl])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
+        opt.step()
+        losses.append(float(loss))
+    return losses, {f"net.{k}": v.detach().clone() for k, v in net.named_parameters()}, norms
+
+
+def main() -> None:
+    out, phase = Path(sys.argv[1]), sys.argv[2]
+    results: dict[str, Any] = {}
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+
+    def record(name: str, lit: Lit) -> None:
+        params = full_parameters(lit)  # collective under FSDP2: every rank
+        sharded = any(isinstance(p, DTensor) for p in lit.parameters())
+        results[name] = {"losses": lit.losses, "sharded": sharded}
+        if rank == 0:
+            torch.save(params, out / f"{phase}-{name}.pt")
+            (out / f"{phase}.json").write_text(json.dumps(results))
+
+    if phase == "main":
+        record("lightning_ddp", fit("ddp")[0])
+        record("full_shard", fit(ShardwiseStrategy(strategy="full_shard"))[0])
+        record("shardwise_ddp", fit(ShardwiseStrategy(strategy="ddp"))[0])
+        record(
+            "fairscale_words",
+            fit(
+                ShardwiseStrategy(
+                    strategy="ddp_fully_sharded",
+                    fp32_reduce_scatter=True,
+                    reshard_after_forward=False,
+                )
+            )[0],
+        )
+        record("other_seed", fit(ShardwiseStrategy(strategy="full_shard"), seed=1)[0])
+
+        # Resume: epoch 1 through ModelCheckpoint(save_last), then fit(ckpt_path="last").
+        ck = out / "ckpt"
+        cb = lambda: ModelCheckpoint(dirpath=ck, save_last=True, save_top_k=0)  # noqa: E731
+        lit, t = fit(
+            ShardwiseStrategy(strategy="full_shard"),
+            epochs=1,
+            enable_checkpointing=True,
+            callbacks=[cb()],
+        )
+        record("epoch1", lit)
+        t.save_checkpoint(out / "epoch1-explicit.ckpt")
+        lit, _ = fit(
+            ShardwiseStrategy(strategy="full_shard"),
+            ckpt_path="last",
+            enable_checkpointing=True,
+            callbacks=[cb()],
+        )
+        record("resumed_last", lit)
+        lit, _ = fit(ShardwiseStrategy(strategy="ddp"), ckpt_path=str(out / "epoch1-explicit.ckpt"))
+        record("resumed_as_ddp", lit)
+
+        # Clipping by the global norm, against Lightning's DDP and one process.
+        clip = {"mkw": {"opt": "sgd", "lr": 0.5}, "gradient_clip_val": 0.05}
+        record("clip_full_shard", fit(ShardwiseStrategy(strategy="full_shard"), **clip)[0])
+        record("clip_lightning_ddp", fit("ddp", **clip)[0])
+        if rank == 0:
+            losses, params, norms = reference_clip(0, 8, 0.5, 0.05)
+            results["clip_reference"] = {"losses": losses, "norms": norms}
+            torch.save(params, out / f"{phase}-clip_reference.pt")
+
+        lit, _ = fit(ShardwiseStrategy(strategy="full_shard"), module=MetaLit)
+        record("meta", lit)
+        results["meta"]["built_on_meta"] = lit.built_on_meta
+
+        try:  # last: the failure ends this trainer's processes
+            fit(ShardwiseStrategy(strategy="full_shard"), module=EarlyOptimizer)
+            results["early_optimizer"] = "no error"
+        except RuntimeError as exc:
+            results["early_optimizer"] = str(exc)
+        if rank == 0:
+            (out / f"{phase}.json").write_text(json.dumps(results))
+    elif phase == "world1":
+        # The world-2 epoch-1 checkpoint, resumed by one process with the same global batch.
+        lit, _ = fit(
+            ShardwiseStrategy(strategy="full_shard"),
+            devices=1,
+            mkw={"batch": 2 * BATCH},
+            ckpt_path=str(out / "epoch1-explicit.ckpt"),
+        )
+        record("resumed_world1", lit)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

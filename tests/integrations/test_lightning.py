@@ -1,0 +1,137 @@
+"""ShardwiseStrategy under lightning.Trainer at devices=2 on CPU, against Lightning's DDP.
+
+One launch of `_lt_worker.py` (Lightning's launcher starts rank 1) runs every scenario in
+one process group; a second, one-process launch resumes its checkpoint at world size 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integrations
+pytest.importorskip("lightning")
+
+import torch  # noqa: E402
+
+WORKER = Path(__file__).with_name("_lt_worker.py")
+TOL = 1e-5
+
+
+def _launch(out: Path, phase: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(out), phase],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    result = out / f"{phase}.json"
+    if proc.returncode != 0 or not result.is_file():
+        raise AssertionError(f"worker {phase} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return dict(json.loads(result.read_text()))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("lightning")
+    results = _launch(out, "main")
+    results.update(_launch(out, "world1"))
+    return out, results
+
+
+def _params(out: Path, name: str) -> dict[str, torch.Tensor]:
+    for phase in ("main", "world1"):
+        path = out / f"{phase}-{name}.pt"
+        if path.is_file():
+            return dict(torch.load(path))
+    raise FileNotFoundError(name)
+
+
+def _rel_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
+
+
+def _rel_losses(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def _assert_same(runs: tuple[Path, dict[str, Any]], name: str, ref: str, skip: int = 0) -> None:
+    out, r = runs
+    assert _rel_losses(r[name]["losses"], r[ref]["losses"][skip:]) <= TOL
+    assert _rel_params(_params(out, name), _params(out, ref)) <= TOL
+
+
+@pytest.mark.parametrize("name", ["full_shard", "shardwise_ddp", "fairscale_words"])
+def test_fit_matches_lightning_ddp(runs: tuple[Path, dict[str, Any]], name: str) -> None:
+    _assert_same(runs, name, "lightning_ddp")
+    assert runs[1][name]["sharded"] == (name != "shardwise_ddp")
+    assert len(runs[1][name]["losses"]) == 8
+
+
+def test_negative_control_other_seed_differs(runs: tuple[Path, dict[str, Any]]) -> None:
+    out, r = runs
+    assert _rel_losses(r["other_seed"]["losses"], r["lightning_ddp"]["losses"]) > 100 * TOL
+    assert _rel_params(_params(out, "other_seed"), _params(out, "lightning_ddp")) > 100 * TOL
+
+
+def test_resume_from_last_checkpoint_is_exact(runs: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = runs
+    assert (out / "ckpt" / "last.ckpt" / "meta.pt").is_file()  # a DCP directory
+    _assert_same(runs, "resumed_last", "full_shard", skip=4)
+
+
+def test_resume_under_another_strategy_is_exact(runs: tuple[Path, dict[str, Any]]) -> None:
+    _assert_same(runs, "resumed_as_ddp", "full_shard", skip=4)
+
+
+def test_resume_at_world_size_one_is_exact(runs: tuple[Path, dict[str, Any]]) -> None:
+    # Saved by two FSDP2 ranks, resharded into one process taking the same global batch.
+    _assert_same(runs, "resumed_world1", "full_shard", skip=4)
+
+
+def test_clipping_uses_the_global_norm(runs: tuple[Path, dict[str, Any]]) -> None:
+    _, r = runs
+    assert min(r["clip_reference"]["norms"]) > 0.05  # clipping acts at every step
+    _assert_same(runs, "clip_full_shard", "clip_reference")
+    _assert_same(runs, "clip_full_shard", "clip_lightning_ddp")
+
+
+def test_configure_model_builds_on_meta(runs: tuple[Path, dict[str, Any]]) -> None:
+    out, r = runs
+    assert r["meta"]["built_on_meta"] is True and r["meta"]["sharded"]
+    losses = r["meta"]["losses"]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    assert all(bool(t.isfinite().all()) for t in _params(out, "meta").values())
+
+
+def test_optimizer_built_before_wrap_is_refused(runs: tuple[Path, dict[str, Any]]) -> None:
+    message = runs[1]["early_optimizer"]
+    assert "built before the strategy wrapped the model" in message
+    assert "configure_optimizers" in message
+
+
+def test_import_shardwise_does_not_import_lightning() -> None:
+    code = "import sys, shardwise; assert 'lightning' not in sys.modules, 'lightning imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_strategy_takes_parallel_config_words() -> None:
+    from shardwise import ParallelConfig
+    from shardwise.integrations.lightning import ShardwiseStrategy
+
+    assert ShardwiseStrategy(strategy="ddp_fully_sharded").config.strategy == "full_shard"
+    with pytest.raises(ValueError, match="flatten_parameters"):
+        ShardwiseStrategy(strategy="full_shard", flatten_parameters=True)
+    with pytest.raises(TypeError, match="not both"):
+        ShardwiseStrategy(ParallelConfig(), strategy="ddp")
