@@ -14,7 +14,15 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.mark.parametrize(
-    "script", ["mfu.py", "meta_memory.py", "checkpoint_io.py", "overhead.py", "hf_storage.py"]
+    "script",
+    [
+        "mfu.py",
+        "meta_memory.py",
+        "checkpoint_io.py",
+        "overhead.py",
+        "hf_storage.py",
+        "integrations.py",
+    ],
 )
 def test_benchmark_smoke(script):
     out = subprocess.run(
