@@ -362,6 +362,7 @@ def wrap(
 
             load_weights(target, weights, broadcast_from_rank0=broadcast_from_rank0)
 
+    _check_placement(config._placement, info)
     if info.world_size == 1 and not config.force_wrap:
         plan = plan_wrap(model, config, sharded=False)
         _prepare_blocks(model, plan, config)
@@ -370,7 +371,6 @@ def wrap(
         setattr(model, _INFO_ATTR, WrapInfo(config, info, None, plan))
         return model
 
-    _check_placement(config._placement, info)
     user_mesh = None
     if config.device_mesh is not None:
         spec, user_mesh = from_user_mesh(

@@ -324,3 +324,14 @@ def test_integral_floats_for_int_fields_from_yaml():
         match=r"runner\.max_steps: expected int \| null, got str \('1\.5e0'\)|runner\.max_steps",
     ):
         load_config(overrides=["runner.max_steps=1.5e0"])
+
+
+def test_placement_words_naming_another_device_are_refused_at_world_one():
+    from shardwise import wrap
+
+    wrap(GPT(CFG), ParallelConfig(strategy="ddp", device_ids=[0]))  # this process's device
+    with pytest.raises(
+        ValueError,
+        match=r"ParallelConfig: device_ids=\[5\] on rank 0, whose device is cpu \(LOCAL_RANK 0\)\. shardwise places each rank on its own local device",
+    ):
+        wrap(GPT(CFG), ParallelConfig(strategy="ddp", device_ids=[5]))
