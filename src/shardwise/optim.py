@@ -148,15 +148,15 @@ def read_optim_wrapper(wrapper: Any, device_type: str) -> WrapperSettings:
     """Translate mmengine's OptimWrapper/AmpOptimWrapper, or refuse what cannot carry over.
 
     The Engine steps the wrapper's optimizer itself: its own global-norm clipping (over
-    every shard and replica; mmengine's `clip_grad_norm_` would see only local shards),
-    its own gradient-sync switch for accumulation, and its own loss scaler. The wrapper's
+    every shard and replica, unmanaged parameters included), its own gradient-sync switch
+    for accumulation, and its own loss scaler. The wrapper's
     `update_params` is therefore not called.
     """
     name = type(wrapper).__name__
     optimizer = wrapper.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            f"Engine: {name}.optimizer is {type(optimizer).__name__}, not an optimizer."
+            f"Engine: {name}.optimizer is {type(optimizer).__name__}, not a torch optimizer."
         )
     counts = int(getattr(wrapper, "_accumulative_counts", 1))
     max_norm = None

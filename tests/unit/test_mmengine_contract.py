@@ -267,3 +267,39 @@ def test_optimizer_checked_before_a_later_wrap_is_checked_again():
     shardwise.wrap(model, ParallelConfig(strategy="full_shard", force_wrap=True))
     with pytest.raises(RuntimeError, match=r"were replaced when shardwise\.wrap sharded the model"):
         opt.step()
+
+
+def test_own_parse_losses_total_and_logs_must_be_scalars():
+    class NonScalarTotal(MMToy):
+        def parse_losses(self, losses):
+            return losses["loss_cls"], {}
+
+    class NonScalarLog(MMToy):
+        def parse_losses(self, losses):
+            loss, _ = super().parse_losses(losses)
+            return loss, {"per_sample": losses["loss_cls"]}
+
+    with pytest.raises(
+        ValueError,
+        match=r"NonScalarTotal\.parse_losses returned a total of a tensor of shape \(6,\); it must be a scalar tensor",
+    ):
+        Engine(NonScalarTotal(), sgd).train_step(batch())
+    with pytest.raises(
+        ValueError,
+        match=r"NonScalarLog\.parse_losses logged 'per_sample' with shape \(6,\); logged values must be scalars",
+    ):
+        Engine(NonScalarLog(), sgd).train_step(batch())
+
+
+def test_optim_wrapper_without_a_torch_optimizer():
+    class Fake:
+        optimizer = "sgd"
+
+        def update_params(self, loss):
+            pass
+
+        def optim_context(self, model):
+            pass
+
+    with pytest.raises(TypeError, match=r"Engine: Fake\.optimizer is str, not a torch optimizer"):
+        Engine(MMToy(), Fake())

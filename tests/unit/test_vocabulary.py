@@ -335,3 +335,48 @@ def test_placement_words_naming_another_device_are_refused_at_world_one():
         match=r"ParallelConfig: device_ids=\[5\] on rank 0, whose device is cpu \(LOCAL_RANK 0\)\. shardwise places each rank on its own local device",
     ):
         wrap(GPT(CFG), ParallelConfig(strategy="ddp", device_ids=[5]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"ignored_parameters": ["a.weight"], "ignored_params": ["b.weight"]},
+            r"ignored_parameters=\['a\.weight'\] and ignored_params=\['b\.weight'\] both set the same thing differently\. Set only ignored_params",
+        ),
+        ({"fp32_reduce_scatter": "yes"}, r"fp32_reduce_scatter='yes' must be a bool"),
+        (
+            {
+                "auto_wrap_policy": {"type": "size_based_auto_wrap_policy", "min_num_params": 10},
+                "min_num_params": 20,
+            },
+            r"auto_wrap_policy gives min_num_params=10 and ParallelConfig\.min_num_params=20\. Set it in one place",
+        ),
+    ],
+)
+def test_words_that_set_one_thing_twice(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**kwargs)
+
+
+def test_device_mesh_of_the_wrong_rank_for_the_strategy():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardwise
+
+    shardwise.init_distributed()  # a one-rank group: enough to build meshes
+    flat = init_device_mesh("cpu", (1,))
+    with pytest.raises(
+        ValueError,
+        match=r"device_mesh is 1-D but strategy='hybrid_shard' needs a 2-D mesh: 1-D for ddp, full_shard and shard_grad_op, 2-D \(replicate, shard\) for hybrid_shard",
+    ):
+        ParallelConfig(strategy="hybrid_shard", device_mesh=flat)
+    grid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("r", "s"))
+    with pytest.raises(
+        ValueError, match=r"device_mesh is 2-D but strategy='full_shard' needs a 1-D mesh"
+    ):
+        ParallelConfig(device_mesh=grid)
+    with pytest.raises(
+        TypeError, match=r"a pair must be two ProcessGroups, \(shard group, replicate group\)"
+    ):
+        ParallelConfig(strategy="hybrid_shard", device_mesh=("a", "b"))
