@@ -209,7 +209,7 @@ def _mesh_from_group_pair(shard_group: Any, replicate_group: Any, device_type: s
     rows = sorted({tuple(r) for r in gathered})
     layout = torch.tensor(rows)
     replicas = dist.get_process_group_ranks(replicate_group)
-    column = layout[:, rows[rows.index(tuple(mine))].index(dist.get_rank())].tolist()
+    column = layout[:, mine.index(dist.get_rank())].tolist()  # this rank's replicas
     if len({len(r) for r in rows}) != 1 or sorted(column) != sorted(replicas):
         raise ValueError(
             "ParallelConfig.process_group=(shard group, replicate group) do not form a "

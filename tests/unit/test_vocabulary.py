@@ -380,3 +380,20 @@ def test_device_mesh_of_the_wrong_rank_for_the_strategy():
         TypeError, match=r"a pair must be two ProcessGroups, \(shard group, replicate group\)"
     ):
         ParallelConfig(strategy="hybrid_shard", device_mesh=("a", "b"))
+
+
+def test_dp_shard_contradicting_a_user_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardwise
+    from shardwise.mesh import from_user_mesh
+
+    shardwise.init_distributed()
+    mesh = init_device_mesh("cpu", (1,))
+    spec, got = from_user_mesh("full_shard", -1, mesh, "cpu")
+    assert (spec.dp_replicate, spec.dp_shard, got) == (1, 1, mesh)
+    with pytest.raises(
+        ValueError,
+        match=r"ParallelConfig\.dp_shard=2 contradicts the device_mesh, whose shard dimension has 1 rank\(s\)\. Leave dp_shard=-1",
+    ):
+        from_user_mesh("full_shard", 2, mesh, "cpu")
