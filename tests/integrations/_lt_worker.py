@@ -68,6 +68,47 @@ class Lit(L.LightningModule):
         return DataLoader(dataset(), batch_size=self.batch, sampler=sampler)
 
 
+class ForwardLit(Lit):
+    """training_step calls self(...): a nested call of the root's forward under FSDP2."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+
+class GatherCount:
+    """Counts FSDP2's all-gathers (`dist.all_gather_single`) while active."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._orig = dist.all_gather_single
+
+    def __enter__(self) -> GatherCount:
+        def counted(*a: Any, **k: Any) -> Any:
+            self.n += 1
+            return self._orig(*a, **k)
+
+        dist.all_gather_single = counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_gather_single = self._orig
+
+
+def gathers_per_plain_step() -> int:
+    """All-gathers in one `loss = model(x); loss.backward()` step of a model wrapped by hand."""
+    from shardwise import ParallelConfig, wrap
+
+    model = wrap(ForwardLit(), ParallelConfig(strategy="full_shard"))
+    x, y = dataset().tensors
+    with GatherCount() as count:
+        nn.functional.mse_loss(model(x[:BATCH]), y[:BATCH]).backward()
+    return count.n
+
+
 class MetaLit(Lit):
     """Layers built in configure_model: on the meta device under ShardwiseStrategy."""
 
@@ -173,6 +214,13 @@ def main() -> None:
                 )
             )[0],
         )
+        record("forward_lightning_ddp", fit("ddp", module=ForwardLit)[0])
+        with GatherCount() as count:
+            lit = fit(ShardwiseStrategy(strategy="full_shard"), module=ForwardLit)[0]
+        record("forward_full_shard", lit)
+        results["forward_full_shard"]["gathers"] = count.n
+        results["forward_full_shard"]["gathers_plain_step"] = gathers_per_plain_step()
+        results["forward_full_shard"]["steps"] = 2 * N // (2 * BATCH)
         record("other_seed", fit(ShardwiseStrategy(strategy="full_shard"), seed=1)[0])
 
         # Resume: epoch 1 through ModelCheckpoint(save_last), then fit(ckpt_path="last").

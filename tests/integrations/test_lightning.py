@@ -79,6 +79,21 @@ def test_fit_matches_lightning_ddp(runs: tuple[Path, dict[str, Any]], name: str)
     assert len(runs[1][name]["losses"]) == 8
 
 
+def test_step_calling_self_matches_lightning_ddp(runs: tuple[Path, dict[str, Any]]) -> None:
+    _assert_same(runs, "forward_full_shard", "forward_lightning_ddp")
+
+
+def test_step_calling_self_gathers_as_often_as_a_plain_step(
+    runs: tuple[Path, dict[str, Any]],
+) -> None:
+    # training_step runs inside the root's forward and calls self(x) inside it: the root
+    # must not be all-gathered a second time in backward (it was, before the redirection
+    # suspended the nested post-forward hook).
+    r = runs[1]["forward_full_shard"]
+    assert r["gathers_plain_step"] > 0
+    assert r["gathers"] == r["steps"] * r["gathers_plain_step"]
+
+
 def test_negative_control_other_seed_differs(runs: tuple[Path, dict[str, Any]]) -> None:
     out, r = runs
     assert _rel_losses(r["other_seed"]["losses"], r["lightning_ddp"]["losses"]) > 100 * TOL
