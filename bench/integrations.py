@@ -26,14 +26,16 @@ the same GPT, timed per optimizer step by a callback (barrier in on_train_batch_
 perf_counter until on_train_batch_end), the first steps of each fit excluded:
 
 - `lt_sw_ddp`: `ShardwiseStrategy(strategy='ddp')`; `lt_ddp`: Lightning's `strategy='ddp'`;
-- `lt_sw_full_shard`: `ShardwiseStrategy(strategy='full_shard')`;
+- `lt_sw_full_shard`: `ShardwiseStrategy(strategy='full_shard')`, training_step calling
+  `self.net(x, y)`; `lt_sw_full_shard_self`: the same with training_step calling `self(x, y)`,
+  which re-enters the FSDP2 root's forward inside the redirected step;
 - `hand_full_shard`: `shardwise.wrap(module, full_shard)` stepped by hand over the same
   DataLoader (barrier, then zero_grad / forward / backward / step);
 - `hand_ddp`: the same with `shardwise.wrap(module, ddp)`, for context: lt_ddp/hand_ddp is
   what Lightning's own loop adds to a hand-written step.
 
 Runs alternate: several rounds, each running every variant once in a seeded random order.
-Ratios lt_sw_ddp/lt_ddp and lt_sw_full_shard/hand_full_shard; paired ratios are taken
+Ratios lt_sw_ddp/lt_ddp and lt_sw_full_shard(_self)/hand_full_shard; paired ratios are taken
 between the same step of the same round.
 
     python bench/integrations.py              # both hosts (a few minutes on 2 CPU cores)
@@ -76,10 +78,18 @@ HOSTS = ("mmengine", "lightning")
 TARGET = 1.01
 MM_GROUPS = (("sw_ddp", "mm_ddp", "wrap_ddp"), ("sw_full_shard", "wrap_full_shard"))
 MM_RATIOS = (("sw_ddp", "mm_ddp"), ("sw_ddp", "wrap_ddp"), ("sw_full_shard", "wrap_full_shard"))
-LT_VARIANTS = ("lt_sw_ddp", "lt_ddp", "hand_ddp", "lt_sw_full_shard", "hand_full_shard")
+LT_VARIANTS = (
+    "lt_sw_ddp",
+    "lt_ddp",
+    "hand_ddp",
+    "lt_sw_full_shard",
+    "lt_sw_full_shard_self",
+    "hand_full_shard",
+)
 LT_RATIOS = (
     ("lt_sw_ddp", "lt_ddp"),
     ("lt_sw_full_shard", "hand_full_shard"),
+    ("lt_sw_full_shard_self", "hand_full_shard"),  # training_step calls self(x, y)
     ("lt_ddp", "hand_ddp"),  # context: what Lightning's own loop adds to a hand-written step
 )
 WORLD = 2
@@ -274,16 +284,18 @@ def _lt_worker(cfg: Config, out: Path) -> None:
         return DataLoader(TensorDataset(x, y), batch_size=cfg.batch, shuffle=False)
 
     class LitGPT(L.LightningModule):
-        def __init__(self) -> None:
+        def __init__(self, call_self: bool = False) -> None:
             super().__init__()
             self.net = GPT(cfg.gpt)
+            self.call_self = call_self
 
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return self.net(x, y)
 
         def training_step(self, batch: Any, idx: int) -> torch.Tensor:
             x, y = batch
-            return self.net(x, y)
+            # self(x, y) re-enters the FSDP2 root's forward inside the redirected step.
+            return self(x, y) if self.call_self else self.net(x, y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -312,9 +324,10 @@ def _lt_worker(cfg: Config, out: Path) -> None:
             "lt_sw_ddp": lambda: ShardwiseStrategy(strategy="ddp"),
             "lt_ddp": lambda: "ddp",
             "lt_sw_full_shard": lambda: ShardwiseStrategy(strategy="full_shard"),
+            "lt_sw_full_shard_self": lambda: ShardwiseStrategy(strategy="full_shard"),
         }[variant]()
         torch.manual_seed(cfg.seed)
-        lit = LitGPT()
+        lit = LitGPT(call_self=variant.endswith("_self"))
         timer = StepTimer()
         trainer = L.Trainer(
             strategy=strategy,
