@@ -147,8 +147,11 @@ def run(
     )
     assert runner.distributed
     runner.train()
+    hub = runner.message_hub  # OptimWrapper logs each clip's norm as train/grad_norm
+    norms = hub.get_scalar("train/grad_norm").data[0] if clip is not None else []
     return {
         "losses": recorder.losses,
+        "grad_norms": [float(n) for n in norms],
         "metrics": recorder.metrics,
         "params": full_params(runner.model),
         "wrapper": type(runner.model).__name__,
@@ -294,6 +297,11 @@ def test_hybrid_shard_world4_equals_mmddp(w4):
 def test_accumulation_and_global_norm_clip_equal_mmddp(w2):
     for rank, out in enumerate(w2):
         assert_parity(out["full_shard_accum"], out["mmddp_accum"], f"accum rank {rank}")
+        # clipping acted: every update's norm was above max_norm (0.1), and the norm the
+        # wrapper clipped by is the same global norm MMDDP's full gradients have
+        ours, ref = out["full_shard_accum"]["grad_norms"], out["mmddp_accum"]["grad_norms"]
+        assert len(ref) == ITERS // 2 and min(ref) > 0.1
+        assert ours == pytest.approx(ref, rel=RTOL)
         # the settings change the training: the comparison above can tell
         assert max_rel(out["mmddp_accum"]["params"], out["mmddp"]["params"]) > 1e-3
 
