@@ -185,6 +185,10 @@ def world2(work_dir: str) -> dict:
     out["resumed"] = run(
         work_dir, "resumed", sw("full_shard"), resume_from=out["full_shard"]["ckpt"]
     )
+    # MMDDP's checkpoint (integer-keyed optimizer state) resumed by the sharded wrapper
+    out["resumed_from_mmddp"] = run(
+        work_dir, "resumed_from_mmddp", sw("full_shard"), resume_from=out["mmddp"]["ckpt"]
+    )
     out["mmddp_accum"] = run(work_dir, "mmddp_accum", MMDDP, accumulate=2, clip=0.1)
     out["full_shard_accum"] = run(
         work_dir, "full_shard_accum", sw("full_shard"), accumulate=2, clip=0.1
@@ -312,6 +316,15 @@ def test_resume_from_checkpoint_hook_equals_uninterrupted(w2):
         assert len(resumed["losses"]) == ITERS - 3
         assert max_rel_losses(resumed["losses"], full["losses"][3:]) <= RTOL
         assert max_rel(resumed["params"], full["params"]) <= RTOL
+
+
+def test_mmddp_checkpoint_resumes_sharded_equal_to_mmddp(w2):
+    # SGD with momentum: the momentum buffers must come over, or the losses part at once
+    for out in w2:
+        ref, resumed = out["mmddp"], out["resumed_from_mmddp"]
+        assert resumed["sharded"]
+        assert max_rel_losses(resumed["losses"], ref["losses"][3:]) <= RTOL
+        assert max_rel(resumed["params"], ref["params"]) <= RTOL
 
 
 def test_checkpoint_file_holds_full_tensors_like_mmddp(w2):

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FullyShardedDataParallel, FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.nn import Module
 
 from shardwise.checkpoint import (
@@ -76,7 +76,7 @@ def _nested_post_forward_suspended(module: Module) -> Generator[None, None, None
     as before. Only when the root casts outputs (`output_dtype`) is nothing suspended: that
     cast lives in the same hook.
     """
-    state = fully_shard.state(module) if isinstance(module, FSDPModule) else None
+    state = fully_shard.state(module) if isinstance(module, FSDPModule) else None  # type: ignore[attr-defined]
     handle = getattr(state, "_post_forward_hook_handle", None)
     policy = getattr(state, "_mp_policy", None)
     hooks = module._forward_hooks
@@ -97,7 +97,12 @@ class _StepRedirection(_DDPForwardRedirection):
     root post-forward: see `_nested_post_forward_suspended`."""
 
     def __call__(
-        self, wrapper_module: Module, original_module: Any, method_name: str, *args: Any, **kwargs: Any
+        self,
+        wrapper_module: Module,
+        original_module: Any,
+        method_name: str,
+        *args: Any,
+        **kwargs: Any,
     ) -> Any:
         original_forward = original_module.forward
 

@@ -251,13 +251,39 @@ def adopt_optim_wrapper(model: ShardwiseDataParallel, optim_wrapper: Any) -> Non
         setattr(wrapper, _ADOPTED, True)
 
 
+def _by_name(module: nn.Module, optimizer: Any, state_dict: dict) -> dict:
+    """An integer-keyed torch optimizer state (what `MMDistributedDataParallel` checkpoints
+    hold) keyed by parameter name instead. torch numbers parameters in param-group order,
+    so the i-th id of saved group g is the i-th parameter of this optimizer's group g."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    saved, current = state_dict.get("param_groups", []), optimizer.param_groups
+    if len(saved) != len(current) or any(
+        len(s["params"]) != len(c["params"]) for s, c in zip(saved, current, strict=True)
+    ):
+        raise ValueError(
+            "ShardwiseDataParallel: the checkpoint's optimizer state has param groups of "
+            f"{[len(g['params']) for g in saved]} parameters, this optimizer "
+            f"{[len(g['params']) for g in current]}: it was saved for another model or "
+            "optimizer configuration. Load the weights only (load_from without resume)."
+        )
+    to_name = {}
+    for s, c in zip(saved, current, strict=True):
+        for i, p in zip(s["params"], c["params"], strict=True):
+            to_name[i] = names[id(p)]
+    return {
+        "state": {to_name[i]: v for i, v in state_dict.get("state", {}).items()},
+        "param_groups": [{**g, "params": [to_name[i] for i in g["params"]]} for g in saved],
+    }
+
+
 def _load_optimizer_state(module: nn.Module, optimizer: Any, state_dict: dict) -> None:
     own = type(optimizer).load_state_dict
-    groups = state_dict.get("param_groups", [])
-    by_name = any(isinstance(p, str) for g in groups for p in g.get("params", []))
-    if not by_name or getattr(optimizer, "_shardwise_loading", False):
+    if getattr(optimizer, "_shardwise_loading", False):
         own(optimizer, state_dict)
         return
+    groups = state_dict.get("param_groups", [])
+    if not any(isinstance(p, str) for g in groups for p in g.get("params", [])):
+        state_dict = _by_name(module, optimizer, state_dict)
     optimizer._shardwise_loading = True
     try:  # torch calls optimizer.load_state_dict inside: that is `own` (flag above)
         set_optimizer_state_dict(
