@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations lint typecheck unit bench clean install
+.PHONY: demo test test-models test-integrations test-bench lint typecheck unit bench soak clean install
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,14 +37,25 @@ test: lint typecheck
 
 # 47 transformers architectures under full_shard (about 1 min); .ci/run runs it after `test`.
 test-models: $(STAMP)
-	$(VENV)/bin/pytest -q -m models tests/models
+	$(VENV)/bin/pytest -q -m models tests/models tests/e2e/test_bench_smoke.py
 
 # shardwise inside mmengine's Runner and Lightning's Trainer, against their own DDP.
 test-integrations: $(STAMP)
-	$(VENV)/bin/pytest -q -m integrations tests/integrations
+	$(VENV)/bin/pytest -q -m integrations tests/integrations tests/e2e/test_bench_smoke.py
+
+# The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
+test-bench: $(STAMP)
+	$(VENV)/bin/pytest -q -m "bench and not models and not integrations" tests/e2e/test_bench_smoke.py
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
+
+# Launcher robustness: N trials per kind (a rank SIGKILLed at a random step under
+# --max-restarts 2 must resume and end bitwise equal to an uninterrupted run). Prints "K of N".
+N ?= 20
+KINDS ?= restart
+soak: $(STAMP)
+	$(PY) bench/soak.py --trials $(N) $(foreach k,$(KINDS),--kind $(k))
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -10,7 +10,15 @@ AdamW has its state, then saved with `shardwise.save_checkpoint` and loaded back
 - peak memory during save, per rank: peak RSS during the save minus RSS just before it
   (glibc's mmap threshold pinned and the kernel's peak counter restarted, as in
   bench/overhead.py), compared with one shard unit: the largest unit's parameters plus
-  AdamW state on one rank. Target (checkpoint issue): about one unit or less.
+  AdamW state on one rank. Target (checkpoint issue): about one unit or less;
+- asynchronous save (`save_checkpoint(..., async_=True)`): the training stall per save,
+  i.e. the time until the call returns control (the CPU copy of the state) plus the time
+  of `result()` once the background write has finished (gather of the hashes, manifest,
+  rename), against the full time of the synchronous save above. Target (issue 13): stall
+  <= 10% of a synchronous save. Two asynchronous saves run: the first also allocates the
+  CPU copy that later ones reuse (`async_first_*`), the second is the steady state. Also
+  reported: how long the background write took, and a training step's time alone and
+  while that write runs (both on the same cores here).
 
     python bench/checkpoint_io.py                 # ~100 M-param GPT, world 2
     python bench/checkpoint_io.py --smoke
@@ -84,7 +92,9 @@ def _rank_body(cfg: GPTConfig, root: str) -> dict[str, Any]:
     start = time.perf_counter()
     shardwise.load_checkpoint(path, fresh, verify=True)
     load_verified_s = time.perf_counter() - start
+    timings = _async_body(engine, x, y, root)
     return {
+        **timings,
         "save_s": save_s,
         "load_s": load_s,
         "load_verified_s": load_verified_s,
@@ -94,6 +104,32 @@ def _rank_body(cfg: GPTConfig, root: str) -> dict[str, Any]:
         "restored_exactly": same,
         "path": str(path),
     }
+
+
+def _async_body(
+    engine: shardwise.Engine, x: torch.Tensor, y: torch.Tensor, root: str
+) -> dict[str, Any]:
+    """Stalls of two asynchronous saves (the first also allocates the CPU copy that later
+    ones reuse); a training step alone and during the write."""
+    dist.barrier()
+    start = time.perf_counter()
+    engine.train_step((x, y))
+    out: dict[str, Any] = {"step_s": time.perf_counter() - start}
+    for i in range(2):
+        dist.barrier()
+        start = time.perf_counter()
+        pending = shardwise.save_checkpoint(root, engine, async_=True)
+        out[f"call_s_{i}"] = time.perf_counter() - start
+        engine.train_step((x, y))  # overlaps the background write
+        out[f"step_during_s_{i}"] = time.perf_counter() - start - out[f"call_s_{i}"]
+        while not pending.done():
+            time.sleep(0.01)
+        out[f"written_s_{i}"] = time.perf_counter() - start
+        dist.barrier()  # every rank's write is done: result() measures only its own work
+        start = time.perf_counter()
+        out["async_path"] = str(pending.result())
+        out[f"result_s_{i}"] = time.perf_counter() - start
+    return out
 
 
 def main() -> None:
@@ -144,6 +180,22 @@ def main() -> None:
                 max(r["save_peak_bytes"] for r in ranks) / ranks[0]["unit_bytes"], 2
             ),
             "restored_exactly": all(r["restored_exactly"] for r in ranks),
+            "async_first_call_stall_s": round(max(r["call_s_0"] for r in ranks), 3),
+            "async_call_stall_s": round(max(r["call_s_1"] for r in ranks), 3),
+            "async_result_stall_s": round(max(r["result_s_1"] for r in ranks), 3),
+            "async_stall_over_sync_save": round(
+                max(r["call_s_1"] + r["result_s_1"] for r in ranks) / save_s, 3
+            ),
+            "async_first_stall_over_sync_save": round(
+                max(r["call_s_0"] + r["result_s_0"] for r in ranks) / save_s, 3
+            ),
+            "async_background_write_s": round(max(r["written_s_1"] for r in ranks), 3),
+            "train_step_s": round(max(r["step_s"] for r in ranks), 3),
+            "train_step_during_write_s": round(max(r["step_during_s_1"] for r in ranks), 3),
+            "async_checkpoint_verified": shardwise.checkpoint.verify_checkpoint(
+                ranks[0]["async_path"]
+            )
+            == [],
         }
         print(json.dumps(result, indent=2))
     finally:

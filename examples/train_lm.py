@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import shardwise
+from shardwise import Preempted
 from shardwise.demo import ByteWindows
 from shardwise.models import GPT, GPTConfig
 from shardwise.schema import Config, load_config
@@ -53,6 +54,9 @@ def main() -> None:
     train = ByteWindows(data[:split], model_cfg.seq_len)
     val = ByteWindows(data[split:], model_cfg.seq_len)
 
+    # Seed before building: the initial weights are drawn here, and the Runner seeds again
+    # only at fit() (same seed and world size, same losses from step 1).
+    shardwise.seed_everything(cfg.runner.seed)
     if args.init_from:
         with shardwise.init_empty():  # nothing allocated until wrap() has sharded it
             model = GPT(model_cfg)
@@ -76,7 +80,11 @@ def main() -> None:
         start = runner.validate().get("loss", float("nan"))
         if info.is_main:
             print(f"val loss of the weights in {args.init_from}: {start:.4f}")
-    summary = runner.fit()
+    try:
+        summary = runner.fit()
+    except Preempted:  # SIGTERM: a checkpoint was saved; exit 75, rerun resumes
+        shardwise.shutdown()
+        raise
     shardwise.export_weights(engine.model, Path(cfg.runner.run_dir) / "export")
     if info.is_main:
         val_loss = summary["val"].get("loss", float("nan"))

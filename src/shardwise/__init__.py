@@ -6,21 +6,30 @@ FSDP2 or HSDP — with parity to single-process training as the check.
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)  # after wrap
 """
 
-from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from shardwise.checkpoint import (
+    CheckpointError,
+    PendingCheckpoint,
+    load_checkpoint,
+    save_checkpoint,
+    set_aside_newer,
+    wait_for_checkpoint,
+)
 from shardwise.config import STRATEGIES, ParallelConfig
 from shardwise.distributed import DistInfo, get_dist_info, init_distributed, shutdown
-from shardwise.engine import Engine, TrainConfig, parse_losses
+from shardwise.engine import Engine, NonFiniteError, TrainConfig, parse_losses
 from shardwise.materialize import InitializationError, init_empty
 from shardwise.mesh import MeshSpec, resolve_mesh
 from shardwise.precision import PRESETS, Precision
-from shardwise.runner import Runner, RunnerConfig, seed_everything
+from shardwise.runner import PREEMPTED_EXIT_CODE, Preempted, Runner, RunnerConfig, seed_everything
 from shardwise.strategies import WrapInfo, sync_module_states, unwrap, wrap, wrap_info
+from shardwise.watchdog import StallError
 from shardwise.weights import WeightsError, export_weights, load_weights
 from shardwise.wrap import PlanNotice, WrapPlan, WrapUnit, plan_wrap, register_wrap_policy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
     "PRESETS",
     "STRATEGIES",
     "CheckpointError",
@@ -28,11 +37,15 @@ __all__ = [
     "Engine",
     "InitializationError",
     "MeshSpec",
+    "NonFiniteError",
     "ParallelConfig",
+    "PendingCheckpoint",
     "PlanNotice",
     "Precision",
+    "Preempted",
     "Runner",
     "RunnerConfig",
+    "StallError",
     "TrainConfig",
     "WeightsError",
     "WrapInfo",
@@ -51,9 +64,11 @@ __all__ = [
     "resolve_mesh",
     "save_checkpoint",
     "seed_everything",
+    "set_aside_newer",
     "shutdown",
     "sync_module_states",
     "unwrap",
+    "wait_for_checkpoint",
     "wrap",
     "wrap_info",
 ]

@@ -98,16 +98,66 @@ def _nproc(value: str) -> int:
     return n
 
 
+def _nnodes(value: str) -> str:
+    """--nnodes: N, or MIN:MAX for an elastic job (torchrun's syntax)."""
+    lo, sep, hi = value.partition(":")
+    try:
+        low, high = int(lo), int(hi if sep else lo)
+    except ValueError:
+        low = high = 0
+    if low < 1 or high < low:
+        raise argparse.ArgumentTypeError(
+            f"--nnodes={value!r}: use a positive integer N, or MIN:MAX with 1 <= MIN <= MAX "
+            "(an elastic job that starts with MIN nodes and admits up to MAX)"
+        )
+    return f"{low}:{high}" if sep else str(low)
+
+
+def _non_negative(flag: str) -> Any:
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"{flag}={value!r}: use a whole number >= 0")
+        return n
+
+    return parse
+
+
+def _seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        s = -1.0
+    if not s > 0:
+        raise argparse.ArgumentTypeError(
+            f"--timeout={value!r}: use a positive number of seconds (the collective timeout)"
+        )
+    return s
+
+
+def _max_nodes(nnodes: str | int) -> int:
+    return int(str(nnodes).rpartition(":")[2])
+
+
 def launcher_args(args: argparse.Namespace) -> list[str]:
     """torchrun's arguments for our `run` flags (single node: --standalone)."""
-    out = ["--nproc_per_node", str(args.nproc), "--nnodes", str(args.nnodes)]
-    if args.nnodes == 1 and not args.rdzv_endpoint:
+    nnodes = str(args.nnodes)
+    out = ["--nproc_per_node", str(args.nproc), "--nnodes", nnodes]
+    if _max_nodes(nnodes) == 1 and not args.rdzv_endpoint:
         out.append("--standalone")
     else:
         if not args.rdzv_endpoint:
             raise ValueError(
-                f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node) "
+                f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node) "
                 "so the nodes can find each other."
+            )
+        if ":" not in nnodes and not 0 <= args.node_rank < int(nnodes):
+            raise ValueError(
+                f"--node-rank={args.node_rank} must be in [0, --nnodes={nnodes}): give each "
+                "node's launcher its own number, 0 on the first."
             )
         out += [
             "--node_rank",
@@ -121,10 +171,34 @@ def launcher_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _launch(torchrun_args: list[str]) -> int:
+# torch's elastic agent by default hosts one TCPStore for the whole run and hands it to
+# every worker generation (TORCHELASTIC_USE_AGENT_STORE). A restart re-runs
+# init_process_group against the same store, where the dead generation's keys are still
+# set: the process group's prefix ("default_pg/0/") does not change between restarts, so
+# a new rank can read a dead peer's Gloo address ("connectFullMesh failed ... Connection
+# refused") or count stale keys in a store barrier (a hang). With the sharing switched
+# off, each rendezvous round hands out a fresh port and worker rank 0 hosts a new, empty
+# store (dynamic_rendezvous.py, next_rendezvous). Measured with bench/soak.py (rank 1
+# SIGKILLed at a random step, torch 2.13, 2 CPU ranks): with sharing 8 of 12 trials
+# resumed (3 died in connectFullMesh, 1 hung); without it 8 of 8, each with one restart.
+# See pytorch#135712. An explicit value set by the user is kept.
+_LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _launch(torchrun_args: list[str], *, timeout_s: float | None = None) -> int:
+    import os
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from shardwise.distributed import LAUNCHER_PID_ENV, TIMEOUT_ENV
+
+    # The agent runs in this process and its workers inherit this environment.
+    for key, value in _LAUNCH_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers die with us (init_distributed)
+    if timeout_s is not None:
+        os.environ[TIMEOUT_ENV] = repr(timeout_s)
     try:
         run(get_args_parser().parse_args(torchrun_args))
     except ChildFailedError as exc:
@@ -135,7 +209,7 @@ def _launch(torchrun_args: list[str]) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     target = ["-m", args.script] if args.module else [args.script]
-    return _launch([*launcher_args(args), *target, *args.script_args])
+    return _launch([*launcher_args(args), *target, *args.script_args], timeout_s=args.timeout)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -181,6 +255,11 @@ def _plan(args: argparse.Namespace) -> int:
     from shardwise.schema import Config, load_config
     from shardwise.wrap.plan import PlanNotice, plan_wrap
 
+    if args.world < 1:
+        raise ValueError(
+            f"--world={args.world}: the world size to plan for must be a positive integer "
+            "(the total number of ranks, e.g. --world 8 for 8 GPUs)."
+        )
     config = load_config(args.config, args.overrides, cls=Config)
     factory = _load_factory(args.target)
     with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere
@@ -244,13 +323,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=_nproc("auto"),
         help="processes per node, or 'auto' (GPUs, or 2 on CPU)",
     )
-    run.add_argument("--nnodes", type=int, default=1, help="number of nodes")
-    run.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node)")
+    run.add_argument(
+        "--nnodes",
+        type=_nnodes,
+        default="1",
+        help="number of nodes, or MIN:MAX for an elastic job (needs --rdzv-endpoint)",
+    )
+    run.add_argument(
+        "--node-rank",
+        type=_non_negative("--node-rank"),
+        default=0,
+        help="this node's rank (multi-node)",
+    )
     run.add_argument(
         "--rdzv-endpoint", default=None, help="HOST:PORT every node can reach (multi-node)"
     )
     run.add_argument(
-        "--max-restarts", type=int, default=0, help="restart the job this many times on failure"
+        "--max-restarts",
+        type=_non_negative("--max-restarts"),
+        default=0,
+        help="restart the job this many times on failure; it resumes from its last checkpoint "
+        "when the script uses RunnerConfig(resume='latest')",
+    )
+    run.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=None,
+        help="seconds a collective may wait before the job fails, naming the stuck rank in "
+        "steps wrapped by shardwise.watchdog.guard (default 300; sets SHARDWISE_TIMEOUT_S)",
     )
     run.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"

@@ -137,8 +137,30 @@ def generate(engine: shardwise.Engine, cfg: DemoConfig) -> str:
     return bytes(ids).decode("utf-8", errors="replace")
 
 
+_DEFAULT_RUN_DIR = "runs/demo"
+
+
+def _fresh_run_dir(cfg: DemoConfig) -> None:
+    """Each demo starts a new run: with the default run_dir, runs/demo, then runs/demo-2, ...
+    (the first without metrics or checkpoints; rank 0 picks, every rank gets its choice).
+    A run_dir set by hand is kept, and the Runner refuses it if it holds an earlier run."""
+    if cfg.runner.run_dir != _DEFAULT_RUN_DIR or cfg.runner.resume is not None:
+        return
+    choice = [cfg.runner.run_dir]
+    if dist.get_rank() == 0:
+        n, path = 1, Path(_DEFAULT_RUN_DIR)
+        while (path / "metrics.csv").exists() or (path / "checkpoints").exists():
+            n += 1
+            path = Path(f"{_DEFAULT_RUN_DIR}-{n}")
+        choice = [str(path)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(choice, src=0)
+    cfg.runner.run_dir = choice[0]
+
+
 def run(cfg: DemoConfig) -> dict[str, Any]:
     info = shardwise.init_distributed()
+    _fresh_run_dir(cfg)
     shardwise.seed_everything(cfg.runner.seed)
     text = torch.frombuffer(bytearray(load_text(cfg.data)), dtype=torch.uint8)
     split = int(len(text) * (1 - cfg.data.val_fraction))

@@ -18,7 +18,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from shardwise.strategies import unwrap, wrap, wrap_info
 __all__ = [
     "VIS_KEYS",
     "Engine",
+    "NonFiniteError",
     "TrainConfig",
     "clip_grad_norm_",
     "parse_losses",
@@ -70,6 +71,12 @@ class TrainConfig:
     """Initial loss scale when scaling is on."""
     detect_anomalous_params: bool = False
     """Debug: list trainable parameters that received no gradient in a step."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A NaN/inf loss (keys containing 'loss') or gradient norm on any rank: 'stop' raises
+    NonFiniteError on every rank; 'skip' drops that update on every rank (parameters and
+    optimizer state unchanged, counted in skipped_steps) and warns. Under fp16 loss
+    scaling, a step with inf/nan gradients stays the grad scaler's to skip (and back off);
+    a non-finite loss with finite gradients is still caught."""
 
     def __post_init__(self) -> None:
         k = self.accumulate_steps
@@ -85,6 +92,16 @@ class TrainConfig:
             )
         if not self.init_scale > 0:
             raise ValueError(f"TrainConfig.init_scale={self.init_scale!r} must be > 0.")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(
+                f"TrainConfig.on_nonfinite={self.on_nonfinite!r} is not allowed. Choose 'stop' "
+                "(raise on every rank) or 'skip' (drop that update on every rank)."
+            )
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss or the gradient norm was NaN/inf (TrainConfig.on_nonfinite='stop'); raised on
+    every rank at the same step."""
 
 
 def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
@@ -113,13 +130,17 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float | None) -> t
     torch's `clip_grad_norm_` rule; returns the norm before clipping. A non-finite norm
     clips nothing (fp16 scaling skips that step anyway). `max_norm=None` only measures."""
     norm = total_grad_norm(parameters)
+    _clip_to(parameters, norm, max_norm)
+    return norm
+
+
+def _clip_to(parameters: list[nn.Parameter], norm: torch.Tensor, max_norm: float | None) -> None:
     if max_norm is not None and math.isfinite(float(norm)):
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:
             for p in parameters:
                 if p.grad is not None:
                     p.grad.mul_(coef)
-    return norm
 
 
 class Engine:
@@ -168,6 +189,8 @@ class Engine:
         self.step = 0
         self.skipped_steps = 0
         self.last_outputs: Any = None
+        self._stop_requested = False
+        self._nonfinite_ranks = 0
         self._window: list[dict[str, torch.Tensor]] = []
 
     # --- set-up ---------------------------------------------------------------------
@@ -251,13 +274,24 @@ class Engine:
 
     # --- steps ------------------------------------------------------------------------
 
+    def request_stop(self) -> None:
+        """Ask every rank to stop after the current optimizer step (safe in a signal handler).
+
+        The request rides on the all-reduce each update already makes, so ranks asked at
+        different moments still agree: the update that first sees any rank's request
+        returns `stop=1.0` on every rank."""
+        self._stop_requested = True
+
     def train_step(self, batch: Any, *, force_update: bool = False) -> dict[str, Any]:
         """Forward + backward one micro-batch; update on the last of the window.
 
         Returns the micro-batch's loss values. On the micro-batch that updates (or with
         `force_update`, e.g. at the end of an epoch), returns instead the window's mean
-        values averaged across ranks, plus `grad_norm`, `lr`, `loss_scale` and
-        `skipped` (1.0 when fp16 scaling found inf/nan gradients and skipped the step).
+        values averaged across ranks, plus `grad_norm`, `lr`, `loss_scale`, `skipped`
+        (1.0 when the update was dropped: fp16 scaling found inf/nan gradients, or
+        `on_nonfinite='skip'` found a non-finite loss or norm) and `stop` (1.0 when any
+        rank called `request_stop`). A non-finite loss or norm with `on_nonfinite='stop'`
+        raises `NonFiniteError` on every rank.
         A model returning `(losses, preds[, masks])` gets them back, untouched, under
         `vis_preds`/`vis_masks`. A model with its own `parse_losses` has it called.
         """
@@ -278,24 +312,58 @@ class Engine:
         if not update:
             result = {k: float(v) for k, v in logs.items()}
         else:
-            result = self._reduce_window()
-            result.update(self._update())
+            result = self._update()
         result.update(passed)  # predictions for visualisation: as returned, never averaged
         return result
 
-    def _reduce_window(self) -> dict[str, float]:
+    def _reduce_window(
+        self, norm: torch.Tensor
+    ) -> tuple[dict[str, float], list[str], list[str], bool]:
+        """(window means averaged over ranks, the keys, this rank's non-finite keys, whether
+        any rank asked to stop), with the one all-reduce each update makes: it also carries
+        each rank's non-finite and stop flags, so the guard and preemption cost nothing."""
         keys = sorted(self._window[0])
-        values = torch.stack(
+        means = torch.stack(
             [torch.stack([w[k].float().cpu() for w in self._window]).mean() for k in keys]
         )
         self._window = []
+        bad = [k for k, v in zip(keys, means, strict=True) if "loss" in k and not v.isfinite()]
+        if not math.isfinite(float(norm)):
+            # With fp16 scaling, inf/nan gradients (from an overflow, or from an inf loss)
+            # are the grad scaler's to skip, as in any AMP loop; without it they are ours.
+            bad = [] if self.scaler is not None else [*bad, "grad_norm"]
+        asked = self._stop_requested
+        flags = torch.tensor([float(bool(bad)), float(asked)])
+        values = torch.cat([means, flags])
         if dist.is_initialized() and dist.get_world_size() > 1:
             values = values.to(self.device)
             dist.all_reduce(values)  # SUM (gloo has no AVG)
-            values = values.cpu() / dist.get_world_size()
-        return {k: float(v) for k, v in zip(keys, values, strict=True)}
+            values = values.cpu()
+            values[: len(keys)] /= dist.get_world_size()
+        self._nonfinite_ranks = int(values[-2])
+        stop = bool(values[-1] > 0)
+        if asked:  # sent: a request that arrives from here on rides on the next update
+            self._stop_requested = False
+        return {k: float(v) for k, v in zip(keys, values, strict=False)}, keys, bad, stop
 
-    def _update(self) -> dict[str, float]:
+    def _nonfinite_report(self, bad: list[str], keys: list[str]) -> str:
+        """'rank 1: loss, loss_cls; rank 3: grad_norm' (a collective: every rank calls it,
+        and only after the reduce said some rank was non-finite). Each rank sends one
+        flag per name of `keys` (the window's keys, the same list on every rank)."""
+        names = ["grad_norm", *keys]
+        mine = torch.tensor([float(n in bad) for n in names], device=self.device)
+        rows = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(rows, mine)
+        found = []
+        for rank, row in enumerate(rows):
+            named = [n for n, flag in zip(names, row.tolist(), strict=True) if flag]
+            if named:
+                found.append(f"rank {rank}: {', '.join(named)}")
+        return "; ".join(found)
+
+    def _update(self) -> dict[str, Any]:
         tc = self.train_config
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.scaler is not None:
@@ -303,8 +371,15 @@ class Engine:
                 warnings.filterwarnings("ignore", message=".*scalar.*")
                 self.scaler.unscale_(self.optimizer)
         anomalous = self._anomalous_params() if tc.detect_anomalous_params else []
-        norm = clip_grad_norm_(params, tc.max_grad_norm)
+        norm = total_grad_norm(params)
+        result, keys, bad, stop = self._reduce_window(norm)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the lr this update uses
+        self.micro_step = 0
+        if self._nonfinite_ranks:
+            self._drop_update(self._nonfinite_report(bad, keys))
+            result.update(grad_norm=float(norm), lr=lr, skipped=1.0, stop=float(stop))
+            return result
+        _clip_to(params, norm, tc.max_grad_norm)
         skipped = False
         if self.scaler is not None:
             scale = self.scaler.get_scale()
@@ -322,17 +397,36 @@ class Engine:
             self.step += 1
             if self.scheduler is not None:
                 self.scheduler.step()
-        self.micro_step = 0
-        out = {
-            "grad_norm": float(norm),
-            "lr": lr,
-            "skipped": float(skipped),
-        }
+        result.update(grad_norm=float(norm), lr=lr, skipped=float(skipped), stop=float(stop))
         if self.scaler is not None:
-            out["loss_scale"] = float(self.scaler.get_scale())
+            result["loss_scale"] = float(self.scaler.get_scale())
         if tc.detect_anomalous_params:
-            out["anomalous_params"] = float(len(anomalous))
-        return out
+            result["anomalous_params"] = float(len(anomalous))
+        return result
+
+    def _drop_update(self, where: str) -> None:
+        """The update found a non-finite loss or norm on some rank: stop or skip, everywhere."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.update(self.scaler.get_scale())  # forget this step's inf checks
+        step = self.step + self.skipped_steps + 1
+        what = (
+            f"Engine: non-finite loss or gradient norm at optimizer step {step} on "
+            f"{self._nonfinite_ranks} rank(s) ({where})."
+        )
+        if self.train_config.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"{what} Training stopped on every rank (TrainConfig.on_nonfinite='stop'). "
+                "Lower the learning rate, clip gradients (TrainConfig.max_grad_norm), check "
+                "the data of that step, or set on_nonfinite='skip' to drop such updates."
+            )
+        self.skipped_steps += 1
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            warnings.warn(
+                f"{what} The update was skipped on every rank (TrainConfig.on_nonfinite="
+                "'skip'); parameters and optimizer state are unchanged.",
+                stacklevel=4,
+            )
 
     def _anomalous_params(self) -> list[str]:
         missing = [

@@ -34,20 +34,29 @@ class MetricsLogger:
         if enabled and tensorboard is True:
             _tensorboard_writer(self.run_dir, required=True, probe_only=True)
 
+    @property
+    def started(self) -> bool:
+        return self._started
+
     def start(self, keep_until_step: int | None = None) -> None:
-        """Open the files: a fresh CSV, or (resuming) the existing rows up to a step."""
+        """Open the files, appending to an existing CSV: all its rows are kept, or (resuming)
+        the rows up to a step. Nothing is deleted: refusing a fresh run over an old one is
+        the Runner's decision, made on every rank before anything is written."""
         if self._started or not self.enabled:
             self._started = True
             return
         self._started = True
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if keep_until_step is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= keep_until_step]
+        if self.path.exists():
+            kept = [
+                r
+                for r in read_metrics(self.run_dir)
+                if keep_until_step is None or r.get("step", 0) <= keep_until_step
+            ]
             self.rows = [{k: _int_step(k, v) for k, v in r.items()} for r in kept]
             self.columns = list(dict.fromkeys(k for r in self.rows for k in r))
-            self._rewrite()
-        elif self.path.exists():
-            self.path.unlink()  # a fresh run in the same directory starts a fresh file
+            if keep_until_step is not None:
+                self._rewrite()
         if self._tensorboard is not False:
             self._tb = _tensorboard_writer(self.run_dir, required=self._tensorboard is True)
 

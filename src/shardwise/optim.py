@@ -12,6 +12,7 @@ Must not: step optimizers itself (engine.py does), or import a host library.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -89,6 +90,7 @@ def build_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
                 f"Engine: the optimizer factory returned {type(built).__name__}, not a "
                 "torch.optim.Optimizer."
             )
+        check_hyperparameters(built)
         return built
     ids = {id(p) for p in model_params}
     held = [p for g in optimizer.param_groups for p in g["params"]]
@@ -111,7 +113,29 @@ def build_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
             f"not be updated: {missing[:10]}",
             stacklevel=3,
         )
+    check_hyperparameters(optimizer)
     return optimizer
+
+
+def check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what trains into NaN or backwards without an error from torch: an lr that is
+    not a finite number >= 0 (torch accepts inf), and Adam betas outside [0, 1)."""
+    name = type(optimizer).__name__
+    for i, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if lr is not None and not (math.isfinite(float(lr)) and float(lr) >= 0):
+            raise ValueError(
+                f"Engine: {name} param_groups[{i}]['lr']={float(lr)!r} must be a finite "
+                "number >= 0. Use a learning rate such as 3e-4."
+            )
+        betas = group.get("betas")
+        if isinstance(betas, (tuple, list)):
+            for j, beta in enumerate(betas):
+                if not 0.0 <= float(beta) < 1.0:
+                    raise ValueError(
+                        f"Engine: {name} param_groups[{i}]['betas'][{j}]={float(beta)!r} must "
+                        "be in [0, 1) (a moment decay rate). Use e.g. betas=(0.9, 0.95)."
+                    )
 
 
 def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:

@@ -58,8 +58,22 @@ class OptimizerConfig:
     """SGD momentum."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ConfigError(f"optimizer.lr={self.lr} must be > 0.")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(
+                f"optimizer.lr={self.lr} must be a finite number > 0 (a peak learning rate "
+                "such as 3e-4)."
+            )
+        for name in ("weight_decay", "momentum"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"optimizer.{name}={value} must be a finite number >= 0.")
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ConfigError(
+                    f"optimizer.betas[{i}]={beta} must be in [0, 1) (a moment decay rate; "
+                    "1 never forgets and divides by zero in the bias correction). Use e.g. "
+                    "betas: [0.9, 0.95]."
+                )
 
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         params = list(params)
@@ -80,7 +94,17 @@ class SchedulerConfig:
     warmup_steps: int = 0
     """Steps of linear warm-up from 0 to the peak lr."""
     min_lr_ratio: float = 0.1
-    """Final lr as a fraction of the peak (cosine, linear)."""
+    """Final lr as a fraction of the peak (cosine, linear), in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        w = self.warmup_steps
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ConfigError(f"scheduler.warmup_steps={w!r} must be an int >= 0 (0: no warm-up).")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(
+                f"scheduler.min_lr_ratio={self.min_lr_ratio} must be in [0, 1] (the final lr "
+                "as a fraction of the peak; a negative ratio would give a negative lr)."
+            )
 
     def build(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
         if self.name == "none":

@@ -11,6 +11,14 @@ config.json (and generation_config.json), so `from_pretrained` opens the export;
 duck-typed, and transformers is never imported here. A checkpoint is verified against its
 manifest's SHA-256 hashes before any tensor is read, as `load_checkpoint` does.
 
+Exporting again into the same directory replaces the previous export: the new files are
+written into a hidden staging directory inside `out`, then the old export's files are moved
+out of the way and the new ones in, entry file (model.safetensors or the index) last, so
+`out` never holds an index naming files of another export. Files no export writes are
+never touched: an `out` holding any is refused. `load_weights` reads only files inside the
+index's own directory (a `weight_map` entry that is absolute, has `..` or leads out through a
+link is refused).
+
 Must not: invent a format (safetensors is the format) or unpickle anything.
 """
 
@@ -19,8 +27,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
+import shutil
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 import torch
@@ -35,6 +45,12 @@ from shardwise.distributed import rank_and_world
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+STAGING_PREFIX = ".shardwise-export-"
+_WEIGHT_FILE = re.compile(
+    r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
+    r"|\.part-\d{5}\.safetensors"  # a part left by an export killed before this layout
+)
+_CONFIG_FILES = ("config.json", "generation_config.json")
 
 
 class WeightsError(ValueError):
@@ -257,27 +273,76 @@ def export_weights(
     out = Path(out)
     writes = rank_and_world()[0] == 0
     if isinstance(source, nn.Module):
-        _prepare_out_on_rank0(out)  # every rank learns rank 0's verdict before any gather
+        staging = _prepare_out_on_rank0(out)  # every rank learns rank 0's verdict first
         tensors: Iterator[tuple[str, torch.Tensor]] = _model_tensors(source)
     else:
         if not writes:
             return None
         # Before `out` is created: a corrupted checkpoint leaves nothing there.
         tensors = _checkpoint_tensors(_checked_checkpoint(source, out, verify), max_shard_bytes)
-        _prepare_out_on_rank0(out)
-    written = _write_all(tensors, _ShardWriter(out, max_shard_bytes, cast), writes)
-    if writes and isinstance(source, nn.Module):
-        _save_hf_configs(unwrap(source), out)
-    return written
+        staging = _prepare_out_on_rank0(out)
+    try:
+        writer = _ShardWriter(staging or out, max_shard_bytes, cast)
+        written = _write_all(tensors, writer, writes)
+        if staging is None or written is None:
+            return None
+        if isinstance(source, nn.Module):
+            _save_hf_configs(unwrap(source), staging)
+        return _swap_in(staging, out, written)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
-def _prepare_out_on_rank0(out: Path) -> None:
-    """Rank 0 creates `out`; with a process group every rank gets its verdict, so a bad
-    `out` fails on every rank instead of leaving the others in the first gather."""
+def _previous_export(out: Path) -> list[Path]:
+    """The files of an earlier export in `out`. Anything else there is refused: an export
+    replaces its own files only, so a user's file is never overwritten or deleted."""
+    found, foreign = [], []
+    for p in sorted(out.iterdir()):
+        if p.name.startswith(STAGING_PREFIX) and p.is_dir() and not p.is_symlink():
+            continue  # a killed export's staging directory: removed by _prepare_out_on_rank0
+        if p.is_file() and (_WEIGHT_FILE.fullmatch(p.name) or p.name in _CONFIG_FILES):
+            found.append(p)
+        else:
+            foreign.append(p.name)
+    if foreign:
+        raise WeightsError(
+            f"export_weights(out={str(out)!r}) holds {foreign[:10]}, which no export writes. "
+            "An export replaces an earlier export in the same directory but never touches "
+            "other files: export into a new or empty directory, or move those files away."
+        )
+    return found
+
+
+def _swap_in(staging: Path, out: Path, written: Path) -> Path:
+    """Replace the earlier export in `out` by the files in `staging`.
+
+    The old entry file (model.safetensors or the index) goes first and the new one comes
+    last, so at every moment `out` holds one export's entry with that export's files, or
+    no entry at all (a kill in between: loading fails loudly and the next export cleans
+    up). Config files the new export does not write (a checkpoint's export has none) are
+    left as they are: that is where the user's own config.json goes.
+    """
+    new = sorted(p.name for p in staging.iterdir())
+    old = [p for p in _previous_export(out) if _WEIGHT_FILE.fullmatch(p.name) or p.name in new]
+    aside = staging / ".previous"
+    aside.mkdir()
+    for p in sorted(old, key=lambda p: p.name not in (SINGLE_FILE, INDEX_FILE)):
+        os.replace(p, aside / p.name)
+    for name in sorted(new, key=lambda n: n == written.name):
+        os.replace(staging / name, out / name)
+    return out / written.name
+
+
+def _prepare_out_on_rank0(out: Path) -> Path | None:
+    """Rank 0 creates `out` and a staging directory in it (returned; None on other ranks);
+    with a process group every rank gets its verdict, so a bad `out` fails on every rank
+    instead of leaving the others in the first gather."""
     import torch.distributed as dist
 
     rank, world = rank_and_world()
     failure: Exception | None = None
+    staging = None
     if rank == 0:
         try:
             if out.exists() and not out.is_dir():
@@ -285,6 +350,12 @@ def _prepare_out_on_rank0(out: Path) -> None:
                     f"export_weights(out={str(out)!r}) must be a directory, not a file."
                 )
             out.mkdir(parents=True, exist_ok=True)
+            _previous_export(out)
+            for leftover in out.glob(f"{STAGING_PREFIX}*"):
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover)  # an export that was killed
+            staging = out / f"{STAGING_PREFIX}{os.getpid()}"
+            staging.mkdir()
         except (OSError, WeightsError) as exc:
             failure = exc
     if world > 1 and dist.is_initialized():
@@ -294,6 +365,7 @@ def _prepare_out_on_rank0(out: Path) -> None:
             raise WeightsError(f"rank 0 could not prepare the export directory: {verdict[0]}")
     if failure is not None:
         raise failure
+    return staging
 
 
 def _weight_files(path: str | Path) -> dict[str, Path]:
@@ -309,10 +381,40 @@ def _weight_files(path: str | Path) -> dict[str, Path]:
     if not path.is_file():
         raise WeightsError(f"weights path {path} does not exist.")
     if path.name.endswith(".index.json"):
-        index = json.loads(path.read_text())
-        return {name: path.parent / file for name, file in index["weight_map"].items()}
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+            items = list(weight_map.items())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightsError(
+                f"{path} is not a safetensors index (JSON with a weight_map object): {exc!r}."
+            ) from None
+        checked: dict[str, Path] = {}  # thousands of tensors share a few files
+        for name, file in items:
+            if not isinstance(file, str) or file not in checked:
+                checked[file] = _inside(path, name, file)
+        return {name: checked[file] for name, file in items}
     with safe_open(str(path), framework="pt") as f:
         return {name: path for name in f.keys()}
+
+
+def _inside(index: Path, tensor: str, file: Any) -> Path:
+    """`file` from an index's weight_map, refused unless it lies in the index's directory:
+    the entries are opened as they are, so `../..` or `/etc/...` would be read."""
+    base = index.parent.resolve()
+    if not isinstance(file, str) or file in ("", "."):
+        why = "which is not a file name"
+    elif os.path.isabs(file) or PurePosixPath(file).is_absolute():
+        why = "an absolute path"
+    elif ".." in PurePosixPath(file).parts:
+        why = "a path with '..'"
+    elif not (base / file).resolve().is_relative_to(base):
+        why = "a path that resolves outside that directory (through a link)"
+    else:
+        return index.parent / file
+    raise WeightsError(
+        f"{index}: weight_map[{tensor!r}] names {file!r}, {why}. An index may only name "
+        f"files in its own directory ({index.parent}); nothing was loaded."
+    )
 
 
 def _local_slice(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -430,11 +430,15 @@ def test_save_mid_accumulation_refused(tmp_path):
         save_checkpoint(tmp_path, engine)
 
 
-def test_same_step_twice_refused(saved):
-    engine = Engine(GPT(CFG), adamw)
-    engine.train_step(DATA[0])
-    with pytest.raises(CheckpointError, match=r"step_00000001 already exists"):
-        save_checkpoint(saved.parent, engine)
+def test_same_step_twice_moves_the_first_aside(saved):
+    # Once refused ("already exists"), which under torchrun --max-restarts was a crash loop.
+    engine = Engine(GPT(CFG), adamw, ParallelConfig())
+    engine.train_step(DATA[1])
+    assert save_checkpoint(saved.parent, engine) == saved
+    (aside,) = (saved.parent / "superseded").glob("*/step_00000001")
+    assert verify_checkpoint(aside) == [] and verify_checkpoint(saved) == []
+    old, new = read_manifest(aside)["files"], read_manifest(saved)["files"]
+    assert old["state/__0_0.distcp"] != new["state/__0_0.distcp"]  # two different states
 
 
 def teardown_module():

@@ -176,6 +176,48 @@ def fp16_skip(data):
     return out
 
 
+class NaNOnRank1(GPT):
+    """Its loss is NaN on the second forward, on rank 1 only."""
+
+    calls = 0
+
+    def forward(self, idx, targets=None):
+        self.calls += 1
+        loss = super().forward(idx, targets)
+        bad = self.calls == 2 and dist.get_rank() == 1
+        return loss * float("nan") if bad else loss
+
+
+def nonfinite(data, strategy, on_nonfinite):
+    """Steps 1-3, the loss NaN at step 2 on rank 1: what each rank saw."""
+    import warnings
+
+    torch.manual_seed(0)
+    engine = Engine(
+        NaNOnRank1(CFG),
+        adamw,
+        ParallelConfig(strategy=strategy),
+        train=TrainConfig(on_nonfinite=on_nonfinite),
+    )
+    out: dict = {"changed": [], "skipped": []}
+    for batch in data:
+        before = _full_params(engine.model)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                logs = engine.train_step(_micro_batches(batch, 1)[0])
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            break
+        out["warnings"] = out.get("warnings", []) + [str(w.message) for w in caught]
+        after = _full_params(engine.model)
+        out["changed"].append(any(not torch.equal(before[n], after[n]) for n in before))
+        out["skipped"].append(logs["skipped"])
+    out["finite"] = all(bool(torch.isfinite(t).all()) for t in _full_params(engine.model).values())
+    out["step"] = engine.step
+    return out
+
+
 def early_optimizer():
     model = build()
     opt = torch.optim.AdamW(model.parameters())  # built before wrapping: the classic mistake
@@ -257,6 +299,9 @@ def world2_cases(data):
     out["openmmlab"] = openmmlab()
     out["fp16"] = fp16_skip(data)
     out["early_optimizer"] = early_optimizer()
+    for strategy in ("ddp", "full_shard"):
+        for mode in ("stop", "skip"):
+            out[f"nonfinite_{strategy}_{mode}"] = nonfinite(data, strategy, mode)
     return out
 
 
@@ -378,6 +423,7 @@ def test_openmmlab_contract(world2):
                 "loss_reg",
                 "lr",
                 "skipped",
+                "stop",
                 "vis_preds",
             ],
             "vis_passed": True,
@@ -398,3 +444,27 @@ def test_optimizer_built_before_wrapping(world2):
         assert "the optimizer holds" in r["early_optimizer"]
         assert "it was built before wrapping" in r["early_optimizer"]
         assert "Pass a factory instead" in r["early_optimizer"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
+def test_nan_loss_on_rank_1_stops_every_rank_naming_the_step_and_rank(world2, strategy):
+    for r in world2:
+        got = r[f"nonfinite_{strategy}_stop"]
+        assert got["changed"] == [True] and got["step"] == 1, got  # stopped at step 2
+        assert got["error"].startswith("NonFiniteError: Engine: non-finite loss or gradient ")
+        assert "at optimizer step 2 on " in got["error"]
+        assert "rank 1: grad_norm, loss" in got["error"]  # the rank whose loss was NaN
+        assert "Training stopped on every rank (TrainConfig.on_nonfinite='stop')" in got["error"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
+def test_nan_loss_on_rank_1_with_skip_drops_that_update_everywhere(world2, strategy):
+    for rank, r in enumerate(world2):
+        got = r[f"nonfinite_{strategy}_skip"]
+        assert "error" not in got, got
+        assert got["skipped"] == [0.0, 1.0, 0.0] and got["changed"] == [True, False, True]
+        assert got["finite"] and got["step"] == 2
+        warned = [w for w in got["warnings"] if "update was skipped" in w]
+        assert len(warned) == (1 if rank == 0 else 0), got["warnings"]  # rank 0 speaks
+        if rank == 0:
+            assert "at optimizer step 2" in warned[0] and "rank 1: grad_norm, loss" in warned[0]

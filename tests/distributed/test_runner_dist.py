@@ -95,7 +95,9 @@ def test_same_seed_same_losses_on_two_ranks(results):
 DROPOUT_CFG = GPTConfig(dropout=0.1)  # dropout draws from the RNG: resume must restore it
 
 
-def resume_run(run_dir: str, max_steps: int, resume: str | None, init_seed: int = 0) -> list[dict]:
+def resume_run(
+    run_dir: str, max_steps: int, resume: str | None, init_seed: int = 0, async_save: bool = False
+) -> list[dict]:
     torch.manual_seed(init_seed)
     engine = Engine(
         GPT(DROPOUT_CFG),
@@ -105,7 +107,7 @@ def resume_run(run_dir: str, max_steps: int, resume: str | None, init_seed: int 
     )
     config = RunnerConfig(
         run_dir=run_dir, batch_size=2, max_steps=max_steps, max_epochs=None, seed=7,
-        save_every=3, save_at_end=True, resume=resume, progress=False,
+        save_every=3, save_at_end=True, resume=resume, progress=False, async_save=async_save,
     )  # fmt: skip
     Runner(engine, dataset(40, 1), config=config).fit()  # 10 batches/rank/epoch = 5 steps
     return []
@@ -116,6 +118,9 @@ def resume_cases(tmp: str) -> dict:
     resume_run(f"{tmp}/from3", 8, f"{tmp}/full/checkpoints/step_00000003", init_seed=99)
     resume_run(f"{tmp}/same", 3, "latest")  # 'latest' with nothing saved: a fresh start
     resume_run(f"{tmp}/same", 8, "latest", init_seed=99)  # preempted at 3, rerun as is
+    # save_every in the background: the same run, and its step-3 checkpoint resumes exactly
+    resume_run(f"{tmp}/async", 8, None, async_save=True)
+    resume_run(f"{tmp}/async3", 8, f"{tmp}/async/checkpoints/step_00000003", init_seed=99)
     return {}
 
 
@@ -141,9 +146,106 @@ def test_resumed_run_equals_uninterrupted_exactly(resumed):
     assert _train_rows(resumed / "from3" / "metrics.csv") == full[3:]  # bit-for-bit, as strings
 
 
+def test_async_saves_train_and_resume_like_sync_saves(resumed):
+    from shardwise.checkpoint import verify_checkpoint
+
+    full = _train_rows(resumed / "full" / "metrics.csv")
+    assert _train_rows(resumed / "async" / "metrics.csv") == full
+    assert _train_rows(resumed / "async3" / "metrics.csv") == full[3:]
+    root = resumed / "async" / "checkpoints"
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["latest", "step_00000003", "step_00000006", "step_00000008"]
+    for name in names[1:]:
+        verify_checkpoint(root / name)  # complete: manifest written, every hash matches
+    assert (root / "latest").read_text().strip() == "step_00000008"
+
+
 def test_resume_latest_in_the_same_run_dir(resumed):
     assert _train_rows(resumed / "same" / "metrics.csv") == _train_rows(
         resumed / "full" / "metrics.csv"
     )
     names = sorted(p.name for p in (resumed / "same" / "checkpoints").iterdir())
     assert names == ["latest", "step_00000003", "step_00000006", "step_00000008"]
+
+
+# --- resuming at another world size -------------------------------------------------------
+
+
+class Recorder(torch.nn.Module):
+    """Remembers the id of every sample it trains on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.seen: list[int] = []
+
+    def forward(self, ids, x):
+        self.seen += ids.tolist()
+        return self.lin(x).pow(2).mean()
+
+
+N = 40
+
+
+def seen_run(run_dir: str, batch_size: int, resume: str | None = None, **cfg) -> list[int]:
+    """Samples of epoch 0 this rank trained on (a 40-sample epoch, shuffled)."""
+    from shardwise import unwrap
+
+    torch.manual_seed(0)
+    engine = Engine(Recorder(), lambda p: torch.optim.SGD(p, lr=0.1), ParallelConfig())
+    data = TensorDataset(
+        torch.arange(N), torch.randn(N, 4, generator=torch.Generator().manual_seed(1))
+    )
+    config = RunnerConfig(
+        run_dir=run_dir, batch_size=batch_size, seed=5, progress=False, resume=resume, **cfg
+    )
+    Runner(engine, data, config=config).fit()
+    return unwrap(engine.model).seen
+
+
+def world_change_cases(tmp: str) -> dict:
+    out: dict = {}
+    # 2 ranks x batch 2 x 3 steps = 12 samples, then (in the test process) 1 rank, batch 3.
+    out["w2"] = seen_run(f"{tmp}/w2", 2, max_steps=3, max_epochs=None, save_at_end=True)
+    # 1 rank x batch 3 x 2 steps = 6 samples (saved by the test process), then 2 ranks x 2.
+    out["w1_to_w2"] = seen_run(f"{tmp}/w1b", 2, resume=f"{tmp}/w1/checkpoints", max_epochs=1)
+    try:  # a fresh run over w2: rank 0 looks, every rank refuses (none waits in a collective)
+        seen_run(f"{tmp}/w2", 2, max_steps=1, max_epochs=None)
+    except ValueError as exc:
+        out["fresh"] = str(exc)
+    try:  # 3 samples consumed do not split over 2 ranks: refused on both, nothing trained
+        seen_run(f"{tmp}/odd_b", 2, resume=f"{tmp}/odd/checkpoints", max_epochs=1)
+    except ValueError as exc:
+        out["odd"] = str(exc)
+    return out
+
+
+def test_resume_at_another_world_size_trains_each_sample_of_the_epoch_once(tmp_path, capfd):
+    w1 = seen_run(str(tmp_path / "w1"), 3, max_steps=2, max_epochs=None, save_at_end=True)
+    seen_run(str(tmp_path / "odd"), 3, max_steps=1, max_epochs=None, save_at_end=True)
+    r0, r1 = run_distributed(world_change_cases, 2, args=(str(tmp_path),), timeout_s=240)
+    capfd.readouterr()
+    # 2 -> 1: the rest of the epoch, by one rank with another batch size.
+    rest = seen_run(
+        str(tmp_path / "w2b"), 3, resume=str(tmp_path / "w2" / "checkpoints"), max_epochs=1
+    )
+    said = capfd.readouterr().err
+    assert len(r0["w2"]) == len(r1["w2"]) == 6
+    assert sorted(r0["w2"] + r1["w2"] + rest) == list(range(N))  # each sample once
+    assert (
+        "shardwise: resuming at world size 1 (3 per rank and batch) from a checkpoint saved at "
+        "world size 2 (2 per rank and batch): epoch 0 continues after the 12 samples it "
+        "consumed, each rank skipping 12." in said
+    )
+    # 1 -> 2
+    assert len(w1) == 6 and len(r0["w1_to_w2"]) == len(r1["w1_to_w2"]) == 17
+    assert sorted(w1 + r0["w1_to_w2"] + r1["w1_to_w2"]) == list(range(N))
+    assert r0["fresh"] == r1["fresh"] and "already holds a run" in r0["fresh"]
+    # Refused where it cannot be exact, with the same message on every rank.
+    assert r0["odd"] == r1["odd"]
+    assert (
+        "the checkpoint was saved by 1 rank(s) 3 samples into epoch 0 (1 batch(es) of 3 "
+        in r0["odd"]
+    )
+    assert "3 does not split evenly over this world size 2" in r0["odd"]
+    assert "Resume at a world size dividing 3 (e.g. [1, 3])" in r0["odd"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+pytestmark = pytest.mark.bench  # `make test-bench` (and .ci/run), not `make test`
 
 
 @pytest.mark.parametrize(
@@ -20,8 +21,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         "meta_memory.py",
         "checkpoint_io.py",
         "overhead.py",
-        "hf_storage.py",
-        "integrations.py",
+        # These two need transformers / mmengine and lightning: they run with the targets
+        # that test those (`make test-models`, `make test-integrations`) instead.
+        pytest.param("hf_storage.py", marks=pytest.mark.models),
+        pytest.param("integrations.py", marks=pytest.mark.integrations),
     ],
 )
 def test_benchmark_smoke(script):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from _proc import run_in_session
 
+from shardwise.metrics import read_metrics
 from shardwise.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,3 +38,18 @@ def test_train_export_then_start_from_the_export_on_meta(tmp_path):
     assert start, second
     assert float(start.group(1)) == float(done.group(1)), (first, second)
     assert second.count("val loss of the weights") == 1  # printed by rank 0 only
+
+
+def test_same_seed_same_losses_from_step_one(tmp_path):
+    """The README's promise: two identical runs log identical losses, the first included
+    (the model is built after seeding)."""
+    losses = []
+    for name in ("a", "b"):
+        cmd = [sys.executable, str(EXAMPLE), "runner.max_steps=2", "runner.log_every=1",
+               "runner.val_every=null", "runner.save_every=null", "runner.progress=false",
+               f"runner.run_dir={tmp_path / name}"]  # fmt: skip
+        result = run_in_session(cmd)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = read_metrics(tmp_path / name)
+        losses.append([r["loss"] for r in rows if r["split"] == "train"])
+    assert len(losses[0]) == 2 and losses[0] == losses[1]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import os
+import signal
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from shardwise import Engine, Runner, RunnerConfig, TrainConfig
 from shardwise.cli import main as cli_main
 from shardwise.models import GPT, GPTConfig, random_lm_batches
+from shardwise.runner import PREEMPTED_EXIT_CODE, Preempted
 
 CFG = GPTConfig()
 
@@ -82,8 +85,9 @@ def test_same_seed_same_losses_other_seed_differs(tmp_path):
         make_runner(tmp_path / sub, batch_size=4, max_steps=4, max_epochs=None, seed=seed).fit()
         return [r["loss"] for r in rows(tmp_path / sub) if r["split"] == "train"]
 
-    assert losses(5, "a") == losses(5, "b")
-    assert losses(5, "a") != losses(6, "c")
+    first = losses(5, "a")
+    assert first == losses(5, "b")
+    assert first != losses(6, "c")
 
 
 def test_plot_command_writes_png(tmp_path):
@@ -156,3 +160,149 @@ def test_tensorboard_required_but_missing(tmp_path):
         ImportError, match=r"RunnerConfig\.tensorboard=True but TensorBoard is not installed"
     ):
         make_runner(tmp_path, tensorboard=True)
+
+
+# --- a run directory belongs to one run ---------------------------------------------------
+
+
+def test_fresh_run_over_an_earlier_one_refuses_and_deletes_nothing(tmp_path):
+    make_runner(tmp_path, batch_size=4, max_steps=2, max_epochs=None, save_at_end=True).fit()
+    csv_before = (tmp_path / "run" / "metrics.csv").read_bytes()
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    again = make_runner(tmp_path, batch_size=4, max_steps=2, max_epochs=None, save_at_end=True)
+    with pytest.raises(
+        ValueError,
+        match=r"RunnerConfig\.run_dir='.*run' already holds a run \(1 checkpoint\(s\) in .*, "
+        r"the newest step_00000002; metrics in .*metrics\.csv\) and RunnerConfig\.resume=None "
+        r"starts a fresh one.*Set resume='latest' to continue that run, or choose a new "
+        r"run_dir to start over",
+    ):
+        again.fit()
+    assert again.engine.step == 0  # refused before training
+    assert (tmp_path / "run" / "metrics.csv").read_bytes() == csv_before
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ckpts
+    # Metrics alone (a run that never saved) are refused too; resume='latest' continues.
+    (tmp_path / "only" / "run").mkdir(parents=True)
+    (tmp_path / "only" / "run" / "metrics.csv").write_text("step,split,loss\n1,train,4.0\n")
+    with pytest.raises(ValueError, match=r"already holds a run \(metrics in "):
+        make_runner(tmp_path / "only", max_steps=1, max_epochs=None).fit()
+    resumed = make_runner(
+        tmp_path, batch_size=4, max_steps=3, max_epochs=None, resume="latest"
+    ).fit()
+    assert resumed["steps"] == 3
+
+
+def test_resume_from_an_older_checkpoint_sets_the_newer_aside_and_continues(tmp_path):
+    make_runner(tmp_path, batch_size=4, max_steps=6, max_epochs=None, save_every=2).fit()
+    ckpts = tmp_path / "run" / "checkpoints"
+    older = str(ckpts / "step_00000002")
+    summary = make_runner(
+        tmp_path, batch_size=4, max_steps=6, max_epochs=None, save_every=2, resume=older
+    ).fit()
+    assert summary["steps"] == 6
+    aside = sorted(
+        p.name
+        for p in (ckpts / "superseded").rglob("step_*")
+        if p.parent.parent.name == "superseded"
+    )
+    assert aside == ["step_00000004", "step_00000006"]  # moved, not deleted
+    assert (ckpts / "latest").read_text().strip() == "step_00000006"
+    assert [int(r["step"]) for r in rows(tmp_path) if r["split"] == "train"] == list(range(1, 7))
+
+
+def test_validate_and_test_append_to_an_earlier_run_without_deleting(tmp_path):
+    make_runner(tmp_path, batch_size=4, max_steps=2, max_epochs=None).fit()
+    before = rows(tmp_path)
+    runner = make_runner(tmp_path, batch_size=4)
+    runner.test()  # evaluating a finished run in a new process: its rows stay
+    assert rows(tmp_path)[: len(before)] == before and rows(tmp_path)[-1]["split"] == "test"
+
+
+def test_unwritable_checkpoint_dir_is_found_before_the_first_step(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    runner = make_runner(
+        tmp_path, max_steps=5, max_epochs=None, save_every=5,
+        checkpoint_dir=str(tmp_path / "a_file" / "ckpt"),
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"cannot write where this run writes: RunnerConfig\.checkpoint_dir='.*a_file/ckpt' "
+        r"is not writable \(.*\)\. Choose directories this process can create and write",
+    ):
+        runner.fit()
+    assert runner.engine.step == 0
+    runner = make_runner(tmp_path, max_steps=1, max_epochs=None)
+    runner.config.run_dir = str(tmp_path / "a_file" / "run")
+    with pytest.raises(ValueError, match=r"RunnerConfig\.run_dir='.*a_file/run' is not writable"):
+        runner.fit()
+
+
+# --- preemption at world size 1 (tests/distributed/test_preemption.py: 2 processes) -------
+
+
+class SignalAt(TensorDataset):
+    """Sends this process SIGTERM when the `at`-th sample is read (as a scheduler would)."""
+
+    def __init__(self, at: int | None, *tensors):
+        super().__init__(*tensors)
+        self.at, self.reads = at, 0
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if self.reads == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().__getitem__(i)
+
+
+def preemptible(tmp_path, at, *, resume=None, k=1):
+    torch.manual_seed(0)
+    engine = Engine(
+        GPT(CFG), lambda p: torch.optim.AdamW(p, lr=3e-3), train=TrainConfig(accumulate_steps=k)
+    )
+    config = RunnerConfig(
+        run_dir=str(tmp_path), progress=False, batch_size=2, max_steps=6, max_epochs=None,
+        resume=resume,
+    )  # fmt: skip
+    return Runner(engine, SignalAt(at, *lm_dataset(24).tensors), config=config)
+
+
+def params(runner):
+    return {n: p.detach().clone() for n, p in runner.engine.model.state_dict().items()}
+
+
+def test_sigterm_finishes_the_window_saves_and_exits_75_then_resumes_exactly(tmp_path):
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: calls.append(a))
+    try:
+        full = preemptible(tmp_path / "full", None, k=2)
+        full.fit()
+        # Sample 7 is read in micro-batch 4 (batch 2): the window of micro-batches 3-4 ends
+        # there, so the Runner stops after step 2; at sample 5 (micro-batch 3) it still
+        # finishes micro-batch 4 first.
+        for at in (7, 5):
+            cut = preemptible(tmp_path / f"cut{at}", at, k=2)
+            with pytest.raises(Preempted) as stopped:
+                cut.fit()
+            assert stopped.value.code == PREEMPTED_EXIT_CODE == 75 and stopped.value.step == 2
+            assert (tmp_path / f"cut{at}" / "checkpoints" / "step_00000002").is_dir()
+            assert cut.engine.micro_step == 0
+        assert calls == []  # fit's own handler took them
+        resumed = preemptible(tmp_path / "cut7", None, resume="latest", k=2)
+        assert resumed.fit()["steps"] == 6
+        got, want = params(resumed), params(full)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler in place again is the previous one
+        assert len(calls) == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_stop_on_sigterm_false_leaves_the_handler_alone(tmp_path):
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: calls.append(a))
+    try:
+        runner = preemptible(tmp_path, 3)
+        runner.config.stop_on_sigterm = False
+        assert runner.fit()["steps"] == 6 and len(calls) == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -111,7 +111,7 @@ def test_file_then_overrides(tmp_path):
             {"train": {"accumulate_steps": 0}},
             r"train: TrainConfig\.accumulate_steps=0 must be an int >= 1",
         ),
-        ({"optimizer": {"lr": 0}}, r"optimizer\.lr=0\.0 must be > 0"),
+        ({"optimizer": {"lr": 0}}, r"optimizer\.lr=0\.0 must be a finite number > 0"),
     ],
 )
 def test_every_error_names_the_key(data, match):

@@ -1,0 +1,562 @@
+"""Checkpoint directory safety, paths that stay inside, re-export, asynchronous saves.
+
+One spawned 2-rank group (full_shard) runs the collective cases: an existing step directory
+and newer checkpoints are moved aside by a save, `set_aside_newer` after a resume,
+leftovers of killed saves and prunings removed at the next save, and asynchronous saves
+(bitwise equal to a synchronous save of the same step, a snapshot of the call's step
+although training goes on, followed by a synchronous save). The rest runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from shardwise import Engine, ParallelConfig, shutdown
+from shardwise.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    PendingCheckpoint,
+    _sha256,
+    list_checkpoints,
+    load_checkpoint,
+    read_dcp_metadata,
+    read_manifest,
+    resolve_checkpoint,
+    save_checkpoint,
+    set_aside_newer,
+    verify_checkpoint,
+    wait_for_checkpoint,
+)
+from shardwise.models import GPT, GPTConfig, random_lm_batches
+from shardwise.parity import split_batch
+from shardwise.testing import run_distributed
+from shardwise.weights import INDEX_FILE, SINGLE_FILE, WeightsError, export_weights, load_weights
+
+CFG = GPTConfig()
+DATA = random_lm_batches(CFG, 8, 8, seed=1)
+
+
+@pytest.fixture(autouse=True)
+def _no_group():
+    shutdown()
+
+
+def _engine(strategy: str | None = None, seed: int = 0) -> Engine:
+    torch.manual_seed(seed)
+    config = ParallelConfig(strategy=strategy) if strategy else ParallelConfig()
+    return Engine(GPT(CFG), lambda p: torch.optim.AdamW(p, lr=1e-3), config)
+
+
+def _step(engine: Engine, i: int) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    engine.train_step(split_batch(DATA[i % len(DATA)], rank, world))
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _capture() -> _Lines:
+    logger = logging.getLogger("shardwise.checkpoint")
+    for old in [h for h in logger.handlers if isinstance(h, _Lines)]:
+        logger.removeHandler(old)
+    handler = _Lines()
+    logger.addHandler(handler)
+    return handler
+
+
+def _names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def _local_state(engine: Engine) -> dict[str, torch.Tensor]:
+    """This rank's model and optimizer tensors (shards), copied, by name."""
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    out = {f"model.{k}": v for k, v in model_sd.items()}
+    for fqn, state in optim_sd["state"].items():
+        out.update({f"optim.{fqn}.{k}": v for k, v in state.items()})
+    return {
+        k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in out.items()
+    }
+
+
+def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ in any bit (empty when equal)."""
+    assert sorted(a) == sorted(b)
+    raw = {k: (a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a}
+    return [k for k, (x, y) in raw.items() if not torch.equal(x, y)]
+
+
+# --- collective cases, one spawned group -------------------------------------------------------
+
+
+def _directory_rule(root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    engine = _engine("full_shard")
+    for i in range(4):  # steps 1..4
+        _step(engine, i)
+        save_checkpoint(root, engine)
+    # A restart resumes from step 2 (say `latest` was not updated after a rename): the next
+    # saves reach steps 3 and 4 again, which exist.
+    resumed = _engine("full_shard", seed=5)
+    load_checkpoint(root / "step_00000002", resumed)
+    logs = _capture()
+    _step(resumed, 2)
+    out["saved"] = str(save_checkpoint(root, resumed, keep_last=3))
+    out["after_save"] = _names(root)
+    out["superseded"] = sorted(
+        str(p.relative_to(root)) for p in (root / "superseded").glob("*/step_*")
+    )
+    out["save_logs"] = logs.lines[:]
+    # set_aside_newer after resuming from step 1 (every rank gets the same list).
+    again = _engine("full_shard", seed=6)
+    load_checkpoint(root / "step_00000001", again)
+    moved = set_aside_newer(root, again.step)
+    out["moved"] = [str(p.relative_to(root)) for p in moved]
+    out["latest_after_set_aside"] = (root / "latest").read_text().strip()
+    out["nothing_newer"] = set_aside_newer(root, again.step)
+    # Leftovers of a killed save, a killed old-style pruning and a killed new-style pruning.
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / ".tmp-step_00000009" / "state").mkdir(parents=True)
+        half = root / "step_00000000"
+        shutil.copytree(root / "step_00000001", half)
+        (half / MANIFEST).unlink()
+        (root / ".deleting-step_00000000" / "rng").mkdir(parents=True)
+    dist.barrier()
+    logs.lines.clear()
+    _step(again, 1)
+    save_checkpoint(root, again, keep_last=1)
+    out["after_cleanup"] = _names(root)
+    out["cleanup_logs"] = logs.lines[:]
+    # Rank 0 cannot move (ROOT/superseded is a file): every rank raises, none waits.
+    blocked = root.parent / "blocked"
+    if dist.get_rank() == 0:
+        shutil.copytree(root / "step_00000002", blocked / "step_00000002")
+        (blocked / "superseded").write_text("in the way")
+    try:
+        set_aside_newer(blocked, 1)
+        out["blocked"] = "no error"
+    except CheckpointError as exc:
+        out["blocked"] = str(exc)
+    return out
+
+
+def _async_cases(root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"rank": dist.get_rank()}
+    engine = _engine("full_shard")
+    _step(engine, 0)
+    _step(engine, 1)
+    at_call = _local_state(engine)
+    sync_path = save_checkpoint(root / "sync", engine)
+    # The background write waits until training has moved on, so a state that was not
+    # copied during the call would be written with later steps' values.
+    gate, real = threading.Event(), FileSystemWriter.write_data
+    FileSystemWriter.write_data = lambda self, *a, **k: gate.wait(120) and real(self, *a, **k)
+    try:
+        pending = save_checkpoint(root / "async", engine, async_=True)
+        out["pending_type"] = type(pending).__name__
+        for i in range(2, 5):  # training goes on (with its own collectives)
+            _step(engine, i)
+        out["done_while_writing"] = pending.done()
+        out["visible_before_result"] = (root / "async" / "step_00000002").exists()
+        gate.set()
+        async_path = pending.result(timeout_s=120)
+    finally:
+        FileSystemWriter.write_data = real
+    out["done"] = pending.done()
+    out["result_again"] = str(pending.result())
+    out["paths"] = (str(sync_path), str(async_path))
+    files = {
+        kind: read_manifest(path)["files"]
+        for kind, path in (("sync", sync_path), ("async", async_path))
+    }
+    out["same_files"] = sorted(files["sync"]) == sorted(files["async"])
+    out["differing_data_files"] = [
+        name
+        for name, meta in files["sync"].items()
+        if name != "state/.metadata" and meta["sha256"] != files["async"][name]["sha256"]
+    ]
+    out["step_in_manifest"] = read_manifest(async_path)["step"]
+    loaded = {}
+    for kind, path in (("sync", sync_path), ("async", async_path)):
+        fresh = _engine("full_shard", seed=9)
+        load_checkpoint(path, fresh)
+        loaded[kind] = _local_state(fresh)
+    out["async_vs_call_time"] = _bitwise(loaded["async"], at_call)
+    out["sync_vs_async"] = _bitwise(loaded["sync"], loaded["async"])
+    out["changed_since_call"] = len(_bitwise(_local_state(engine), at_call))
+    # A save right after an asynchronous one completes it first, then saves. (The second
+    # asynchronous save reuses the first one's CPU copy: it must hold step 5, not step 2.)
+    at_step5 = _local_state(engine)
+    pending = save_checkpoint(root / "async", engine, async_=True)  # step 5
+    _step(engine, 5)
+    out["sync_after_async"] = str(save_checkpoint(root / "async", engine))  # step 6
+    out["async_after_sync"] = pending.done()
+    fresh = _engine("full_shard", seed=9)
+    load_checkpoint(root / "async" / "step_00000005", fresh)
+    out["reused_copy_vs_step5"] = _bitwise(_local_state(fresh), at_step5)
+    out["listed"] = [(c.path.name, c.complete) for c in list_checkpoints(root / "async")]
+    out["latest"] = resolve_checkpoint(root / "async").name
+    out["wait_none"] = wait_for_checkpoint()
+    return out
+
+
+def _collective(root: str) -> dict[str, Any]:
+    return {
+        "rule": _directory_rule(Path(root) / "rule"),
+        "async": _async_cases(Path(root) / "async"),
+    }
+
+
+@pytest.fixture(scope="module")
+def collective(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("collective")
+    return root, run_distributed(_collective, 2, args=(str(root),), timeout_s=240)
+
+
+def test_existing_step_directory_is_moved_aside_and_the_save_succeeds(collective):
+    root, results = collective
+    rule = results[0]["rule"]
+    assert rule["saved"] == str(root / "rule" / "step_00000003")
+    assert rule["after_save"] == [
+        "latest", "step_00000001", "step_00000002", "step_00000003", "superseded",
+    ]  # fmt: skip
+    # The old step 3 and the newer step 4 were moved, not deleted, and each got a line.
+    assert [Path(p).name for p in rule["superseded"]] == ["step_00000003", "step_00000004"]
+    assert len({Path(p).parent for p in rule["superseded"]}) == 1
+    assert len(rule["save_logs"]) == 2
+    for line, name in zip(rule["save_logs"], ("step_00000003", "step_00000004"), strict=True):
+        assert f"moved {root / 'rule' / name} aside to {root / 'rule' / 'superseded'}" in line
+        assert "(superseded by the save at step 3)" in line
+    assert results[1]["rule"]["save_logs"] == []  # rank 0 alone touches the directory
+
+
+def test_set_aside_newer_moves_newer_and_repoints_latest(collective):
+    root, results = collective
+    rule = results[0]["rule"]
+    assert [Path(p).name for p in rule["moved"]] == ["step_00000002", "step_00000003"]
+    assert all(p.startswith("superseded/") for p in rule["moved"])
+    assert results[1]["rule"]["moved"] == rule["moved"]  # the same list on every rank
+    assert rule["latest_after_set_aside"] == "step_00000001"
+    assert rule["nothing_newer"] == []
+    for p in rule["moved"]:  # intact where they went
+        assert verify_checkpoint(root / "rule" / p) == []
+
+
+def test_leftovers_are_removed_at_the_next_save_with_a_line_each(collective):
+    root, results = collective
+    rule = results[0]["rule"]
+    # keep_last=1 pruned step 1 through a `.deleting-` rename, which left nothing behind.
+    assert rule["after_cleanup"] == ["latest", "step_00000002", "superseded"]
+    lines = rule["cleanup_logs"]
+    r = root / "rule"
+    assert any(
+        f"removed {r / '.tmp-step_00000009'}, the temporary directory of a save" in x for x in lines
+    )
+    assert any(
+        f"removed {r / 'step_00000000'}, an incomplete checkpoint (no shardwise.json" in x
+        for x in lines
+    )
+    assert any(f"removed {r / '.deleting-step_00000000'}, a checkpoint whose pruning" in x for x in lines)  # fmt: skip
+    assert len(lines) == 3, lines
+
+
+def test_set_aside_newer_failing_on_rank_0_raises_on_every_rank(collective):
+    root, results = collective
+    what = f"set aside the checkpoints newer than step 1 in {root / 'blocked'}"
+    assert results[0]["rule"]["blocked"].startswith(f"could not {what}: [Errno")
+    assert results[1]["rule"]["blocked"].startswith(f"rank 0 could not {what}: [Errno")
+
+
+class _Killed(BaseException):
+    pass
+
+
+def test_a_kill_during_pruning_leaves_a_recognisable_directory(tmp_path, monkeypatch):
+    from shardwise import checkpoint as ck
+
+    engine = _engine()
+    _step(engine, 0)
+    save_checkpoint(tmp_path, engine)
+    real = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # the manifest goes first, then the kill
+        (Path(path) / MANIFEST).unlink()
+        raise _Killed
+
+    monkeypatch.setattr(ck.shutil, "rmtree", killed_midway)
+    _step(engine, 1)
+    with pytest.raises(_Killed):
+        save_checkpoint(tmp_path, engine, keep_last=1)
+    monkeypatch.setattr(ck.shutil, "rmtree", real)
+    # Not a `step_*` directory that lost its manifest: a name no listing takes for one.
+    assert _names(tmp_path) == [".deleting-step_00000001", "latest", "step_00000002"]
+    assert [c.path.name for c in list_checkpoints(tmp_path)] == ["step_00000002"]
+    logs = _capture()
+    _step(engine, 2)
+    save_checkpoint(tmp_path, engine, keep_last=1)
+    assert _names(tmp_path) == ["latest", "step_00000003"]
+    assert logs.lines == [
+        f"shardwise checkpoint: removed {tmp_path / '.deleting-step_00000001'}, a checkpoint "
+        "whose pruning did not finish"
+    ]
+
+
+def test_async_save_is_the_call_time_state_bitwise(collective):
+    _, results = collective
+    for r in results:
+        a = r["async"]
+        assert a["pending_type"] == "PendingCheckpoint"
+        assert a["visible_before_result"] is False and a["done_while_writing"] is False
+        assert a["done"] and a["result_again"] == a["paths"][1]
+        assert a["step_in_manifest"] == 2
+        assert a["changed_since_call"] > 0  # training did move the live state on...
+        assert a["async_vs_call_time"] == []  # ...but the checkpoint holds step 2's bits
+        assert a["sync_vs_async"] == []
+        assert a["same_files"] and a["differing_data_files"] == []
+
+
+def test_a_save_after_an_async_save_completes_it_first(collective):
+    _, results = collective
+    for r in results:
+        a = r["async"]
+        assert a["async_after_sync"] is True and a["reused_copy_vs_step5"] == []
+        assert a["listed"] == [
+            ("step_00000002", True), ("step_00000005", True), ("step_00000006", True),
+        ]  # fmt: skip
+        assert a["latest"] == "step_00000006" and a["sync_after_async"].endswith("step_00000006")
+        assert a["wait_none"] is None
+
+
+# --- a kill during an asynchronous save -----------------------------------------------------------
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    from shardwise import checkpoint as ck
+    from shardwise import Engine
+    from shardwise.models import GPT, GPTConfig, random_lm_batches
+
+    root = sys.argv[1]
+    torch.manual_seed(0)
+    engine = Engine(GPT(GPTConfig()), lambda p: torch.optim.AdamW(p))
+    batches = random_lm_batches(GPTConfig(), 2, 4)
+    engine.train_step(batches[0])
+    ck.save_checkpoint(root, engine)
+    engine.train_step(batches[1])
+    real = ck._hash_share
+    def slow(tmp):  # on the background thread: the write is under way at the kill
+        print("WRITING", flush=True)
+        time.sleep(60)
+        return real(tmp)
+    ck._hash_share = slow
+    ck.save_checkpoint(root, engine, async_=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_kill_during_an_async_save_leaves_no_checkpoint(tmp_path):
+    root = tmp_path / "ckpts"
+    (tmp_path / "child.py").write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "child.py"), str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "WRITING", proc.stderr.read()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    listed = {(c.path.name, c.complete) for c in list_checkpoints(root)}
+    assert listed == {("step_00000001", True), (".tmp-step_00000002", False)}
+    assert resolve_checkpoint(root).name == "step_00000001"
+    engine = _engine()
+    load_checkpoint(root, engine)
+    _step(engine, 1)
+    logs = _capture()
+    save_checkpoint(root, engine)
+    assert [(c.path.name, c.complete) for c in list_checkpoints(root)] == [
+        ("step_00000001", True),
+        ("step_00000002", True),
+    ]
+    assert any("removed" in x and ".tmp-step_00000002" in x for x in logs.lines), logs.lines
+
+
+def test_async_save_without_a_process_group(tmp_path):
+    engine = _engine()
+    _step(engine, 0)
+    at_call = _local_state(engine)
+    pending = save_checkpoint(tmp_path, engine, async_=True)
+    assert isinstance(pending, PendingCheckpoint)
+    _step(engine, 1)
+    assert wait_for_checkpoint(timeout_s=60) == tmp_path / "step_00000001"
+    assert pending.result() == tmp_path / "step_00000001" and wait_for_checkpoint() is None
+    fresh = _engine(seed=3)
+    load_checkpoint(tmp_path, fresh)
+    assert _bitwise(_local_state(fresh), at_call) == []
+    with pytest.raises(TypeError, match=r"save_checkpoint\(async_='yes'\) must be True or False"):
+        save_checkpoint(tmp_path, engine, async_="yes")  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match=r"set_aside_newer\(step=-1\) must be a step number"):
+        set_aside_newer(tmp_path, -1)
+
+
+# --- paths stay inside -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    engine = _engine()
+    _step(engine, 0)
+    return save_checkpoint(tmp_path / "ck", engine)
+
+
+def _rewrite_metadata(checkpoint: Path, name: str) -> str:
+    """Point the first stored entry at `name`, the way a tampered checkpoint would, and
+    record the new file in the manifest so its hash check passes. Returns the entry's key."""
+    metadata = read_dcp_metadata(checkpoint / "state")
+    index, info = next(iter(metadata.storage_data.items()))
+    info.relative_path = name
+    path = checkpoint / "state" / ".metadata"
+    with path.open("wb") as f:
+        pickle.dump(metadata, f)  # as DCP's FileSystemWriter.finish writes it
+    manifest = read_manifest(checkpoint)
+    manifest["files"]["state/.metadata"] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    return index.fqn
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "link"])
+def test_metadata_naming_a_file_outside_is_refused(saved, tmp_path, how):
+    data = next((saved / "state").glob("*.distcp"))
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(data, outside)  # the very bytes: without the check the load succeeds
+    if how == "absolute":
+        name = str(outside)
+        why = "an absolute path"
+    elif how == "dotdot":
+        name = "../../../outside.distcp"
+        why = "a path with '..'"
+    else:
+        (saved / "state" / "link.distcp").symlink_to(outside)
+        name = "link.distcp"
+        why = "a path that resolves outside that directory"
+    fqn = _rewrite_metadata(saved, name)
+    message = rf"the storage entry for '{fqn}' names '{name}', {why}.*inside {saved / 'state'}"
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(saved, _engine(), verify=False)
+    with pytest.raises(CheckpointError, match=message):
+        export_weights(saved, tmp_path / "export", verify=False)
+    assert not any((tmp_path / "export").glob("*")) and not any((tmp_path / "export").glob(".*"))
+    if how != "link":  # (a link inside state/ is also an unexpected file for verification)
+        with pytest.raises(CheckpointError, match=rf"failed verification.*{why}"):
+            load_checkpoint(saved, _engine())
+
+
+def _sharded_export(tmp_path: Path) -> Path:
+    export_weights(GPT(CFG), tmp_path / "w", max_shard_bytes=20_000)
+    return tmp_path / "w" / INDEX_FILE
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "link"])
+def test_index_naming_a_file_outside_is_refused(tmp_path, how):
+    index_path = _sharded_export(tmp_path)
+    index = json.loads(index_path.read_text())
+    tensor, first = next(iter(index["weight_map"].items()))
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(index_path.parent / first, outside)
+    if how == "absolute":
+        name, why = str(outside), "an absolute path"
+    elif how == "dotdot":
+        name, why = "../outside.safetensors", "a path with '..'"
+    else:
+        (index_path.parent / "link.safetensors").symlink_to(outside)
+        name, why = "link.safetensors", "a path that resolves outside that directory"
+    index["weight_map"][tensor] = name
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(
+        WeightsError,
+        match=rf"weight_map\['{tensor}'\] names '{name}', {why}.*own directory \({tmp_path / 'w'}\)",
+    ):
+        load_weights(GPT(CFG), tmp_path / "w")
+
+
+# --- re-export -------------------------------------------------------------------------------------
+
+
+def _model(seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(CFG)
+
+
+def _loaded(path: Path) -> dict[str, torch.Tensor]:
+    target = _model(99)
+    load_weights(target, path)
+    return {k: v.detach().clone() for k, v in target.state_dict().items()}
+
+
+@pytest.mark.parametrize("first_sharded", [True, False])
+def test_re_export_replaces_the_previous_export(tmp_path, first_sharded):
+    out = tmp_path / "w"
+    old, new = _model(1), _model(2)
+    export_weights(old, out, max_shard_bytes=20_000 if first_sharded else 2**40)
+    assert (out / (INDEX_FILE if first_sharded else SINGLE_FILE)).is_file()
+    written = export_weights(new, out, max_shard_bytes=2**40 if first_sharded else 20_000)
+    if first_sharded:
+        assert written == out / SINGLE_FILE and _names(out) == [SINGLE_FILE]
+    else:
+        assert written == out / INDEX_FILE and SINGLE_FILE not in _names(out)
+        shards = [n for n in _names(out) if n != INDEX_FILE]
+        assert len(shards) > 1 and all(n.startswith("model-") for n in shards)
+    got, want = _loaded(out), new.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_export_refuses_foreign_files_and_keeps_the_users_config(tmp_path, saved):
+    out = tmp_path / "w"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(
+        WeightsError, match=r"holds \['notes\.txt'\], which no export writes.*new or empty"
+    ):
+        export_weights(GPT(CFG), out)
+    assert _names(out) == ["notes.txt"]
+    (out / "notes.txt").unlink()
+    # A config.json written by the user, then exports from a checkpoint (which have none).
+    (out / "config.json").write_text("{}")
+    (out / ".shardwise-export-12345" / ".previous").mkdir(parents=True)  # a killed export
+    export_weights(saved, out, max_shard_bytes=20_000)
+    export_weights(saved, out)
+    assert _names(out) == ["config.json", SINGLE_FILE]
+    assert (out / "config.json").read_text() == "{}"
