@@ -51,11 +51,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
-import pickle
 import platform
 import random
 import shutil
@@ -64,7 +62,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -74,10 +72,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
@@ -85,6 +82,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from shardwise.dcp_safe import (
+    CheckpointError,
+    SafeReader,
+    TensorOnlyLoadPlanner,
+    read_dcp_metadata,
+    root_cause,
+)
 from shardwise.distributed import _register_shutdown_hook, get_dist_info, rank_and_world
 
 MANIFEST = "shardwise.json"
@@ -99,123 +103,6 @@ FORMAT_VERSION = 1
 
 
 _log = logging.getLogger("shardwise.checkpoint")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded; the message says why and what is intact."""
-
-
-# --- safe reading of DCP metadata ----------------------------------------------------------
-
-_DCP_METADATA_CLASSES = {
-    "Metadata",
-    "ChunkStorageMetadata",
-    "TensorStorageMetadata",
-    "BytesStorageMetadata",
-    "TensorProperties",
-    "MetadataIndex",
-    "StorageMeta",
-    "_MEM_FORMAT_ENCODING",
-}
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata; any other global (os.system, builtins.eval...) is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            (module == "torch.distributed.checkpoint.metadata" and name in _DCP_METADATA_CLASSES)
-            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
-            or (
-                module == "torch"
-                and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))
-            )
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (
-                module == "pathlib"
-                and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
-            )
-            or (module == "collections" and name == "OrderedDict")
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(
-                f"refused to load global {module}.{name}: a checkpoint's metadata may only "
-                "reference torch.distributed.checkpoint's metadata classes"
-            )
-        return super().find_class(module, name)
-
-
-def read_dcp_metadata(state_dir: str | Path) -> Metadata:
-    """DCP's `.metadata` for `state_dir`, unpickled through the allow-list."""
-    path = Path(state_dir) / ".metadata"
-    try:
-        with path.open("rb") as f:
-            metadata = _AllowListUnpickler(f).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: not a complete shardwise checkpoint.") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-        raise CheckpointError(
-            f"{path} is not a valid checkpoint metadata file and was not loaded ({exc}). The "
-            "checkpoint is corrupted or was tampered with."
-        ) from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(
-            f"{path} does not hold DCP metadata (found {type(metadata).__name__})."
-        )
-    _check_storage_paths(metadata, path)
-    return metadata
-
-
-def _check_storage_paths(metadata: Metadata, path: Path) -> None:
-    """Refuse a `.metadata` whose entries name files outside its own directory: DCP's reader
-    opens `directory / relative_path` as it is, so an absolute path or `..` would make a
-    load read any file the process can (into a parameter, or into an export)."""
-    base = path.parent.resolve()
-    checked: set[str] = set()
-    for index, info in (metadata.storage_data or {}).items():
-        rel = getattr(info, "relative_path", None)
-        fqn = getattr(index, "fqn", index)
-        if not isinstance(rel, (str, os.PathLike)):
-            raise CheckpointError(
-                f"{path}: the storage entry for {fqn!r} names no file ({rel!r}). The "
-                "checkpoint is corrupted or was tampered with and was not loaded."
-            )
-        name = os.fspath(rel)
-        if name in checked:
-            continue
-        if os.path.isabs(name) or PurePosixPath(name).is_absolute():
-            why = "an absolute path"
-        elif ".." in PurePosixPath(name).parts:
-            why = "a path with '..'"
-        elif name in ("", ".") or not (base / name).resolve().is_relative_to(base):
-            why = "a path that resolves outside that directory (through a link)"
-        else:
-            checked.add(name)
-            continue
-        raise CheckpointError(
-            f"{path}: the storage entry for {fqn!r} names {name!r}, {why}. A checkpoint may "
-            f"only read files inside {path.parent}; it was not loaded (the checkpoint is "
-            "corrupted or was tampered with)."
-        )
-
-
-class _SafeReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise CheckpointError("per-rank DCP metadata files are not supported by shardwise")
-        metadata = read_dcp_metadata(Path(self.path))
-        storage_meta = metadata.storage_meta or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        return metadata
-
-
-class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        raise CheckpointError(
-            f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; shardwise "
-            "checkpoints hold tensors only and never unpickle entries."
-        )
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -690,7 +577,7 @@ def save_checkpoint(
                     no_dist=not dist.is_initialized(),
                 )
     except (OSError, RuntimeError, DCPException, SafetensorError) as exc:
-        error = CheckpointError(_write_failed(root, tmp, _root_cause(exc)))
+        error = CheckpointError(_write_failed(root, tmp, root_cause(exc)))
     _agree_or_clean(error, "writing the checkpoint", tmp)
     if async_:
         return _start_async(root, tmp, final, manifest, keep_last, model_sd, optim_sd)
@@ -757,17 +644,6 @@ def _finish(
             error = CheckpointError(_write_failed(root, tmp, exc))
     _agree(error, "finalising the checkpoint")
     return final
-
-
-def _root_cause(exc: BaseException) -> BaseException | str:
-    """DCP wraps each rank's failure; report the underlying errors (e.g. ENOSPC)."""
-    if isinstance(exc, DCPException):
-        causes = []
-        for rank, failure in exc.failures.items():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            causes.append(f"rank {rank}: {inner}")
-        return "; ".join(causes) or str(exc)
-    return exc
 
 
 def _write_failed(root: Path, tmp: Path, exc: BaseException | str) -> str:
@@ -906,7 +782,7 @@ class PendingCheckpoint:
         except TimeoutError:
             hashed = "timeout"
         except (OSError, RuntimeError, DCPException) as exc:
-            error = CheckpointError(_write_failed(self.root, self.tmp, _root_cause(exc)))
+            error = CheckpointError(_write_failed(self.root, self.tmp, root_cause(exc)))
         late = [r for r, h in enumerate(_gather_to_all(hashed == "timeout")) if h]
         if late:
             raise CheckpointError(
@@ -1015,7 +891,7 @@ def _start_async(
                 no_dist=not dist.is_initialized(),
             )
     except (OSError, RuntimeError, DCPException) as exc:
-        error = CheckpointError(_write_failed(root, tmp, _root_cause(exc)))
+        error = CheckpointError(_write_failed(root, tmp, root_cause(exc)))
         # Ranks whose save did start wait in the side group for this one: use a fresh one.
         _ASYNC_GROUP = None
     try:
@@ -1124,12 +1000,12 @@ def load_checkpoint(
         with single_process_ok():
             dcp.load(
                 state,
-                storage_reader=_SafeReader(path / STATE_DIR),
-                planner=_TensorOnlyLoadPlanner(),
+                storage_reader=SafeReader(path / STATE_DIR),
+                planner=TensorOnlyLoadPlanner(),
                 no_dist=not dist.is_initialized(),
             )
     except (RuntimeError, ValueError, KeyError, DCPException) as exc:
-        raise CheckpointError(f"could not read checkpoint {path}: {_root_cause(exc)}") from None
+        raise CheckpointError(f"could not read checkpoint {path}: {root_cause(exc)}") from None
     if load_optimizer:
         optim_state = {
             "state": state["optim"],

@@ -100,19 +100,12 @@ def _checkpoint_tensors(
     from torch.distributed.checkpoint.api import CheckpointException as DCPException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from shardwise.checkpoint import (
-        STATE_DIR,
-        CheckpointError,
-        _root_cause,
-        _SafeReader,
-        _TensorOnlyLoadPlanner,
-        resolve_checkpoint,
-        single_process_ok,
-    )
+    from shardwise.checkpoint import STATE_DIR, resolve_checkpoint, single_process_ok
+    from shardwise.dcp_safe import CheckpointError, SafeReader, TensorOnlyLoadPlanner, root_cause
 
     path = resolve_checkpoint(directory)
     state_dir = path / STATE_DIR
-    metadata = _SafeReader(state_dir).read_metadata()
+    metadata = SafeReader(state_dir).read_metadata()
     entries = [
         (key, md)
         for key, md in metadata.state_dict_metadata.items()
@@ -129,14 +122,14 @@ def _checkpoint_tensors(
                 with single_process_ok():
                     dcp.load(
                         batch,
-                        storage_reader=_SafeReader(state_dir),
-                        planner=_TensorOnlyLoadPlanner(),
+                        storage_reader=SafeReader(state_dir),
+                        planner=TensorOnlyLoadPlanner(),
                         no_dist=True,
                     )
             # DCP's own exception is a BaseException: unwrapped, it escapes the CLI's handler.
             except (RuntimeError, ValueError, KeyError, DCPException) as exc:
                 raise CheckpointError(
-                    f"could not read checkpoint {path}: {_root_cause(exc)}"
+                    f"could not read checkpoint {path}: {root_cause(exc)}"
                 ) from None
             for k, t in batch.items():
                 yield k.removeprefix("model."), t

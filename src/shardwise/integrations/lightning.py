@@ -45,14 +45,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.nn import Module
 
-from shardwise.checkpoint import (
-    CheckpointError,
-    _root_cause,
-    _SafeReader,
-    _TensorOnlyLoadPlanner,
-    single_process_ok,
-)
+from shardwise.checkpoint import single_process_ok
 from shardwise.config import ParallelConfig
+from shardwise.dcp_safe import CheckpointError, SafeReader, TensorOnlyLoadPlanner, root_cause
 from shardwise.engine import clip_grad_norm_
 from shardwise.materialize import init_empty
 from shardwise.optim import stale_parameters
@@ -306,9 +301,7 @@ class ShardwiseStrategy(ModelParallelStrategy):
                     no_dist=not dist.is_initialized(),
                 )
         except Exception as exc:
-            raise CheckpointError(
-                f"could not write checkpoint {path}: {_root_cause(exc)}"
-            ) from None
+            raise CheckpointError(f"could not write checkpoint {path}: {root_cause(exc)}") from None
         if self.global_rank == 0:
             torch.save(checkpoint, path / _METADATA_FILENAME)
         self.barrier()
@@ -344,12 +337,12 @@ class ShardwiseStrategy(ModelParallelStrategy):
             with single_process_ok():
                 dcp.load(
                     state,
-                    storage_reader=_SafeReader(path),
-                    planner=_TensorOnlyLoadPlanner(allow_partial_load=not strict),
+                    storage_reader=SafeReader(path),
+                    planner=TensorOnlyLoadPlanner(allow_partial_load=not strict),
                     no_dist=not dist.is_initialized(),
                 )
         except Exception as exc:
-            raise CheckpointError(f"could not read checkpoint {path}: {_root_cause(exc)}") from None
+            raise CheckpointError(f"could not read checkpoint {path}: {root_cause(exc)}") from None
         set_model_state_dict(
             self.model, state["state_dict"], options=StateDictOptions(strict=strict)
         )

@@ -1,0 +1,162 @@
+"""Reading torch.distributed.checkpoint (DCP) directories without trusting them.
+
+Owns: `read_dcp_metadata` (DCP's pickled `.metadata` through an allow-list unpickler, and
+every storage entry checked to name a file inside the directory), `SafeReader` (DCP's
+FileSystemReader using it), `TensorOnlyLoadPlanner` (refuses pickled entries) and
+`root_cause` (the per-rank errors inside DCP's CheckpointException). Used by shardwise's
+checkpoints, weight export and the Lightning strategy's DCP checkpoints.
+
+Must not: write anything, or read a file outside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+__all__ = [
+    "CheckpointError",
+    "SafeReader",
+    "TensorOnlyLoadPlanner",
+    "read_dcp_metadata",
+    "root_cause",
+]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message says why and what is intact."""
+
+
+_DCP_METADATA_CLASSES = {
+    "Metadata",
+    "ChunkStorageMetadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
+}
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata; any other global (os.system, builtins.eval...) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            (module == "torch.distributed.checkpoint.metadata" and name in _DCP_METADATA_CLASSES)
+            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
+            or (
+                module == "torch"
+                and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))
+            )
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (
+                module == "pathlib"
+                and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+            )
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"refused to load global {module}.{name}: a checkpoint's metadata may only "
+                "reference torch.distributed.checkpoint's metadata classes"
+            )
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(state_dir: str | Path) -> Metadata:
+    """DCP's `.metadata` for `state_dir`, unpickled through the allow-list."""
+    path = Path(state_dir) / ".metadata"
+    try:
+        with path.open("rb") as f:
+            metadata = _AllowListUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: not a complete shardwise checkpoint.") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"{path} is not a valid checkpoint metadata file and was not loaded ({exc}). The "
+            "checkpoint is corrupted or was tampered with."
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"{path} does not hold DCP metadata (found {type(metadata).__name__})."
+        )
+    _check_storage_paths(metadata, path)
+    return metadata
+
+
+def _check_storage_paths(metadata: Metadata, path: Path) -> None:
+    """Refuse a `.metadata` whose entries name files outside its own directory: DCP's reader
+    opens `directory / relative_path` as it is, so an absolute path or `..` would make a
+    load read any file the process can (into a parameter, or into an export)."""
+    base = path.parent.resolve()
+    checked: set[str] = set()
+    for index, info in (metadata.storage_data or {}).items():
+        rel = getattr(info, "relative_path", None)
+        fqn = getattr(index, "fqn", index)
+        if not isinstance(rel, (str, os.PathLike)):
+            raise CheckpointError(
+                f"{path}: the storage entry for {fqn!r} names no file ({rel!r}). The "
+                "checkpoint is corrupted or was tampered with and was not loaded."
+            )
+        name = os.fspath(rel)
+        if name in checked:
+            continue
+        if os.path.isabs(name) or PurePosixPath(name).is_absolute():
+            why = "an absolute path"
+        elif ".." in PurePosixPath(name).parts:
+            why = "a path with '..'"
+        elif name in ("", ".") or not (base / name).resolve().is_relative_to(base):
+            why = "a path that resolves outside that directory (through a link)"
+        else:
+            checked.add(name)
+            continue
+        raise CheckpointError(
+            f"{path}: the storage entry for {fqn!r} names {name!r}, {why}. A checkpoint may "
+            f"only read files inside {path.parent}; it was not loaded (the checkpoint is "
+            "corrupted or was tampered with)."
+        )
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the metadata read through `read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError("per-rank DCP metadata files are not supported by shardwise")
+        metadata = read_dcp_metadata(Path(self.path))
+        storage_meta = metadata.storage_meta or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
+class TensorOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner refusing pickled (non-tensor) entries."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; shardwise "
+            "checkpoints hold tensors only and never unpickle entries."
+        )
+
+
+def root_cause(exc: BaseException) -> BaseException | str:
+    """DCP wraps each rank's failure; report the underlying errors (e.g. ENOSPC)."""
+    if isinstance(exc, DCPException):
+        causes = []
+        for rank, failure in exc.failures.items():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            causes.append(f"rank {rank}: {inner}")
+        return "; ".join(causes) or str(exc)
+    return exc
