@@ -21,6 +21,7 @@ from shardwise.materialize import InitializationError, init_empty
 from shardwise.mesh import MeshSpec, resolve_mesh
 from shardwise.precision import PRESETS, Precision
 from shardwise.runner import PREEMPTED_EXIT_CODE, Preempted, Runner, RunnerConfig, seed_everything
+from shardwise.simulate import SimReport, simulate_step
 from shardwise.strategies import WrapInfo, sync_module_states, unwrap, wrap, wrap_info
 from shardwise.watchdog import StallError
 from shardwise.weights import WeightsError, export_weights, load_weights
@@ -45,6 +46,7 @@ __all__ = [
     "Preempted",
     "Runner",
     "RunnerConfig",
+    "SimReport",
     "StallError",
     "TrainConfig",
     "WeightsError",
@@ -66,6 +68,7 @@ __all__ = [
     "seed_everything",
     "set_aside_newer",
     "shutdown",
+    "simulate_step",
     "sync_module_states",
     "unwrap",
     "wait_for_checkpoint",

@@ -276,17 +276,36 @@ def _plan(args: argparse.Namespace) -> int:
     estimates = estimate_memory(
         plan, args.world, optimizer=config.optimizer.name, compute_dtype_bytes=compute
     )
-    if args.json:
-        print(
-            json.dumps(
-                {"plan": plan.to_dict(), "memory": json.loads(memory_json(estimates))}, indent=2
+    sims = []
+    if args.simulate:
+        import dataclasses
+
+        from shardwise.simulate import simulate_step
+
+        for e in estimates:
+            sims.append(
+                simulate_step(
+                    factory,
+                    dataclasses.replace(config.parallel, strategy=e.strategy),
+                    world=args.world,
+                    batch=args.batch,
+                    seq_len=args.seq_len,
+                    optimizer=config.optimizer.name,
+                )
             )
-        )
+    if args.json:
+        out = {"plan": plan.to_dict(), "memory": json.loads(memory_json(estimates))}
+        if sims:
+            out["simulated"] = [s.to_dict() for s in sims]
+        print(json.dumps(out, indent=2))
         return 0
     print(plan)
     print()
     print(f"world size {args.world}, optimizer {config.optimizer.name}, precision {precision}")
     print(format_memory(estimates))
+    for sim in sims:
+        print()
+        print(sim)
     return 0
 
 
@@ -370,6 +389,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", default=None, help="a YAML config (its parallel/optimizer sections)"
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also run one training step per strategy on fake tensors with a fake process "
+        "group of --world ranks (CPU, no real memory): each rank's peak, activations included",
+    )
+    plan.add_argument("--batch", type=int, default=1, help="micro-batch for --simulate")
+    plan.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="sequence length for --simulate (default: the model config's seq_len)",
+    )
     plan.add_argument("overrides", nargs="*", help="section.key=value")
     plan.set_defaults(func=_plan)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -196,3 +197,18 @@ def test_run_and_plan_argument_errors():
     assert bad.returncode == 2 and "has no attribute" in bad.stderr
     bad = cli("plan", "shardwise:__version__", "--world", "2")
     assert bad.returncode == 2 and "shardwise:__version__ is not callable" in bad.stderr
+
+
+def test_plan_simulate_reports_each_strategy_with_activations():
+    out = cli(
+        "plan", "shardwise.models:GPT", "--world", "4", "--simulate", "--batch", "2", "--json"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    sims, estimates = report["simulated"], report["memory"]
+    assert [s["strategy"] for s in sims] == [e["strategy"] for e in estimates]
+    for sim, est in zip(sims, estimates, strict=True):
+        assert sim["world_size"] == 4 and sim["batch"] == 2
+        assert sim["category_peaks"]["activations"] > 0
+        # a whole step holds at least the model states the analytic plan counts
+        assert sim["peak"] >= est["model_states"]
