@@ -32,7 +32,7 @@ import torch
 from shardwise import ParallelConfig
 from shardwise.memory import format_bytes
 from shardwise.models import GPT, GPTConfig
-from shardwise.simulate import _default_input, _make_optimizer, simulate_step, tracked_step
+from shardwise.simulate import real_step, simulate_step
 from shardwise.testing import run_distributed
 
 STRATEGIES = ("ddp", "no_shard", "shard_grad_op", "full_shard")
@@ -49,15 +49,11 @@ def _git() -> str:
 
 
 def _real(cfg: GPTConfig, strategy: str, ac: str, precision: str, batch: int) -> dict[str, Any]:
-    from shardwise import wrap
-
     torch.manual_seed(0)
-    model = wrap(
-        GPT(cfg),
-        ParallelConfig(strategy=strategy, activation_checkpointing=ac, mixed_precision=precision),
+    config = ParallelConfig(
+        strategy=strategy, activation_checkpointing=ac, mixed_precision=precision
     )
-    optimizer = _make_optimizer("adamw", model.parameters())
-    return tracked_step(model, optimizer, lambda: _default_input(model, batch, cfg.seq_len))
+    return real_step(functools.partial(GPT, cfg), config, batch=batch, seq_len=cfg.seq_len)
 
 
 def compare(cfg: GPTConfig, world: int, batch: int, strategies: tuple[str, ...]) -> list[dict]:

@@ -173,6 +173,15 @@ def reference(root: Path, steps: int, timeout_s: float) -> dict[str, Any]:
     return final_weights(out)
 
 
+def _verdict(result: dict[str, Any], problem: str | None, out: Path) -> dict[str, Any]:
+    """A trial's JSON line: ok, or the problem and the tail of the launcher's log."""
+    result["ok"] = problem is None
+    if problem:
+        result["problem"] = problem
+        result["log_tail"] = (out / "launcher.out").read_text()[-2000:]
+    return result
+
+
 def trial_restart(
     out: Path, want: dict[str, Any], rng: random.Random, steps: int, timeout_s: float
 ) -> dict[str, Any]:
@@ -208,11 +217,7 @@ def trial_restart(
         problem = "finished without a restart"
     else:
         problem = same_bits(final_weights(out), want)
-    result["ok"] = problem is None
-    if problem:
-        result["problem"] = problem
-        result["log_tail"] = (out / "launcher.out").read_text()[-2000:]
-    return result
+    return _verdict(result, problem, out)
 
 
 def _wait_for_step(out: Path, proc: subprocess.Popen[str], step: int, timeout_s: float) -> bool:
@@ -258,11 +263,7 @@ def trial_preempt(
         problem = f"the relaunch exited {rc2}"
     else:
         problem = same_bits(final_weights(out), want)
-    result["ok"] = problem is None
-    if problem:
-        result["problem"] = problem
-        result["log_tail"] = log[-2000:]
-    return result
+    return _verdict(result, problem, out)
 
 
 STALL_TIMEOUT_S = 5
@@ -297,11 +298,7 @@ def trial_stall(
         problem = f"the job took {seconds:.0f} s to end (bound: 60 s)"
     else:
         problem = None
-    result["ok"] = problem is None
-    if problem:
-        result["problem"] = problem
-        result["log_tail"] = log[-2000:]
-    return result
+    return _verdict(result, problem, out)
 
 
 def trial_kill_during_save(
@@ -342,11 +339,7 @@ def trial_kill_during_save(
         problem = f"resumed from step {done.get('resumed_from')}, not before the torn {torn}"
     else:
         problem = same_bits(final_weights(out), want)
-    result["ok"] = problem is None
-    if problem:
-        result["problem"] = problem
-        result["log_tail"] = (out / "launcher.out").read_text()[-2000:]
-    return result
+    return _verdict(result, problem, out)
 
 
 Trial = Callable[[Path, dict[str, Any], random.Random, int, float], dict[str, Any]]

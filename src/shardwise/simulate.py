@@ -31,7 +31,7 @@ from torch import nn
 from shardwise.config import ParallelConfig
 from shardwise.memory import format_bytes
 
-__all__ = ["SimReport", "simulate_step"]
+__all__ = ["SimReport", "real_step", "simulate_step", "tracked_step"]
 
 # torch's category names (the trackers' `_RefType` values) -> ours.
 _CATEGORIES = {
@@ -398,6 +398,24 @@ def tracked_step(model: nn.Module, optimizer: Any, make_input: Callable[[], Any]
         at_peak["ddp_buckets"] = own["ddp_buckets"] = buckets
         total += buckets
     return {"peak": total, "at_peak": at_peak, "category_peaks": own}
+
+
+def real_step(
+    model_factory: Callable[[], nn.Module],
+    config: ParallelConfig,
+    *,
+    batch: int,
+    seq_len: int,
+    optimizer: str | Callable[..., Any] = "adamw",
+) -> dict[str, Any]:
+    """The real counterpart of `simulate_step`, on real tensors in the caller's process group:
+    build, `wrap`, then `tracked_step` with the same default input. What a simulation is
+    checked against."""
+    from shardwise.strategies import wrap
+
+    model = wrap(model_factory(), config)
+    opt = _make_optimizer(optimizer, model.parameters())
+    return tracked_step(model, opt, lambda: _default_input(model, batch, seq_len))
 
 
 def _resolve_config(config: ParallelConfig, activation_checkpointing: Any) -> ParallelConfig:

@@ -12,9 +12,10 @@ import functools
 import pytest
 import torch
 
-from shardwise import ParallelConfig, wrap
+from shardwise import ParallelConfig
 from shardwise.models import GPT, GPTConfig
-from shardwise.simulate import _default_input, _make_optimizer, simulate_step, tracked_step
+from shardwise.simulate import real_step as measure_real_step
+from shardwise.simulate import simulate_step
 from shardwise.testing import run_distributed
 
 CFG = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4)
@@ -24,12 +25,10 @@ BATCH = 4
 
 def real_step(strategy: str, ac: str, precision: str) -> dict:
     torch.manual_seed(0)
-    model = wrap(
-        GPT(CFG),
-        ParallelConfig(strategy=strategy, activation_checkpointing=ac, mixed_precision=precision),
+    config = ParallelConfig(
+        strategy=strategy, activation_checkpointing=ac, mixed_precision=precision
     )
-    optimizer = _make_optimizer("adamw", model.parameters())
-    return tracked_step(model, optimizer, lambda: _default_input(model, BATCH, CFG.seq_len))
+    return measure_real_step(functools.partial(GPT, CFG), config, batch=BATCH, seq_len=CFG.seq_len)
 
 
 def simulated(strategy: str, ac: str = "none", precision: str = "fp32"):

@@ -327,6 +327,20 @@ def test_mmddp_checkpoint_resumes_sharded_equal_to_mmddp(w2):
         assert max_rel(resumed["params"], ref["params"]) <= RTOL
 
 
+def test_integer_keyed_state_for_another_optimizer_layout_is_refused():
+    from shardwise.integrations.mmengine import _by_name
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    saved = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]}  # 3, not 4
+    with pytest.raises(ValueError, match=r"param groups of \[3\] parameters, this optimizer \[4\]"):
+        _by_name(model, optimizer, saved)
+    saved["param_groups"][0]["params"] = [0, 1, 2, 3]
+    assert _by_name(model, optimizer, saved)["param_groups"][0]["params"] == [
+        "0.weight", "0.bias", "1.weight", "1.bias"
+    ]  # fmt: skip
+
+
 def test_checkpoint_file_holds_full_tensors_like_mmddp(w2):
     ours, ref = w2[0]["full_shard"]["file"], w2[0]["mmddp"]["file"]
     assert ours["meta_iter"] == ref["meta_iter"] == ITERS
