@@ -1,17 +1,27 @@
-"""Simulated vs real per-rank peak memory, and the simulation at Llama-3-8B scale.
+"""Simulated vs real per-rank peak memory, and the simulation at Llama-3 8B / 70B scale.
 
-1. Simulated vs real (CPU): a GPT at `--world` gloo ranks, for each strategy x activation
-   checkpointing (none/full) x precision (fp32/bf16). The real run wraps real tensors and
-   measures one training step with torch's memory tracker; the simulation runs the same
-   step under fake tensors and a fake process group (`shardwise.simulate.simulate_step`),
-   measured by the same tracker. Reported: both peaks and their ratio.
-2. Scale: a Llama-3-8B-shaped `transformers.LlamaForCausalLM` (built on meta) simulated at
-   world 8, full_shard, bf16, in a fresh subprocess: its wall time and peak RSS.
+1. Simulated vs real (CPU): a GPT at each of `--worlds` gloo world sizes, for each strategy x
+   activation checkpointing (none/full) x precision (fp32/bf16). The real run wraps real
+   tensors and measures one training step with torch's memory tracker; the simulation runs
+   the same step under fake tensors and a fake process group
+   (`shardwise.simulate.simulate_step`), measured by the same tracker. Reported: both peaks
+   and their ratio. A strategy a world size cannot take (hybrid_shard at world 2) is listed
+   as skipped, with the reason `resolve_mesh` gives.
+2. Scale: Llama-3-8B and Llama-3-70B shapes (`transformers.LlamaForCausalLM`, built on meta,
+   `use_cache=False` as in training) simulated at `--scale-worlds`, full_shard, bf16, AC full,
+   batch 1 x 8192, each in a fresh subprocess: per-rank peak, categories at the peak, wall
+   time and peak RSS of that subprocess.
+3. torchtitan: the Llama-3-8B shape at world 8, full_shard, bf16, seq 8192, batch 2 and 1,
+   AC none and full, to set beside torchtitan's and torchao's published per-GPU peaks
+   (selective per-op AC, which is not simulated, lies between AC none and AC full).
+4. use_cache: the 70B shape at world 8, AC full, with `use_cache=True` against False (the
+   Hugging Face cache keeps every layer's K/V and grows again during the recompute).
 
-Prints a text table, then the JSON report (device, date, commit, command, figures).
+Prints text tables, then the JSON report (device, date, commit, command, figures).
 
-    python bench/memory_sim.py            # GPT 4x128, world 2; Llama-3-8B at world 8
-    python bench/memory_sim.py --smoke    # one strategy, no Llama
+    python bench/memory_sim.py                # GPT 4x128 at world 2 and 4; Llama scale
+    python bench/memory_sim.py --no-scale     # only simulated vs real
+    python bench/memory_sim.py --smoke        # world 2, full_shard, tiny GPT, no Llama
 """
 
 from __future__ import annotations
@@ -31,11 +41,32 @@ import torch
 
 from shardwise import ParallelConfig
 from shardwise.memory import format_bytes
+from shardwise.mesh import resolve_mesh
 from shardwise.models import GPT, GPTConfig
 from shardwise.simulate import real_step, simulate_step
 from shardwise.testing import run_distributed
 
-STRATEGIES = ("ddp", "no_shard", "shard_grad_op", "full_shard")
+STRATEGIES = ("ddp", "no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
+CONFIGS = [(ac, precision) for ac in ("none", "full") for precision in ("fp32", "bf16")]
+GIB = 2**30
+
+# Published per-GPU peaks for Llama 3(.1) 8B on 8 GPUs, FSDP, bf16, seq 8192, per-op SAC.
+TORCHTITAN = [
+    {
+        "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (9dec370), Table 1, "
+        "row FSDP",
+        "setup": "8 x H100 96GB, local batch 2, selective (op) AC, no compile",
+        "batch": 2,
+        "reserved_gib": 82.4,
+    },
+    {
+        "source": "torchao docs/source/workflows/training.md, e2e training benchmarks, H100, "
+        "Llama3-8b none (bfloat16)",
+        "setup": "8 x H100, batch 1, torch.compile, per-op SAC",
+        "batch": 1,
+        "reserved_gib": 47.65,
+    },
+]
 
 
 def _git() -> str:
@@ -48,112 +79,300 @@ def _git() -> str:
         return "unknown"
 
 
-def _real(cfg: GPTConfig, strategy: str, ac: str, precision: str, batch: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    config = ParallelConfig(
-        strategy=strategy, activation_checkpointing=ac, mixed_precision=precision
-    )
-    return real_step(functools.partial(GPT, cfg), config, batch=batch, seq_len=cfg.seq_len)
+# --------------------------------------------------------------------------- sim vs real
+
+
+def _real_all(cfg: GPTConfig, configs: list[tuple[str, str, str]], batch: int) -> list[Any]:
+    """Every (strategy, ac, precision) in one process group, one after another: a fresh
+    model, optimizer and tracker each time, so only the spawn is shared."""
+    results: list[Any] = []
+    for strategy, ac, precision in configs:
+        torch.manual_seed(0)
+        config = ParallelConfig(
+            strategy=strategy, activation_checkpointing=ac, mixed_precision=precision
+        )
+        try:
+            factory = functools.partial(GPT, cfg)
+            results.append(real_step(factory, config, batch=batch, seq_len=cfg.seq_len))
+        except Exception as exc:  # a combination torch cannot run on CPU
+            results.append({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+    return results
+
+
+def _skip_reason(strategy: str, world: int) -> str | None:
+    try:
+        resolve_mesh(strategy, -1, world)
+    except ValueError as exc:
+        return str(exc).split(". ")[0]
+    return None
 
 
 def compare(cfg: GPTConfig, world: int, batch: int, strategies: tuple[str, ...]) -> list[dict]:
-    rows = []
+    rows: list[dict[str, Any]] = []
+    runnable = []
     for strategy in strategies:
-        for ac in ("none", "full"):
-            for precision in ("fp32", "bf16"):
-                row: dict[str, Any] = {"strategy": strategy, "ac": ac, "precision": precision}
-                try:
-                    real = run_distributed(
-                        _real, world, args=(cfg, strategy, ac, precision, batch), timeout_s=300
-                    )
-                    t0 = time.perf_counter()
-                    sim = simulate_step(
-                        functools.partial(GPT, cfg),
-                        ParallelConfig(strategy=strategy, mixed_precision=precision),
-                        world=world,
-                        batch=batch,
-                        seq_len=cfg.seq_len,
-                        activation_checkpointing=ac,
-                    )
-                    row.update(
-                        real_peak=real[0]["peak"],
-                        real_peaks_by_rank=[r["peak"] for r in real],
-                        sim_peak=sim.peak,
-                        ratio=round(sim.peak / real[0]["peak"], 4),
-                        sim_s=round(time.perf_counter() - t0, 2),
-                        sim_at_peak=sim.at_peak,
-                        real_at_peak=real[0]["at_peak"],
-                    )
-                except Exception as exc:  # a combination torch cannot run on CPU
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                rows.append(row)
+        reason = _skip_reason(strategy, world)
+        for ac, precision in CONFIGS:
+            row: dict[str, Any] = {
+                "world": world,
+                "strategy": strategy,
+                "ac": ac,
+                "precision": precision,
+            }
+            if reason is not None:
+                row["skipped"] = reason
+            else:
+                runnable.append((strategy, ac, precision))
+            rows.append(row)
+    t0 = time.perf_counter()
+    real_by_rank = run_distributed(_real_all, world, args=(cfg, runnable, batch), timeout_s=1200)
+    real_s = time.perf_counter() - t0
+    by_config = {c: [rank[i] for rank in real_by_rank] for i, c in enumerate(runnable)}
+    for row in rows:
+        key = (row["strategy"], row["ac"], row["precision"])
+        if key not in by_config:
+            continue
+        real = by_config[key]
+        if any("error" in r for r in real):
+            row["error"] = next(r["error"] for r in real if "error" in r)
+            continue
+        t0 = time.perf_counter()
+        try:
+            sim = simulate_step(
+                functools.partial(GPT, cfg),
+                ParallelConfig(strategy=row["strategy"], mixed_precision=row["precision"]),
+                world=world,
+                batch=batch,
+                seq_len=cfg.seq_len,
+                activation_checkpointing=row["ac"],
+            )
+        except Exception as exc:
+            row["error"] = f"simulation: {type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        row.update(
+            real_peak=real[0]["peak"],
+            real_peaks_by_rank=[r["peak"] for r in real],
+            sim_peak=sim.peak,
+            ratio=round(sim.peak / real[0]["peak"], 4),
+            sim_s=round(time.perf_counter() - t0, 2),
+            sim_at_peak=sim.at_peak,
+            real_at_peak=real[0]["at_peak"],
+        )
+    for row in rows:
+        row["real_group_s"] = round(real_s, 1)  # all real configs of this world together
     return rows
 
 
+def compare_table(rows: list[dict]) -> str:
+    lines = [
+        f"{'world':>5} {'strategy':<14} {'AC':<5} {'prec':<5} {'real peak':>12} "
+        f"{'sim peak':>12} ratio  ranks equal"
+    ]
+    skipped_shown = set()
+    for r in rows:
+        head = f"{r['world']:>5} {r['strategy']:<14} {r['ac']:<5} {r['precision']:<5}"
+        if "skipped" in r:
+            if (r["world"], r["strategy"]) not in skipped_shown:  # one line for its 4 configs
+                skipped_shown.add((r["world"], r["strategy"]))
+                lines.append(f"{r['world']:>5} {r['strategy']:<14} skipped: {r['skipped']}")
+        elif "error" in r:
+            lines.append(f"{head} {r['error']}")
+        else:
+            equal = len(set(r["real_peaks_by_rank"])) == 1
+            flag = "" if 0.95 <= r["ratio"] <= 1.05 else "  <-- outside [0.95, 1.05]"
+            lines.append(
+                f"{head} {format_bytes(r['real_peak']):>12} {format_bytes(r['sim_peak']):>12} "
+                f"{r['ratio']:.4f} {'yes' if equal else 'no':>6}{flag}"
+            )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- Llama scale
+
+LLAMA_SHAPES: dict[str, dict[str, int]] = {
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "llama3-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ),
+}
+
+# Runs in a fresh interpreter so its peak RSS is the simulation's alone. The spec comes in
+# as JSON in argv[1]; the last stdout line is the JSON result.
 _LLAMA_CHILD = """
-import functools, json, resource, time
+import json, resource, sys, time
 import transformers
 from shardwise import ParallelConfig
 from shardwise.simulate import simulate_step
 
+spec = json.loads(sys.argv[1])
 cfg = transformers.LlamaConfig(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-    rope_theta=500000.0, tie_word_embeddings=False,
+    vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+    tie_word_embeddings=False, use_cache=spec["use_cache"], **spec["shape"],
 )
 def build():
     return transformers.LlamaForCausalLM(cfg)
 t0 = time.perf_counter()
-r = simulate_step(build, ParallelConfig(strategy={strategy!r}, mixed_precision="bf16"),
-                  world={world}, batch={batch}, seq_len={seq_len}, activation_checkpointing={ac!r})
+r = simulate_step(
+    build, ParallelConfig(strategy=spec["strategy"], mixed_precision=spec["precision"]),
+    world=spec["world"], batch=spec["batch"], seq_len=spec["seq_len"],
+    activation_checkpointing=spec["ac"],
+)
 wall = time.perf_counter() - t0
-print(json.dumps({{"report": r.to_dict(), "wall_s": round(wall, 1),
-    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+print(json.dumps({"report": r.to_dict(), "wall_s": round(wall, 1),
+    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
 
-def llama(world: int, batch: int, seq_len: int, strategy: str, ac: str) -> dict[str, Any]:
-    code = _LLAMA_CHILD.format(world=world, batch=batch, seq_len=seq_len, strategy=strategy, ac=ac)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+def llama(
+    model: str,
+    world: int,
+    *,
+    batch: int = 1,
+    seq_len: int = 8192,
+    ac: str = "full",
+    strategy: str = "full_shard",
+    precision: str = "bf16",
+    use_cache: bool = False,
+    layers: int | None = None,
+) -> dict[str, Any]:
+    """One simulation of a Llama-3 shape in a fresh subprocess."""
+    shape = dict(LLAMA_SHAPES[model])
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    spec = dict(
+        shape=shape,
+        world=world,
+        batch=batch,
+        seq_len=seq_len,
+        ac=ac,
+        strategy=strategy,
+        precision=precision,
+        use_cache=use_cache,
+    )
+    row: dict[str, Any] = {"model": model, **{k: v for k, v in spec.items() if k != "shape"}}
+    row["layers"] = shape["num_hidden_layers"]
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", _LLAMA_CHILD, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    row["process_s"] = round(time.perf_counter() - t0, 1)  # with interpreter start-up
     if out.returncode != 0:
-        return {"error": out.stderr[-2000:]}
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+        row["error"] = out.stderr[-2000:]
+        return row
+    row.update(json.loads(out.stdout.strip().splitlines()[-1]))
+    return row
 
 
-def table(rows: list[dict]) -> str:
-    lines = [f"{'strategy':<14} {'AC':<5} {'prec':<5} {'real peak':>12} {'sim peak':>12} ratio"]
+def _main_categories(at_peak: dict[str, int], top: int = 5) -> str:
+    big = sorted(at_peak.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{k} {v / GIB:.2f}" for k, v in big if v >= 0.01 * GIB)
+
+
+def llama_table(rows: list[dict]) -> str:
+    lines = [
+        f"{'model':<11} {'layers':>6} {'world':>5} {'batch':>5} {'AC':<5} {'cache':<5} "
+        f"{'per-rank peak':>13} {'wall s':>6} {'peak RSS':>10}  at peak (GiB)"
+    ]
     for r in rows:
+        head = (
+            f"{r['model']:<11} {r['layers']:>6} {r['world']:>5} {r['batch']:>5} {r['ac']:<5} "
+            f"{r['use_cache']!s:<5}"
+        )
         if "error" in r:
-            lines.append(f"{r['strategy']:<14} {r['ac']:<5} {r['precision']:<5} {r['error']}")
+            lines.append(f"{head} failed: {r['error'][-300:]}")
             continue
+        rep = r["report"]
+        over = r["wall_s"] >= 120 or r["peak_rss_bytes"] >= 4 * GIB
         lines.append(
-            f"{r['strategy']:<14} {r['ac']:<5} {r['precision']:<5} "
-            f"{format_bytes(r['real_peak']):>12} {format_bytes(r['sim_peak']):>12} "
-            f"{r['ratio']:.4f}"
+            f"{head} {format_bytes(rep['peak']):>13} {r['wall_s']:>6} "
+            f"{format_bytes(r['peak_rss_bytes']):>10}  {_main_categories(rep['at_peak'])}"
+            + ("  <-- over 2 min or 4 GiB" if over else "")
         )
     return "\n".join(lines)
 
 
+def scale(worlds: list[int]) -> dict[str, list[dict]]:
+    """The scale table, the torchtitan comparison and the use_cache check."""
+    done: dict[str, dict[str, Any]] = {}
+
+    def run(model: str, world: int, **kw: Any) -> dict[str, Any]:
+        # A spec asked for twice (with or without its defaults spelled out) runs once.
+        kw = {"batch": 1, "ac": "full", "use_cache": False, "layers": None, **kw}
+        key = json.dumps([model, world, kw], sort_keys=True)
+        if key not in done:
+            done[key] = llama(model, world, **kw)
+            print(llama_table([done[key]]).splitlines()[1], flush=True)
+        return done[key]
+
+    print(llama_table([]), flush=True)  # the header; rows follow as they finish
+    table = [run(m, w) for m in ("llama3-8b", "llama3-70b") for w in worlds]
+    titan = [run("llama3-8b", 8, batch=b, ac=ac) for b in (2, 1) for ac in ("none", "full")]
+    cache = [
+        run("llama3-70b", 8, layers=8, use_cache=True),
+        run("llama3-70b", 8, layers=8, use_cache=False),
+        run("llama3-70b", 8, use_cache=True),
+        run("llama3-70b", 8, use_cache=False),
+    ]
+    return {"scale": table, "torchtitan": titan, "use_cache": cache}
+
+
+def torchtitan_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for ref in TORCHTITAN:
+        ours = [r for r in rows if r["batch"] == ref["batch"] and "report" in r]
+        sims = ", ".join(f"AC {r['ac']} {r['report']['peak'] / GIB:.2f} GiB" for r in ours)
+        lines.append(
+            f"{ref['reserved_gib']} GiB reserved ({ref['setup']}); simulated allocated at "
+            f"batch {ref['batch']}: {sims}"
+        )
+    return lines
+
+
+# --------------------------------------------------------------------------- main
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny, one strategy, no Llama")
-    parser.add_argument("--world", type=int, default=2)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="world 2, full_shard, no Llama")
+    parser.add_argument("--worlds", default="2,4", help="comma-separated gloo world sizes")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--llama-world", type=int, default=8)
-    parser.add_argument("--llama-seq", type=int, default=8192)
-    parser.add_argument("--llama-ac", default="full")
+    parser.add_argument(
+        "--scale",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the Llama-3 8B/70B runs (scale table, torchtitan comparison, use_cache check)",
+    )
+    parser.add_argument("--scale-worlds", default="8,64,512")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    t_start = time.perf_counter()
 
+    strategies: tuple[str, ...]
     if args.smoke:
         cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-        rows = compare(cfg, args.world, 2, ("full_shard",))
+        worlds, strategies, batch, do_scale = [2], ("full_shard",), 2, False
     else:
         cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4)
-        rows = compare(cfg, args.world, args.batch, STRATEGIES)
-    print(f"simulated vs real, world {args.world}, GPT {cfg}")
-    print(table(rows))
+        worlds = [int(w) for w in args.worlds.split(",")]
+        strategies, batch, do_scale = STRATEGIES, args.batch, args.scale
+    rows: list[dict] = []
+    for world in worlds:
+        rows += compare(cfg, world, batch, strategies)
+    print(f"simulated vs real, GPT {cfg}, batch {batch} per rank")
+    print(compare_table(rows), flush=True)
     report: dict[str, Any] = {
         "benchmark": "memory_sim",
         "device": f"{platform.processor() or platform.machine()} CPU, torch {torch.__version__}",
@@ -161,22 +380,18 @@ def main(argv: list[str] | None = None) -> int:
         "commit": _git(),
         "command": " ".join(["python", "bench/memory_sim.py", *(argv or sys.argv[1:])]),
         "gpt": str(cfg),
-        "world": args.world,
+        "worlds": worlds,
+        "batch": batch,
         "rows": rows,
     }
-    if not args.smoke:
-        big = llama(args.llama_world, 1, args.llama_seq, "full_shard", args.llama_ac)
-        report["llama3_8b"] = big
-        if "report" in big:
-            r = big["report"]
-            print(
-                f"\nLlama-3-8B shape, world {args.llama_world}, full_shard, bf16, AC "
-                f"{args.llama_ac}, batch 1 x {args.llama_seq}: per-rank peak "
-                f"{format_bytes(r['peak'])} in {big['wall_s']} s, peak RSS "
-                f"{format_bytes(big['peak_rss_bytes'])}"
-            )
-        else:
-            print("\nLlama-3-8B simulation failed: " + big["error"][-500:])
+    if do_scale:
+        print("\nLlama-3 shapes: full_shard, bf16, seq 8192 (use_cache False unless said)")
+        big = scale([int(w) for w in args.scale_worlds.split(",")])
+        report.update(big)
+        report["torchtitan_published"] = TORCHTITAN
+        print("\ntorchtitan / torchao, Llama 3 8B, 8 GPUs, FSDP, bf16, seq 8192, per-op SAC:")
+        print("\n".join(torchtitan_lines(big["torchtitan"])))
+    report["bench_wall_s"] = round(time.perf_counter() - t_start, 1)
     report["bench_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(report, indent=2))
     return 0

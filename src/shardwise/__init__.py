@@ -6,6 +6,7 @@ FSDP2 or HSDP — with parity to single-process training as the check.
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)  # after wrap
 """
 
+from shardwise.autoplan import AutoPlan, NoPlanFitsError, choose_plan
 from shardwise.checkpoint import (
     CheckpointError,
     PendingCheckpoint,
@@ -33,11 +34,13 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "PRESETS",
     "STRATEGIES",
+    "AutoPlan",
     "CheckpointError",
     "DistInfo",
     "Engine",
     "InitializationError",
     "MeshSpec",
+    "NoPlanFitsError",
     "NonFiniteError",
     "ParallelConfig",
     "PendingCheckpoint",
@@ -54,6 +57,7 @@ __all__ = [
     "WrapPlan",
     "WrapUnit",
     "__version__",
+    "choose_plan",
     "export_weights",
     "get_dist_info",
     "init_distributed",

@@ -12,6 +12,7 @@ Must not: hold logic of its own beyond argument handling.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -276,25 +277,21 @@ def _plan(args: argparse.Namespace) -> int:
     estimates = estimate_memory(
         plan, args.world, optimizer=config.optimizer.name, compute_dtype_bytes=compute
     )
-    sims = []
-    if args.simulate:
-        import dataclasses
+    parallel = config.parallel
+    if args.memory_budget is not None:
+        parallel = dataclasses.replace(parallel, memory_budget=args.memory_budget)
+    seq_len = args.seq_len
+    if seq_len is None:
+        from shardwise.simulate import default_seq_len
 
-        from shardwise.simulate import simulate_step
-
-        for e in estimates:
-            sims.append(
-                simulate_step(
-                    factory,
-                    dataclasses.replace(config.parallel, strategy=e.strategy),
-                    world=args.world,
-                    batch=args.batch,
-                    seq_len=args.seq_len,
-                    optimizer=config.optimizer.name,
-                )
-            )
+        seq_len = default_seq_len(model)
+    if parallel.strategy == "auto" or parallel.activation_checkpointing == "auto":
+        return _plan_auto(args, factory, parallel, config.optimizer.name, seq_len)
+    rows = _plan_rows(args, factory, model, parallel, estimates, config.optimizer.name, seq_len)
     if args.json:
         out = {"plan": plan.to_dict(), "memory": json.loads(memory_json(estimates))}
+        out["peaks"] = [dataclasses.asdict(r) for r, _ in rows]
+        sims = [s for _, s in rows if s is not None]
         if sims:
             out["simulated"] = [s.to_dict() for s in sims]
         print(json.dumps(out, indent=2))
@@ -303,9 +300,88 @@ def _plan(args: argparse.Namespace) -> int:
     print()
     print(f"world size {args.world}, optimizer {config.optimizer.name}, precision {precision}")
     print(format_memory(estimates))
-    for sim in sims:
+    if rows:
+        from shardwise.autoplan import format_rows, resolve_budget
+
+        limit, source = resolve_budget(parallel.memory_budget)
         print()
-        print(sim)
+        print(
+            f"per-rank peak with activations, micro-batch {args.batch} x seq {seq_len}, "
+            f"AC {parallel.activation_checkpointing}; budget {format_bytes(limit)} ({source})"
+        )
+        print(format_rows([r for r, _ in rows]))
+    for _, sim in rows:
+        if sim is not None and args.verbose:
+            print()
+            print(sim)
+    return 0
+
+
+def _plan_rows(
+    args: argparse.Namespace,
+    factory: Any,
+    model: Any,
+    parallel: Any,
+    estimates: list[Any],
+    optimizer: str,
+    seq_len: int | None,
+) -> list[tuple[Any, Any]]:
+    """A row per strategy: the instant peak with activations, the simulated one with
+    --simulate, and whether it fits the budget. Empty when the sequence length is unknown."""
+    from shardwise.autoplan import Candidate, InstantPeak, resolve_budget
+    from shardwise.simulate import simulate_step
+
+    if seq_len is None:
+        return []
+    limit, _ = resolve_budget(parallel.memory_budget)
+    instant = InstantPeak(model, args.world, args.batch, seq_len, optimizer)
+    rows = []
+    for e in estimates:
+        cfg = dataclasses.replace(parallel, strategy=e.strategy)
+        estimate = instant(cfg)
+        sim = None
+        if args.simulate:
+            sim = simulate_step(
+                factory,
+                cfg,
+                world=args.world,
+                batch=args.batch,
+                seq_len=seq_len,
+                optimizer=optimizer,
+            )
+        peak = sim.peak if sim is not None else estimate
+        row = Candidate(
+            e.strategy,
+            str(parallel.activation_checkpointing),
+            estimate,
+            simulated=sim.peak if sim is not None else None,
+            fits=peak <= limit,
+        )
+        rows.append((row, sim))
+    return rows
+
+
+def _plan_auto(
+    args: argparse.Namespace, factory: Any, parallel: Any, optimizer: str, seq_len: int | None
+) -> int:
+    from shardwise.autoplan import NoPlanFitsError, choose_plan
+
+    try:
+        auto = choose_plan(
+            factory,
+            parallel,
+            world=args.world,
+            batch=args.batch,
+            seq_len=seq_len,
+            optimizer=optimizer,
+            simulate=args.simulate,
+        )
+    except NoPlanFitsError as exc:
+        if args.json:
+            print(json.dumps(exc.plan.to_dict(), indent=2))
+        print(f"shardwise plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(auto.to_dict(), indent=2) if args.json else auto)
     return 0
 
 
@@ -395,12 +471,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run one training step per strategy on fake tensors with a fake process "
         "group of --world ranks (CPU, no real memory): each rank's peak, activations included",
     )
-    plan.add_argument("--batch", type=int, default=1, help="micro-batch for --simulate")
+    plan.add_argument(
+        "--batch", type=int, default=1, help="micro-batch per rank for the peak with activations"
+    )
+    plan.add_argument(
+        "--memory-budget",
+        default=None,
+        help="per-rank budget each row is checked against, e.g. 70GiB, 80GB or 85%% "
+        "(default: parallel.memory_budget, else 90%% of this machine's device memory)",
+    )
+    plan.add_argument(
+        "--verbose", action="store_true", help="with --simulate: each simulation's categories"
+    )
     plan.add_argument(
         "--seq-len",
         type=int,
         default=None,
-        help="sequence length for --simulate (default: the model config's seq_len)",
+        help="sequence length for the peak with activations (default: the model config's seq_len)",
     )
     plan.add_argument("overrides", nargs="*", help="section.key=value")
     plan.set_defaults(func=_plan)

@@ -71,15 +71,15 @@ def normalize_strategy(value: object) -> str:
     if name in _FSDP1_STRATEGY_NAMES:
         return _FSDP1_STRATEGY_NAMES[name]
     key = name.lower().replace("-", "_")
-    if key in STRATEGIES:
+    if key in STRATEGIES or key == "auto":
         return key
     if key in _STRATEGY_ALIASES:
         return _STRATEGY_ALIASES[key]
     known = [*STRATEGIES, *_FSDP1_STRATEGY_NAMES]
     raise ValueError(
         f"ParallelConfig.strategy={name!r} is not a known strategy.{closest(key, known)} "
-        f"Choose one of {list(STRATEGIES)} (FSDP1 names {sorted(_FSDP1_STRATEGY_NAMES)} "
-        "are accepted too)."
+        f"Choose one of {list(STRATEGIES)} or 'auto' (FSDP1 names "
+        f"{sorted(_FSDP1_STRATEGY_NAMES)} are accepted too)."
     )
 
 
@@ -152,6 +152,46 @@ def resolve_forward_prefetch(value: object) -> int:
 
 
 FROZEN_POLICIES = ("split", "warn", "error")
+_SIZE_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_memory_budget(value: object) -> int | float | None:
+    """`memory_budget` as bytes (int), a fraction of the device's memory (float in (0, 1]),
+    or None (90% of the device's memory). Accepts ints (bytes), '70GiB', '80 GB', '90%'."""
+    if value is None or isinstance(value, bool):
+        return None if value is None else _bad_budget(value)
+    if isinstance(value, int):
+        return value if value > 0 else _bad_budget(value)
+    if isinstance(value, float):
+        return value if 0 < value <= 1 else _bad_budget(value)
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        if text.endswith("%"):
+            try:
+                pct = float(text[:-1])
+            except ValueError:
+                return _bad_budget(value)
+            return pct / 100 if 0 < pct <= 100 else _bad_budget(value)
+        number = text.rstrip("kmgtib")
+        unit = text[len(number) :] or "b"
+        try:
+            amount = float(number)
+        except ValueError:
+            return _bad_budget(value)
+        if unit in _SIZE_UNITS and amount > 0:
+            return int(amount * _SIZE_UNITS[unit])
+    return _bad_budget(value)
+
+
+def _bad_budget(value: object) -> Any:
+    raise ValueError(
+        f"ParallelConfig.memory_budget={value!r} is not valid. Give bytes per rank as an int, "
+        "a size such as '70GiB' or '80GB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), a "
+        "percentage of the device's memory such as '85%', or None (90% of it)."
+    )
 
 
 def resolve_activation_checkpointing(value: object) -> int:
@@ -164,7 +204,7 @@ def resolve_activation_checkpointing(value: object) -> int:
         return value
     if isinstance(value, str):
         key = value.lower()
-        if key in ("none", "off"):
+        if key in ("none", "off", "auto"):  # 'auto' is resolved by shardwise.choose_plan
             return 0
         if key == "full":
             return 1
@@ -172,7 +212,7 @@ def resolve_activation_checkpointing(value: object) -> int:
             return int(key[6:])
     raise ValueError(
         f"ParallelConfig.activation_checkpointing={value!r} is not valid. Use 'none', 'full', "
-        "'every_<k>' (e.g. 'every_2') or a positive int k."
+        "'every_<k>' (e.g. 'every_2'), a positive int k, or 'auto'."
     )
 
 
@@ -182,7 +222,9 @@ class ParallelConfig:
 
     strategy: str = "full_shard"
     """One of ddp, no_shard, shard_grad_op, full_shard, hybrid_shard, hybrid_shard_zero2
-    (torch's ShardingStrategy members and names are accepted and normalised)."""
+    (torch's ShardingStrategy members and names are accepted and normalised), or 'auto':
+    the least communication whose simulated peak fits memory_budget (resolved by
+    shardwise.choose_plan or `shardwise plan`, before wrapping)."""
     dp_shard: int = -1
     """Ranks each shard group spans. -1: all ranks for full_shard/shard_grad_op; for
     hybrid strategies the ranks of one node when that gives a 2-D mesh, else the most
@@ -224,7 +266,13 @@ class ParallelConfig:
     """Parameter FQNs left unsharded and unmanaged, like ignored_modules."""
     activation_checkpointing: Any = "none"
     """Recompute planned blocks in backward: 'none', 'full' (every block), 'every_<k>' or
-    an int k (every k-th block). Applied before sharding."""
+    an int k (every k-th block). Applied before sharding. 'auto': the least recompute
+    whose simulated peak fits memory_budget (resolved by shardwise.choose_plan or
+    `shardwise plan`, before wrapping)."""
+    memory_budget: Any = None
+    """Per-rank memory strategy='auto' and activation_checkpointing='auto' must fit:
+    bytes, a size ('70GiB', '80GB'), a percentage of the device's memory ('85%'), or
+    None for 90% of it. `shardwise plan` marks each row as fitting it or not."""
     force_wrap: bool = False
     """Apply the strategy even at world size 1 (the model is otherwise returned unwrapped)."""
     compile: bool | str = False
@@ -327,6 +375,7 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             f"Choose one of {list(FROZEN_POLICIES)}."
         )
     cfg._ac_every = resolve_activation_checkpointing(cfg.activation_checkpointing)
+    parse_memory_budget(cfg.memory_budget)
     if cfg.param_init_fn is not None and not callable(cfg.param_init_fn):
         raise ValueError(
             f"ParallelConfig.param_init_fn={cfg.param_init_fn!r} is not callable. Give a function "

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from shardwise.config import STRATEGIES
 from shardwise.mesh import resolve_mesh
 from shardwise.wrap.plan import WrapPlan
+
+if TYPE_CHECKING:  # activations imports simulate, which imports this module
+    from shardwise.activations import ActivationTrace
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -35,6 +39,9 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     gathered: int
+    unit_buffers: int = 0
+    """During backward, FSDP also holds the next unit's all-gather (prefetch) and one
+    unit's unsharded gradients for its reduce-scatter (fp32): the largest unit's."""
 
     @property
     def model_states(self) -> int:
@@ -87,6 +94,7 @@ def estimate_memory(
     units = [compute_bytes(u.num_params, sum(u.bytes_by_dtype.values())) for u in plan.units]
     root = units[-1] if units else 0
     largest = max(units[:-1], default=0)
+    largest_numel = max((u.num_params for u in plan.units[:-1]), default=0)
     out = []
     for strategy in strategies:
         try:
@@ -112,6 +120,11 @@ def estimate_memory(
                 grads=-(-trainable_bytes // shard),
                 optimizer=-(-(trainable * 4 * states) // shard),
                 gathered=gathered,
+                unit_buffers=(
+                    (largest if spec.reshard_after_forward else 0) + 4 * largest_numel
+                    if strategy != "ddp" and shard > 1
+                    else 0
+                ),
             )
         )
     return out
@@ -139,3 +152,46 @@ def memory_json(estimates: list[MemoryEstimate]) -> str:
 
 def dtype_bytes(name: str) -> int:
     return _DTYPE_BYTES.get(name, 4)
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """The instant per-rank peak: model states plus traced activations, at the larger of
+    three moments of a step. `start_of_backward`: every kept activation, plus the loss's
+    gradient (twice the largest saved tensor: the logits' gradient and its cast).
+    `recompute`: a checkpointed block's activations back during its backward, with
+    FSDP's prefetch and reduce-scatter buffers. `optimizer_step`: all gradients present,
+    plus two gradient-sized temporaries of the update (AdamW's foreach kernels). DDP adds
+    its buckets (one copy of the gradients) throughout."""
+
+    states: MemoryEstimate
+    activations: int
+    recompute: int
+    loss_grads: int
+    ddp_buckets: int
+
+    @property
+    def phases(self) -> dict[str, int]:
+        s = self.states
+        held = s.params + s.optimizer + self.ddp_buckets
+        return {
+            "start_of_backward": held + s.gathered + self.activations + self.loss_grads,
+            "recompute": held + s.gathered + s.unit_buffers + self.activations + self.recompute,
+            "optimizer_step": held + 3 * s.grads,
+        }
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+
+def estimate_peak(states: MemoryEstimate, trace: ActivationTrace, every: int) -> PeakEstimate:
+    """Combine `estimate_memory`'s model states with a `trace_activations` trace, for
+    activation checkpointing of every `every`-th planned block (0: none)."""
+    return PeakEstimate(
+        states=states,
+        activations=trace.activations(every),
+        recompute=trace.recompute(every),
+        loss_grads=2 * trace.largest,
+        ddp_buckets=states.grads if states.strategy == "ddp" else 0,
+    )

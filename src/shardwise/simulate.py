@@ -124,7 +124,7 @@ class SimReport:
 # --------------------------------------------------------------------------- model + input
 
 
-def _fake_materialize(model: nn.Module, device: torch.device, **_: Any) -> list[str]:
+def fake_materialize(model: nn.Module, device: torch.device, **_: Any) -> list[str]:
     """Stand-in for `shardwise.materialize.materialize` on a fake, meta-built model.
 
     Gives each meta parameter and buffer fake storage on `device`; values are irrelevant to
@@ -214,7 +214,7 @@ def _fake_world_patches() -> Iterator[list[Any]]:
         original_register(self, None, _local_comm_hook(compress[hook]))
         hooked.append(self)
 
-    strategies.materialize = _fake_materialize
+    strategies.materialize = fake_materialize
     DistributedDataParallel.register_comm_hook = register  # type: ignore[method-assign]
     try:
         yield hooked
@@ -237,16 +237,20 @@ def _vocab_size(model: nn.Module) -> int:
     )
 
 
-def _default_seq_len(model: nn.Module) -> int | None:
+def default_seq_len(model: nn.Module) -> int | None:
     cfg = getattr(model, "cfg", None)
     if cfg is not None and getattr(cfg, "seq_len", None):
         return int(cfg.seq_len)
     return None
 
 
-def _default_input(model: nn.Module, batch: int, seq_len: int) -> Any:
+def default_input(model: nn.Module, batch: int, seq_len: int) -> Any:
     """Integer tokens and next-token labels of shape (batch, seq_len), as a causal LM takes
     them: keyword `input_ids`/`labels` for Hugging Face models, positional otherwise."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):  # DDP passes keywords through
+        model = model.module
     vocab = _vocab_size(model)
     tokens = torch.randint(0, vocab, (batch, seq_len))
     labels = torch.randint(0, vocab, (batch, seq_len))
@@ -255,7 +259,7 @@ def _default_input(model: nn.Module, batch: int, seq_len: int) -> Any:
     return (tokens, labels)
 
 
-def _call(model: nn.Module, inputs: Any) -> Any:
+def call_model(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
@@ -263,7 +267,7 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def _loss_of(out: Any) -> torch.Tensor:
+def loss_of(out: Any) -> torch.Tensor:
     """The scalar to backpropagate: the output itself, `.loss`, or the mean of logits."""
     loss = getattr(out, "loss", None)
     if loss is None:
@@ -386,7 +390,7 @@ def tracked_step(model: nn.Module, optimizer: Any, make_input: Callable[[], Any]
     tracker = _tracker(model, optimizer, inputs)
     _follow_category_peaks(tracker)
     with tracker:
-        loss = _loss_of(_call(model, inputs))
+        loss = loss_of(call_model(model, inputs))
         loss.backward()
         if optimizer is not None:
             optimizer.step()
@@ -415,7 +419,7 @@ def real_step(
 
     model = wrap(model_factory(), config)
     opt = _make_optimizer(optimizer, model.parameters())
-    return tracked_step(model, opt, lambda: _default_input(model, batch, seq_len))
+    return tracked_step(model, opt, lambda: default_input(model, batch, seq_len))
 
 
 def _resolve_config(config: ParallelConfig, activation_checkpointing: Any) -> ParallelConfig:
@@ -475,7 +479,7 @@ def _simulate_here(
         with fake_mode, init_empty():
             model = model_factory()
         if seq_len is None and example_input is None:
-            seq_len = _default_seq_len(model)
+            seq_len = default_seq_len(model)
             if seq_len is None:
                 raise ValueError(
                     "simulate_step: seq_len=None and no example_input: give the sequence "
@@ -491,7 +495,7 @@ def _simulate_here(
             def make_input() -> Any:
                 if example_input is not None:
                     return example_input()
-                return _default_input(model, batch, int(seq_len or 0))
+                return default_input(model, batch, int(seq_len or 0))
 
             result = tracked_step(model, opt, make_input)
     finally:

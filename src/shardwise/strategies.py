@@ -341,6 +341,15 @@ def wrap(
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardwise.wrap expects an nn.Module, got {type(model).__name__}.")
     check_not_wrapped(model)
+    if config.strategy == "auto" or config.activation_checkpointing == "auto":
+        raise ValueError(
+            f"shardwise.wrap: ParallelConfig(strategy={config.strategy!r}, "
+            f"activation_checkpointing={config.activation_checkpointing!r}) is chosen by "
+            "simulating the model at your micro-batch, which wrap does not know. Resolve it "
+            "first: config = shardwise.choose_plan(make_model, config, world=..., batch=..., "
+            "seq_len=...).config (or read the choice from `shardwise plan --world N "
+            "--simulate parallel.strategy=auto`), then wrap with that config."
+        )
     info = _check_process_group(config)
     on_meta = has_meta(model)
     if not on_meta and config.offload_policy is None:

@@ -212,3 +212,33 @@ def test_plan_simulate_reports_each_strategy_with_activations():
         assert sim["category_peaks"]["activations"] > 0
         # a whole step holds at least the model states the analytic plan counts
         assert sim["peak"] >= est["model_states"]
+    # each row has the instant estimate next to the simulation, and a fit against the budget
+    for row, sim in zip(report["peaks"], sims, strict=True):
+        assert row["simulated"] == sim["peak"] and row["fits"] is True
+        assert 0.8 <= row["estimate"] / row["simulated"] <= 1.25  # tiny model: fixed costs
+
+
+def test_plan_marks_rows_and_resolves_auto():
+    table = cli("plan", "shardwise.models:GPT", "--world", "4", "--memory-budget", "600KiB")
+    assert table.returncode == 0, table.stderr[-3000:]
+    marks = [line.split()[-1] for line in table.stdout.splitlines() if line.startswith("  ddp ")]
+    assert marks == ["no"]  # ddp's replica does not fit 600 KiB; a sharded row does
+    assert any(
+        line.startswith("  full_shard ") and line.split()[-1] == "yes"
+        for line in table.stdout.splitlines()
+    )
+    auto = cli(
+        "plan", "shardwise.models:GPT", "--world", "4", "--memory-budget", "600KiB",
+        "parallel.strategy=auto",
+    )  # fmt: skip
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert (
+        "chosen: strategy='shard_grad_op'" in auto.stdout or "chosen: strategy='full" in auto.stdout
+    )
+    nothing = cli(
+        "plan", "shardwise.models:GPT", "--world", "2", "--memory-budget", "10KiB",
+        "parallel.strategy=auto",
+    )  # fmt: skip
+    assert nothing.returncode == 2
+    assert "No plan fits: the smallest per-rank peak is" in nothing.stderr
+    assert "cpu_offload=True" in nothing.stderr
