@@ -10,7 +10,7 @@ checkpointed. `shardwise.memory.estimate_peak` adds them to the model states.
 Why a trace and not a formula: what a block saves depends on its code (attention kernel,
 norm upcasts, dropout masks), which only running it reveals. Fake tensors run it for the
 cost of the shapes. The full simulation (`shardwise.simulate`) is the exact answer; this is
-the one-second one, checked against it within 10% (tests/unit/test_activations.py).
+the one-second one, checked against it within 10% (tests/unit/test_autoplan.py).
 
 Must not: allocate real tensors, or change the caller's model (the trace works on a meta
 copy whose parameters it may cast).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,9 +95,9 @@ def trace_activations(
     *,
     batch: int,
     seq_len: int | None,
-    blocks: list[str] = (),  # type: ignore[assignment]
+    blocks: Sequence[str] = (),
     compute_dtype: torch.dtype | None = None,
-    keep_fp32: list[str] = (),  # type: ignore[assignment]
+    keep_fp32: Sequence[str] = (),
     autocast: bool = False,
     example_input: Callable[[], Any] | None = None,
 ) -> ActivationTrace:
