@@ -111,6 +111,11 @@ def trace_activations(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if seq_len is None and example_input is None:
+        raise ValueError(
+            "trace_activations: seq_len=None and no example_input: give the sequence length "
+            "of the default (batch, seq_len) token input, or example_input."
+        )
     twin = meta_copy(model)
     if compute_dtype is not None and not autocast:
         fp32 = tuple(twin.get_submodule(f) for f in keep_fp32)
@@ -160,11 +165,6 @@ def trace_activations(
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
-    if seq_len is None and example_input is None:
-        raise ValueError(
-            "trace_activations: seq_len=None and no example_input: give the sequence length "
-            "of the default (batch, seq_len) token input, or example_input."
-        )
     try:
         twin.train()
         cast = (

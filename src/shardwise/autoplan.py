@@ -71,8 +71,12 @@ class AutoPlan:
     seq_len: int | None
     rows: list[Candidate]
     chosen: Candidate | None
-    reason: str
     base: ParallelConfig = field(repr=False)
+
+    @property
+    def reason(self) -> str:
+        """Why the chosen row, or (nothing fits) the smallest peak and what would fit."""
+        return _reason(self)
 
     @property
     def config(self) -> ParallelConfig:
@@ -200,7 +204,7 @@ class InstantPeak:
             plan = plan_wrap(self.model, cfg)
         precision = cfg.precision
         compute = precision.param_dtype if precision.is_mixed else None
-        width = torch.empty((), dtype=compute).element_size() if compute else None
+        width = compute.itemsize if compute else None
         states = estimate_memory(
             plan,
             self.world,
@@ -291,16 +295,15 @@ def choose_plan(
         seq_len=seq_len,
         rows=rows,
         chosen=chosen,
-        reason="",
         base=config,
     )
-    plan_ = dataclasses.replace(plan_, reason=_reason(plan_, rows, chosen, limit))
     if chosen is None:
         raise NoPlanFitsError(plan_)
     return plan_
 
 
-def _reason(plan: AutoPlan, rows: list[Candidate], chosen: Candidate | None, limit: int) -> str:
+def _reason(plan: AutoPlan) -> str:
+    rows, chosen, limit = plan.rows, plan.chosen, plan.budget
     if chosen is not None:
         cheaper = rows.index(chosen)
         why = (

@@ -287,7 +287,12 @@ def _plan(args: argparse.Namespace) -> int:
         seq_len = default_seq_len(model)
     if parallel.strategy == "auto" or parallel.activation_checkpointing == "auto":
         return _plan_auto(args, factory, parallel, config.optimizer.name, seq_len)
-    rows = _plan_rows(args, factory, model, parallel, estimates, config.optimizer.name, seq_len)
+    from shardwise.autoplan import format_rows, resolve_budget
+
+    limit, source = resolve_budget(parallel.memory_budget)
+    rows = _plan_rows(
+        args, factory, model, parallel, estimates, config.optimizer.name, seq_len, limit
+    )
     if args.json:
         out = {"plan": plan.to_dict(), "memory": json.loads(memory_json(estimates))}
         out["peaks"] = [dataclasses.asdict(r) for r, _ in rows]
@@ -301,9 +306,6 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"world size {args.world}, optimizer {config.optimizer.name}, precision {precision}")
     print(format_memory(estimates))
     if rows:
-        from shardwise.autoplan import format_rows, resolve_budget
-
-        limit, source = resolve_budget(parallel.memory_budget)
         print()
         print(
             f"per-rank peak with activations, micro-batch {args.batch} x seq {seq_len}, "
@@ -325,15 +327,15 @@ def _plan_rows(
     estimates: list[Any],
     optimizer: str,
     seq_len: int | None,
+    limit: int,
 ) -> list[tuple[Any, Any]]:
     """A row per strategy: the instant peak with activations, the simulated one with
     --simulate, and whether it fits the budget. Empty when the sequence length is unknown."""
-    from shardwise.autoplan import Candidate, InstantPeak, resolve_budget
+    from shardwise.autoplan import Candidate, InstantPeak
     from shardwise.simulate import simulate_step
 
     if seq_len is None:
         return []
-    limit, _ = resolve_budget(parallel.memory_budget)
     instant = InstantPeak(model, args.world, args.batch, seq_len, optimizer)
     rows = []
     for e in estimates:

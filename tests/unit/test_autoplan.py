@@ -106,3 +106,12 @@ def test_nothing_fits_names_the_smallest_peak_and_the_fixes() -> None:
     assert "8.0 MiB" in message
     for fix in ("--world", "cpu_offload=True", "smaller micro-batch", "memory_budget"):
         assert fix in message
+
+
+def test_trace_without_a_sequence_length_says_what_to_give() -> None:
+    from shardwise.activations import trace_activations
+
+    with torch.device("meta"):
+        model = MODEL()
+    with pytest.raises(ValueError, match="seq_len=None and no example_input"):
+        trace_activations(model, batch=1, seq_len=None)
