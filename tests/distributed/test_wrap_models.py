@@ -1,5 +1,6 @@
-"""Planned units in a running job: BatchNorm under bf16, frozen gradients, tied state_dict,
-ignored parameters. All cases share one spawned world-2 process group."""
+"""Planned units in a running job: the applied wrap equals the plan (units, precision
+policies, DDP hooks), BatchNorm under bf16, frozen gradients, tied state_dict, ignored
+parameters. All cases share one spawned world-2 process group."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardwise import ParallelConfig, unwrap, wrap, wrap_info
 from shardwise.models import (
     GPT,
+    Block,
     ConvNet,
     CrossTied,
     Embeddings,
@@ -148,18 +151,77 @@ def ddp_keywords() -> dict:
     }
 
 
-def all_cases() -> dict:
+def _dtype(value) -> str | None:
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+def applied(build, config: ParallelConfig) -> dict:
+    """What wrap planned and what it actually applied, read back from torch's own objects:
+    every FSDPModule with the mixed-precision policy its fully_shard call got, and DDP's
+    communication hooks. A wrap that raises is reported, not raised, so one broken case
+    fails its own test instead of the whole group."""
+    torch.manual_seed(0)
+    try:
+        model = wrap(build(), config)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    plan = wrap_info(model).plan
+    inner = unwrap(model)
+    policies = {}
+    for fqn, module in inner.named_modules():
+        if isinstance(module, FSDPModule):
+            mp = module._get_fsdp_state()._mp_policy
+            policies[fqn] = tuple(
+                _dtype(d) for d in (mp.param_dtype, mp.reduce_dtype, mp.output_dtype)
+            )
     return {
-        "merged_fp32": merged_fp32_unit_dtype(),
-        "cnn": {s: cnn_bf16(s) for s in ("ddp", "full_shard", "shard_grad_op")},
-        "frozen": {s: frozen_grads(s) for s in STRATEGIES},
-        "tied": {
-            name: tied_state_dict(p) for name, p in (("auto", "auto"), ("merged", {nn.Embedding}))
-        },
-        "ignored": ignored_params(),
-        "cross_tied": cross_unit_ties(),
-        "ddp_keywords": ddp_keywords(),
+        "units": [(u.fqn, list(u.modules), u.compute_dtype, u.reason) for u in plan],
+        "policies": policies,
+        "ddp_hooks": len(getattr(model, "_comm_hooks", [])),
+        "sharded_params": sorted(n for n, p in inner.named_parameters() if isinstance(p, DTensor)),
+        "all_params": sorted(n for n, _ in inner.named_parameters()),
     }
+
+
+APPLIED = {
+    "gpt_fp32_auto": (lambda: GPT(CFG), {}),
+    "gpt_bf16_blocks": (lambda: GPT(CFG), {"mixed_precision": "bf16", "auto_wrap_policy": {Block}}),
+    "gpt_bf16_zero2": (
+        lambda: GPT(CFG),
+        {"strategy": "shard_grad_op", "mixed_precision": "bf16"},
+    ),
+    "cnn_bf16": (lambda: ConvNet(channels=8, num_classes=2), {"mixed_precision": "bf16"}),
+    "ddp_fp32": (lambda: GPT(CFG), {"strategy": "ddp"}),
+    "ddp_bf16": (lambda: GPT(CFG), {"strategy": "ddp", "mixed_precision": "bf16"}),
+    # The positive control for the hook check: a low-precision reduction asked for
+    # explicitly (fp16: torch's bf16 compress hook needs CUDA).
+    "ddp_fp16_reduce": (
+        lambda: GPT(CFG),
+        {
+            "strategy": "ddp",
+            "mixed_precision": {"param_dtype": torch.float16, "reduce_dtype": torch.float16},
+        },
+    ),
+}
+
+
+def all_cases() -> dict:
+    # The applied wrap is read first and kept when a later case crashes: a broken policy
+    # then fails its own assertion, not only a crash somewhere in training.
+    out: dict = {"applied": {k: applied(b, ParallelConfig(**kw)) for k, (b, kw) in APPLIED.items()}}
+    try:
+        out.update(
+            merged_fp32=merged_fp32_unit_dtype(),
+            cnn={s: cnn_bf16(s) for s in ("ddp", "full_shard", "shard_grad_op")},
+            frozen={s: frozen_grads(s) for s in STRATEGIES},
+            tied={n: tied_state_dict(p) for n, p in (("auto", "auto"), ("merged", {nn.Embedding}))},
+            ignored=ignored_params(),
+            cross_tied=cross_unit_ties(),
+            ddp_keywords=ddp_keywords(),
+        )
+    except Exception as exc:  # every rank runs the same cases, so every rank stops here
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +287,43 @@ def test_ddp_keywords_pass_through(results):
             "gradient_as_bucket_view": True,
             "static_graph": True,
         }
+
+
+@pytest.mark.parametrize("case", [k for k in APPLIED if not k.startswith("ddp")])
+def test_applied_units_and_policies_equal_the_plan(results, case):
+    """One fully_shard per planned unit, each with the planned policy: compute in the
+    planned dtype (fp32 for keep_fp32 units), reduce in fp32, and every parameter sharded."""
+    mixed = "mixed_precision" in APPLIED[case][1]
+    for rank in range(2):
+        got = results[rank]["applied"][case]
+        assert "error" not in got, got
+        planned = {m: (fqn, dtype) for fqn, mods, dtype, _ in got["units"] for m in mods}
+        assert set(got["policies"]) == set(planned), (rank, got["policies"], got["units"])
+        assert len(got["units"]) > 2  # blocks and the root, not the root alone
+        for module, (unit, compute) in planned.items():
+            param, reduce, output = got["policies"][module]
+            if not mixed:
+                assert (param, reduce, output) == (None, None, None), (unit, param, reduce)
+            elif compute == "float32":  # keep_fp32: fp32 inside, bf16 to the next layer
+                assert (param, reduce, output) == ("float32", "float32", "bfloat16"), unit
+            else:
+                assert (param, reduce, output) == ("bfloat16", "float32", None), unit
+        assert got["sharded_params"] == got["all_params"]
+
+
+def test_applied_fp32_units_are_the_batchnorms(results):
+    units = results[0]["applied"]["cnn_bf16"]["units"]
+    assert [u[0] for u in units if u[3] == "keep_fp32"] == ["features.1", "features.4"]
+    assert all(u[2] == "float32" for u in units if u[3] == "keep_fp32")
+
+
+@pytest.mark.parametrize(
+    ("case", "hooks"), [("ddp_fp32", 0), ("ddp_bf16", 0), ("ddp_fp16_reduce", 1)]
+)
+def test_ddp_compresses_gradients_only_when_asked(results, case, hooks):
+    # bf16 compute still reduces in fp32: no compress hook unless reduce_dtype says so.
+    for rank in range(2):
+        got = results[rank]["applied"][case]
+        assert "error" not in got, got
+        assert got["ddp_hooks"] == hooks, (case, rank)
+        assert got["policies"] == {} and got["sharded_params"] == []

@@ -1,0 +1,226 @@
+"""Targeted mutation check: does the suite catch a plausible bug in each behaviour it claims?
+
+Each mutant below is one small edit (a line, or two adjacent lines) that a real change could
+make by mistake. For each, this script copies the repository's tracked files into a
+temporary directory, applies the edit there, and runs the narrow tests that claim the
+behaviour against the copy (`PYTHONPATH` points at the copy's `src/`; the checkout is never
+touched). A mutant is *killed* when those tests fail and *survives* when they pass.
+
+Run on demand, not in CI (each mutant costs a test run, minutes in all):
+
+    .venv/bin/python tests/mutants.py              # every mutant; exit 1 if any survives
+    .venv/bin/python tests/mutants.py --list       # names, files and tests
+    .venv/bin/python tests/mutants.py --only clip_scales_up --only wrap_skips_a_unit
+    .venv/bin/python tests/mutants.py --baseline   # the same tests unmutated first (must pass)
+
+When a module moves or a line changes, update its entry here in the same commit: a mutant
+whose text is no longer found is reported as `stale`, which also fails the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    """What goes wrong, in a few words."""
+    path: str
+    """File to edit, relative to the repository root."""
+    old: str
+    """Text that must occur exactly once in the file."""
+    new: str
+    tests: tuple[str, ...]
+    """pytest node ids (or files) that must catch it."""
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # 1. One planned block silently not sharded (numbers stay identical).
+    Mutant(
+        "wrap_skips_a_unit",
+        "src/shardwise/strategies.py",
+        "    for unit in plan.units:\n        targets = ",
+        "    for unit in plan.units[1:]:\n        targets = ",
+        ("tests/distributed/test_wrap_models.py::test_applied_units_and_policies_equal_the_plan",),
+    ),
+    Mutant(
+        "keep_fp32_policy_not_applied",
+        "src/shardwise/strategies.py",
+        'mp_policy=fp32_policy if unit.compute_dtype == "float32" and mixed else mp_policy,',
+        "mp_policy=mp_policy,",
+        ("tests/distributed/test_wrap_models.py::test_applied_units_and_policies_equal_the_plan",),
+    ),
+    # 2. Gradients reduced in bf16 under mixed_precision="bf16".
+    Mutant(
+        "bf16_reduces_in_bf16",
+        "src/shardwise/precision.py",
+        '"bf16": Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),',
+        '"bf16": Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),',
+        (
+            "tests/distributed/test_wrap_models.py::test_applied_units_and_policies_equal_the_plan",
+            "tests/distributed/test_wrap_models.py::test_ddp_compresses_gradients_only_when_asked",
+        ),
+    ),
+    # 3. The optimizer's param_groups (lr, weight decay) not restored on resume.
+    Mutant(
+        "resume_drops_param_groups",
+        "src/shardwise/checkpoint.py",
+        '"param_groups": manifest["optimizer"]["param_groups"],',
+        '"param_groups": optim_sd["param_groups"],',
+        ("tests/distributed/test_checkpoint.py::test_resume_restores_the_learning_rate_schedule",),
+    ),
+    # 4. `latest` updated before the manifest and the rename.
+    Mutant(
+        "latest_before_rename",
+        "src/shardwise/checkpoint.py",
+        "    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))\n",
+        "    _write_atomic(root / LATEST, final.name + '\\n')\n"
+        "    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))\n",
+        ("tests/distributed/test_checkpoint_safety.py::test_a_fault_inside_finalisation",),
+    ),
+    # 5. An mmengine model's own parse_losses ignored by ShardwiseDataParallel.
+    Mutant(
+        "mmengine_parse_losses_ignored",
+        "src/shardwise/integrations/mmengine.py",
+        "parsed_loss, log_vars = model_parse_losses(self.module, losses)",
+        "parsed_loss, log_vars = model_parse_losses(nn.Module(), losses)",
+        ("tests/integrations/test_mmengine.py::test_models_own_parse_losses_equals_mmddp",),
+    ),
+    # 6. Validation metrics left per rank instead of averaged over all ranks' samples.
+    Mutant(
+        "validation_not_all_reduced",
+        "src/shardwise/runner.py",
+        "            dist.all_reduce(moved)\n            totals = moved.cpu()",
+        "            totals = moved.cpu()",
+        ("tests/distributed/test_runner_dist.py::test_validation_equals_one_process",),
+    ),
+    # 7. Clipping that scales small gradients up, and clipping applied twice.
+    Mutant(
+        "clip_scales_up",
+        "src/shardwise/engine.py",
+        "        coef = min(1.0, max_norm / (float(norm) + 1e-6))\n        if coef < 1.0:",
+        "        coef = max_norm / (float(norm) + 1e-6)\n        if coef != 1.0:",
+        ("tests/distributed/test_engine.py::test_clipping_above_the_norm_changes_nothing",),
+    ),
+    Mutant(
+        "clip_applied_twice",
+        "src/shardwise/engine.py",
+        "        _clip_to(params, norm, tc.max_grad_norm)\n",
+        "        _clip_to(params, norm, tc.max_grad_norm)\n"
+        "        clip_grad_norm_(params, tc.max_grad_norm)\n",
+        ("tests/distributed/test_engine.py::test_clipped_update_equals_one_process",),
+    ),
+)
+
+
+def _copy_tree(dest: Path) -> None:
+    """The tracked files as they are in the working tree (uncommitted edits included)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for raw in filter(None, listed):
+        rel = raw.decode()
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    venv = ROOT / ".venv"
+    if venv.exists():
+        (dest / ".venv").symlink_to(venv)
+
+
+def _apply(copy: Path, mutant: Mutant) -> str | None:
+    """Edit the copy; the reason it could not be applied, or None."""
+    path = copy / mutant.path
+    if not path.is_file():
+        return f"{mutant.path} does not exist"
+    text = path.read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        return f"the text to replace occurs {count} times in {mutant.path} (expected once)"
+    path.write_text(text.replace(mutant.old, mutant.new))
+    return None
+
+
+def _run_tests(copy: Path, tests: tuple[str, ...], log: Path) -> int:
+    env = dict(os.environ, PYTHONPATH=str(copy / "src"), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider"]
+    cmd += ["-m", "not slow", *tests]  # the marker lifts pyproject's exclusions
+    with log.open("w") as out:
+        return subprocess.run(
+            cmd, cwd=copy, env=env, stdout=out, stderr=subprocess.STDOUT
+        ).returncode
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    return "\n".join(log.read_text().splitlines()[-lines:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", default=[], help="run this mutant (repeat)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument(
+        "--baseline", action="store_true", help="first run each mutant's tests unmutated"
+    )
+    parser.add_argument("--verbose", action="store_true", help="show each run's last lines")
+    args = parser.parse_args(argv)
+    names = {m.name for m in MUTANTS}
+    unknown = sorted(set(args.only) - names)
+    if unknown:
+        parser.error(f"unknown mutant(s) {unknown}; known: {sorted(names)}")
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.path}\n    " + "\n    ".join(m.tests))
+        return 0
+    verdicts: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="shardwise-mutants-") as tmp:
+        work = Path(tmp)
+        if args.baseline:
+            base = work / "baseline"
+            _copy_tree(base)
+            tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+            rc = _run_tests(base, tests, work / "baseline.log")
+            print(f"baseline: {'pass' if rc == 0 else 'FAIL'}", flush=True)
+            if rc != 0:
+                print(_tail(work / "baseline.log", 40))
+                return 2
+        for m in chosen:
+            copy = work / m.name
+            _copy_tree(copy)
+            start = time.monotonic()
+            problem = _apply(copy, m)
+            if problem is not None:
+                verdicts[m.name] = "stale"
+                print(f"{m.name}: stale ({problem})", flush=True)
+                continue
+            log = work / f"{m.name}.log"
+            rc = _run_tests(copy, m.tests, log)
+            verdict = "killed" if rc == 1 else "survived" if rc == 0 else f"error (pytest {rc})"
+            verdicts[m.name] = verdict
+            print(f"{m.name}: {verdict} ({time.monotonic() - start:.0f} s)", flush=True)
+            if args.verbose or verdict != "killed":
+                print(_tail(log))
+            shutil.rmtree(copy, ignore_errors=True)
+    killed = sum(v == "killed" for v in verdicts.values())
+    print(f"{killed} killed, {len(verdicts) - killed} not killed, of {len(verdicts)}")
+    return 0 if killed == len(verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
