@@ -443,3 +443,44 @@ def test_same_step_twice_moves_the_first_aside(saved):
 
 def teardown_module():
     shutil.rmtree("/tmp/shardwise_pwned", ignore_errors=True)
+
+
+def _scheduled_run(root: Path | None, steps: range, *, seed: int = 0) -> dict:
+    """AdamW with a StepLR that halves the lr each update, and a weight decay the user
+    changes after the second update: the saved param_groups hold neither initial value."""
+    torch.manual_seed(seed)
+    engine = Engine(
+        GPT(CFG),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0),
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    )
+    if root is not None and steps.start > 0:
+        load_checkpoint(root, engine)
+    out: dict = {"lr": [], "wd": [], "losses": []}
+    for i in steps:
+        if i == 2:
+            engine.optimizer.param_groups[0]["weight_decay"] = 0.5
+        group = engine.optimizer.param_groups[0]
+        out["lr"].append(group["lr"])
+        out["wd"].append(group["weight_decay"])
+        out["losses"].append(engine.train_step(DATA[i])["loss"])
+    if root is not None and steps.start == 0:
+        save_checkpoint(root, engine)
+    out["params"] = full_parameters(engine.model)
+    return out
+
+
+def test_resume_restores_the_learning_rate_schedule(tmp_path):
+    # DCP fills the optimizer's state tensors in place; lr and weight decay live only in
+    # param_groups, so a resume that drops them trains on silently with the initial values.
+    whole = _scheduled_run(None, range(5))
+    _scheduled_run(tmp_path, range(3))
+    resumed = _scheduled_run(tmp_path, range(3, 5), seed=1234)  # another init: the load wins
+    assert whole["lr"] == [1e-2, 5e-3, 2.5e-3, 1.25e-3, 6.25e-4]
+    assert resumed["lr"] == whole["lr"][3:]
+    assert resumed["wd"] == whole["wd"][3:] == [0.5, 0.5]
+    for a, b in zip(resumed["losses"], whole["losses"][3:], strict=True):
+        assert abs(a - b) <= RTOL * abs(b), (resumed["losses"], whole["losses"])
+    for name, want in whole["params"].items():
+        rel = float((resumed["params"][name] - want).norm() / want.norm())
+        assert rel <= RTOL, f"{name} rel {rel:.2e}"
