@@ -326,6 +326,60 @@ def test_a_kill_during_pruning_leaves_a_recognisable_directory(tmp_path, monkeyp
     ]
 
 
+FINALISATION = ("manifest", "move_aside", "rename", "latest", "prune")
+
+
+@pytest.mark.parametrize("point", FINALISATION)
+def test_a_fault_inside_finalisation(tmp_path, monkeypatch, point):
+    """A kill at each point of rank 0's finalisation (before that point's action runs)
+    leaves `latest` and the resolved checkpoint on the last complete step: the previous
+    one up to the `latest` update, the new one after it. The next save then succeeds."""
+    from shardwise import checkpoint as ck
+
+    def fault_at(name, real, applies=lambda *a: True):
+        def call(*args, **kwargs):
+            if name == point and applies(*args):
+                raise _Killed(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    engine = _engine()
+    _step(engine, 0)
+    first = save_checkpoint(tmp_path, engine)
+    _step(engine, 1)
+    write, rename = ck._write_atomic, ck.os.rename
+    with monkeypatch.context() as m:
+        m.setattr(ck, "_write_atomic", fault_at("manifest", write, lambda p, _: p.name == MANIFEST))
+        m.setattr(
+            ck,
+            "_write_atomic",
+            fault_at("latest", ck._write_atomic, lambda p, _: p.name == "latest"),
+        )
+        m.setattr(ck, "_move_aside", fault_at("move_aside", ck._move_aside))
+        m.setattr(
+            ck.os,
+            "rename",
+            fault_at("rename", rename, lambda src, _: Path(src).name.startswith(ck.TMP_PREFIX)),
+        )
+        m.setattr(ck, "_prune", fault_at("prune", ck._prune))
+        with pytest.raises(_Killed, match=point):
+            save_checkpoint(tmp_path, engine, keep_last=1)
+    done = "step_00000002" if point == "prune" else first.name
+    assert (tmp_path / "latest").read_text().strip() == done
+    assert resolve_checkpoint(tmp_path).name == done
+    assert verify_checkpoint(tmp_path / done) == []
+    # Before the rename the new step is not a checkpoint at all; from the rename on it is
+    # complete (a kill before `latest` moves is resolved to the previous step, and a
+    # resume from there supersedes it at its next save).
+    complete = [c.path.name for c in list_checkpoints(tmp_path) if c.complete]
+    renamed = FINALISATION.index(point) > FINALISATION.index("rename")
+    assert complete == [first.name, "step_00000002"] if renamed else [first.name], complete
+    _step(engine, 2)
+    assert save_checkpoint(tmp_path, engine, keep_last=1).name == "step_00000003"
+    assert resolve_checkpoint(tmp_path).name == "step_00000003"
+
+
 def test_async_save_is_the_call_time_state_bitwise(collective):
     _, results = collective
     for r in results:
