@@ -47,12 +47,23 @@ def fit(run_dir: str, seed: int, progress: bool = True) -> dict:
     return {"stdout": out.getvalue(), "stderr": err.getvalue(), "summary": summary}
 
 
+VAL_SAMPLES = 12  # 6 per rank, in batches of 4 and 2: unequal batches weigh by samples
+
+
+def validate_only(run_dir: str) -> dict[str, float]:
+    torch.manual_seed(0)
+    engine = Engine(GPT(CFG), lambda p: torch.optim.AdamW(p, lr=3e-3), ParallelConfig())
+    config = RunnerConfig(run_dir=run_dir, batch_size=4, progress=False)
+    return Runner(engine, dataset(8, 1), dataset(VAL_SAMPLES, 2), config=config).validate()
+
+
 def cases(tmp: str) -> dict:
     rank = dist.get_rank()
     first = fit(f"{tmp}/a", seed=3)
     again = fit(f"{tmp}/b", seed=3, progress=False)
     other = fit(f"{tmp}/c", seed=4, progress=False)
-    return {"rank": rank, "first": first, "again": again, "other": other}
+    val = validate_only(f"{tmp}/val")
+    return {"rank": rank, "first": first, "again": again, "other": other, "val": val}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +90,21 @@ def test_one_csv_row_per_logged_step(results):
     assert [int(r["step"]) for r in rows if r["split"] == "train"] == [2, 4, 6]
     assert [int(r["step"]) for r in rows if r["split"] == "val"] == [3, 6]
     assert sorted(p.name for p in (tmp / "a").iterdir() if p.is_file()) == ["metrics.csv"]
+
+
+def test_validation_equals_one_process(results):
+    """Each rank sees half the validation samples; the reported loss is the mean over all of
+    them, equal to one process evaluating the whole set (each rank's own mean differs)."""
+    _, ranks = results
+    torch.manual_seed(0)
+    model = GPT(CFG).eval()
+    x, y = dataset(VAL_SAMPLES, 2).tensors
+    with torch.no_grad():
+        whole = float(model(x, y))
+        halves = [float(model(x[r::2], y[r::2])) for r in range(2)]  # DistributedSampler
+    assert abs(halves[0] - halves[1]) > 1e-3 * whole  # a rank-local mean would be caught
+    for r in ranks:
+        assert r["val"]["loss"] == pytest.approx(whole, rel=1e-5), (r["val"], whole, halves)
 
 
 def test_same_seed_same_losses_on_two_ranks(results):
