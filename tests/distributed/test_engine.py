@@ -23,6 +23,10 @@ CFG = GPTConfig()
 STEPS, GLOBAL_BATCH, K = 3, 8, 2
 RTOL = 1e-5
 CLIP = 0.05  # well below the ~0.7 gradient norm: clipping is active every step
+# Clipped gradients are compared directly at this max_norm: clipping a second time scales
+# them by max_norm / (max_norm + 1e-6), a 1e-3 change, 100x the fp32 tolerance.
+TINY_CLIP = 1e-3
+HUGE_CLIP = 1e3  # far above the norm: clipping must change nothing
 build = functools.partial(GPT, CFG)
 adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
 # Clipping is checked under SGD: AdamW is invariant to a uniform gradient scale, so clipped
@@ -249,6 +253,51 @@ def local_norm_clipping(data):
     return {"losses": losses, "norms": norms, "params": _full_params(engine.model)}
 
 
+def _named_grads(model) -> dict[str, torch.Tensor]:
+    """Every gradient in full (a collective for DTensors: call on every rank)."""
+    out = {}
+    for name, p in unwrap(model).named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[name] = g.detach().clone()
+    return out
+
+
+def clipped_grads(data, strategy):
+    """The gradients the optimizer steps with, after the Engine's clipping, per update."""
+    torch.manual_seed(0)
+    engine = Engine(
+        build(), sgd, ParallelConfig(strategy=strategy), train=TrainConfig(max_grad_norm=TINY_CLIP)
+    )
+    seen = []
+    engine.optimizer.register_step_pre_hook(lambda *_: seen.append(_named_grads(engine.model)))
+    for batch in data[:2]:
+        engine.train_step(_micro_batches(batch, 1)[0])
+    return seen
+
+
+def reference_clipped_grads(data, clips=1):
+    torch.manual_seed(0)
+    model = build()
+    opt = sgd(model.parameters())
+    seen = []
+    for x, y in data[:2]:
+        opt.zero_grad()
+        model(x, y).backward()
+        for _ in range(clips):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), TINY_CLIP)
+        seen.append(_named_grads(model))
+        opt.step()
+    return seen
+
+
+def _grads_rel(got, want) -> float:
+    assert [sorted(g) for g in got] == [sorted(w) for w in want]
+    return max(
+        float((g[n] - w[n]).norm() / w[n].norm()) for g, w in zip(got, want, strict=True) for n in w
+    )
+
+
 def mmengine_own_update(data):
     """mmengine's own OptimWrapper.update_params on a sharded model: its clip_grad_norm_
     call is what shardwise replaces."""
@@ -284,6 +333,10 @@ def world2_cases(data):
             optimizer=sgd,
             optim_wrapper=True,
         )
+        out[f"clip_above_{s}"] = engine_run(
+            data, p, TrainConfig(max_grad_norm=HUGE_CLIP), optimizer=sgd
+        )
+        out[f"clip_grads_{s}"] = clipped_grads(data, s)
     out["wrong_local_clip"] = local_norm_clipping(data)
     out["mmengine_own_update"] = mmengine_own_update(data)
     out["accum_sync_each"] = engine_run(
@@ -378,6 +431,24 @@ def test_mmengine_own_update_params_on_fsdp2_matches_too(world2, data):
     # Engine still clips with its own total_grad_norm (ignored, non-DTensor gradients count).
     ref = reference(data, max_grad_norm=CLIP, optimizer=sgd)
     _assert_matches(ref, world2[0]["mmengine_own_update"], "mmengine own update_params")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
+def test_clipping_above_the_norm_changes_nothing(world2, data, strategy):
+    ref = reference(data, optimizer=sgd)  # unclipped
+    assert max(ref["norms"]) < HUGE_CLIP / 100
+    for rank, r in enumerate(world2):
+        _assert_matches(ref, r[f"clip_above_{strategy}"], f"max_norm above the norm rank {rank}")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
+def test_clipped_update_equals_one_process(world2, data, strategy):
+    once = reference_clipped_grads(data)
+    for rank, r in enumerate(world2):
+        rel = _grads_rel(r[f"clip_grads_{strategy}"], once)
+        assert rel <= RTOL, f"{strategy} rank {rank}: clipped gradients rel {rel:.2e}"
+    # The same check catches clipping applied twice, by far more than its tolerance.
+    assert _grads_rel(reference_clipped_grads(data, clips=2), once) > 50 * RTOL
 
 
 def test_clipping_check_catches_local_norm_clipping(world2, data):
