@@ -37,7 +37,7 @@ def test_inductor_compiled_blocks_match_eager():
     )
     for (name, a), b in zip(model.named_parameters(), eager.parameters(), strict=True):
         rel = float((a.grad - b.grad).norm() / b.grad.norm().clamp_min(1e-12))
-        assert rel <= 1e-4, (name, rel)
+        assert rel <= 1e-5, (name, rel)  # measured: at most 5.4e-7 (inductor, CPU)
 
 
 def test_compile_config_errors():
