@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench lint typecheck unit bench soak clean install
+.PHONY: demo test test-models test-integrations test-bench lint typecheck unit layout bench soak clean install
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,14 +26,22 @@ demo: $(STAMP)
 	$(VENV)/bin/shardwise demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench examples
-	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/ruff check src tests bench examples tools
+	$(VENV)/bin/ruff format --check src tests bench examples tools
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q
+
+# The inner loop: no processes, about a minute (includes the layout and public-API checks).
+unit: $(STAMP)
+	$(VENV)/bin/pytest -q tests/unit
+
+# Import cycles, layers, host imports, file and class sizes (also run by the unit tier).
+layout: $(STAMP)
+	$(PY) -m tools.layout check
 
 # 47 transformers architectures under full_shard (about 1 min); .ci/run runs it after `test`.
 test-models: $(STAMP)

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from shardwise.integrations.lightning import ShardwiseStrategy
-from shardwise.models import GPT, GPTConfig
+from shardwise.testing.models import GPT, GPTConfig
 
 
 class LitGPT(L.LightningModule):

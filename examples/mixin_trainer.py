@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.models import GPT, GPTConfig, random_lm_batches
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 
 
 @dataclass

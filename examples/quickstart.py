@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise.models import GPT, Block, GPTConfig
+from shardwise.testing.models import GPT, Block, GPTConfig
 
 
 def load_corpus(max_chars: int = 400_000) -> str:

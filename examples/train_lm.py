@@ -25,9 +25,9 @@ import torch
 
 import shardwise
 from shardwise import Preempted
-from shardwise.demo import ByteWindows
-from shardwise.models import GPT, GPTConfig
-from shardwise.schema import Config, load_config
+from shardwise.cli.demo import ByteWindows
+from shardwise.config.run_file import Config, load_config
+from shardwise.testing.models import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
 

@@ -49,14 +49,14 @@ MUTANTS: tuple[Mutant, ...] = (
     # 1. One planned block silently not sharded (numbers stay identical).
     Mutant(
         "wrap_skips_a_unit",
-        "src/shardwise/strategies.py",
+        "src/shardwise/parallelize/fsdp.py",
         "    for unit in plan.units:\n        targets = ",
         "    for unit in plan.units[1:]:\n        targets = ",
         ("tests/distributed/test_wrap_models.py::test_applied_units_and_policies_equal_the_plan",),
     ),
     Mutant(
         "keep_fp32_policy_not_applied",
-        "src/shardwise/strategies.py",
+        "src/shardwise/parallelize/fsdp.py",
         'mp_policy=fp32_policy if unit.compute_dtype == "float32" and mixed else mp_policy,',
         "mp_policy=mp_policy,",
         ("tests/distributed/test_wrap_models.py::test_applied_units_and_policies_equal_the_plan",),
@@ -64,7 +64,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # 2. Gradients reduced in bf16 under mixed_precision="bf16".
     Mutant(
         "bf16_reduces_in_bf16",
-        "src/shardwise/precision.py",
+        "src/shardwise/config/precision.py",
         '"bf16": Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),',
         '"bf16": Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),',
         (
@@ -75,7 +75,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # 3. The optimizer's param_groups (lr, weight decay) not restored on resume.
     Mutant(
         "resume_drops_param_groups",
-        "src/shardwise/checkpoint.py",
+        "src/shardwise/checkpoint/load.py",
         '"param_groups": manifest["optimizer"]["param_groups"],',
         '"param_groups": optim_sd["param_groups"],',
         ("tests/distributed/test_checkpoint.py::test_resume_restores_the_learning_rate_schedule",),
@@ -83,7 +83,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # 4. `latest` updated before the manifest and the rename.
     Mutant(
         "latest_before_rename",
-        "src/shardwise/checkpoint.py",
+        "src/shardwise/checkpoint/commit.py",
         "    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))\n",
         "    _write_atomic(root / LATEST, final.name + '\\n')\n"
         "    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))\n",
@@ -100,7 +100,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # 6. Validation metrics left per rank instead of averaged over all ranks' samples.
     Mutant(
         "validation_not_all_reduced",
-        "src/shardwise/runner.py",
+        "src/shardwise/train/runner.py",
         "            dist.all_reduce(moved)\n            totals = moved.cpu()",
         "            totals = moved.cpu()",
         ("tests/distributed/test_runner_dist.py::test_validation_equals_one_process",),
@@ -108,14 +108,14 @@ MUTANTS: tuple[Mutant, ...] = (
     # 7. Clipping that scales small gradients up, and clipping applied twice.
     Mutant(
         "clip_scales_up",
-        "src/shardwise/engine.py",
+        "src/shardwise/train/engine.py",
         "        coef = min(1.0, max_norm / (float(norm) + 1e-6))\n        if coef < 1.0:",
         "        coef = max_norm / (float(norm) + 1e-6)\n        if coef != 1.0:",
         ("tests/distributed/test_engine.py::test_clipping_above_the_norm_changes_nothing",),
     ),
     Mutant(
         "clip_applied_twice",
-        "src/shardwise/engine.py",
+        "src/shardwise/train/engine.py",
         "        _clip_to(params, norm, tc.max_grad_norm)\n",
         "        _clip_to(params, norm, tc.max_grad_norm)\n"
         "        clip_grad_norm_(params, tc.max_grad_norm)\n",

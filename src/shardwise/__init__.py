@@ -6,27 +6,57 @@ FSDP2 or HSDP — with parity to single-process training as the check.
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)  # after wrap
 """
 
-from shardwise.autoplan import AutoPlan, NoPlanFitsError, choose_plan
+from shardwise import _compat
 from shardwise.checkpoint import (
     CheckpointError,
     PendingCheckpoint,
+    export_weights,
     load_checkpoint,
     save_checkpoint,
     set_aside_newer,
     wait_for_checkpoint,
 )
-from shardwise.config import STRATEGIES, ParallelConfig
-from shardwise.distributed import DistInfo, get_dist_info, init_distributed, shutdown
-from shardwise.engine import Engine, NonFiniteError, TrainConfig, parse_losses
-from shardwise.materialize import InitializationError, init_empty
-from shardwise.mesh import MeshSpec, resolve_mesh
-from shardwise.precision import PRESETS, Precision
-from shardwise.runner import PREEMPTED_EXIT_CODE, Preempted, Runner, RunnerConfig, seed_everything
-from shardwise.simulate import SimReport, simulate_step
-from shardwise.strategies import WrapInfo, sync_module_states, unwrap, wrap, wrap_info
-from shardwise.watchdog import StallError
-from shardwise.weights import WeightsError, export_weights, load_weights
-from shardwise.wrap import PlanNotice, WrapPlan, WrapUnit, plan_wrap, register_wrap_policy
+from shardwise.config import (
+    PRESETS,
+    STRATEGIES,
+    ParallelConfig,
+    Precision,
+    RunnerConfig,
+    TrainConfig,
+)
+from shardwise.distributed import (
+    DistInfo,
+    MeshSpec,
+    StallError,
+    get_dist_info,
+    init_distributed,
+    resolve_mesh,
+    shutdown,
+)
+from shardwise.memory import AutoPlan, NoPlanFitsError, SimReport, choose_plan, simulate_step
+from shardwise.parallelize import (
+    InitializationError,
+    WeightsError,
+    WrapInfo,
+    init_empty,
+    load_weights,
+    sync_module_states,
+    unwrap,
+    wrap,
+    wrap_info,
+)
+from shardwise.plan import PlanNotice, WrapPlan, WrapUnit, plan_wrap, register_wrap_policy
+from shardwise.train import (
+    PREEMPTED_EXIT_CODE,
+    Engine,
+    NonFiniteError,
+    Preempted,
+    Runner,
+    parse_losses,
+    seed_everything,
+)
+
+_compat.install()  # old module paths (shardwise.strategies, shardwise.models, ...) forward
 
 __version__ = "0.1.0"
 

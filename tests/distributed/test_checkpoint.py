@@ -32,9 +32,9 @@ from shardwise.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from shardwise.models import GPT, GPTConfig, random_lm_batches
-from shardwise.parity import full_parameters, split_batch
 from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
+from shardwise.testing.parity import full_parameters, split_batch
 
 CFG = GPTConfig()
 DATA = random_lm_batches(CFG, 6, 8, seed=1)
@@ -164,7 +164,8 @@ def _unreadable(path: Path) -> str:
 
 
 def save_twice_keep_one(root: str) -> dict:
-    from shardwise import checkpoint as ck
+    import shardwise.checkpoint as ck
+    from shardwise.checkpoint import layout
 
     engine = engine_for("full_shard")
     for batch in DATA[:3]:
@@ -172,12 +173,12 @@ def save_twice_keep_one(root: str) -> dict:
         save_checkpoint(root, engine, keep_last=2, extra={"note": "hello"})
     out: dict = {"rank": dist.get_rank()}
     # Rank 1 fails to hash its share of the files: the save fails on every rank.
-    original = ck._sha256
+    original = layout._sha256
     if dist.get_rank() == 1:
-        ck._sha256 = _unreadable
+        layout._sha256 = _unreadable
     train(engine, [DATA[3]])
     out["hash_failure"] = _message(lambda: save_checkpoint(root, engine, keep_last=2))
-    ck._sha256 = original
+    layout._sha256 = original
     # A file in rank 1's share of the verification is corrupted: every rank refuses.
     latest = ck.resolve_checkpoint(root)
     victim = latest / sorted(ck.read_manifest(latest)["files"])[1]
@@ -228,8 +229,9 @@ CHILD = textwrap.dedent(
     import os, sys, time, signal, resource
     import torch
     import shardwise
-    from shardwise import checkpoint as ck
-    from shardwise.models import GPT, GPTConfig, random_lm_batches
+    import shardwise.checkpoint as ck
+    from shardwise.checkpoint import commit
+    from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 
     root, mode = sys.argv[1], sys.argv[2]
     shardwise.init_distributed()
@@ -240,12 +242,12 @@ CHILD = textwrap.dedent(
     ck.save_checkpoint(root, engine)
     engine.train_step(batches[1])
     if mode == "kill":
-        real = ck._finalize
+        real = commit._finalize
         def slow_finalize(*args, **kwargs):
             print("SAVING", flush=True)
             time.sleep(60)
             real(*args, **kwargs)
-        ck._finalize = slow_finalize
+        commit._finalize = slow_finalize
     elif mode == "fsize":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

@@ -33,7 +33,6 @@ from shardwise.checkpoint import (
     MANIFEST,
     CheckpointError,
     PendingCheckpoint,
-    _sha256,
     list_checkpoints,
     load_checkpoint,
     read_dcp_metadata,
@@ -44,10 +43,12 @@ from shardwise.checkpoint import (
     verify_checkpoint,
     wait_for_checkpoint,
 )
-from shardwise.models import GPT, GPTConfig, random_lm_batches
-from shardwise.parity import split_batch
+from shardwise.checkpoint.export import export_weights
+from shardwise.checkpoint.layout import _sha256
+from shardwise.parallelize import INDEX_FILE, SINGLE_FILE, WeightsError, load_weights
 from shardwise.testing import run_distributed
-from shardwise.weights import INDEX_FILE, SINGLE_FILE, WeightsError, export_weights, load_weights
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
+from shardwise.testing.parity import split_batch
 
 CFG = GPTConfig()
 DATA = random_lm_batches(CFG, 8, 8, seed=1)
@@ -297,7 +298,7 @@ class _Killed(BaseException):
 
 
 def test_a_kill_during_pruning_leaves_a_recognisable_directory(tmp_path, monkeypatch):
-    from shardwise import checkpoint as ck
+    from shardwise.checkpoint import layout
 
     engine = _engine()
     _step(engine, 0)
@@ -308,11 +309,11 @@ def test_a_kill_during_pruning_leaves_a_recognisable_directory(tmp_path, monkeyp
         (Path(path) / MANIFEST).unlink()
         raise _Killed
 
-    monkeypatch.setattr(ck.shutil, "rmtree", killed_midway)
+    monkeypatch.setattr(layout.shutil, "rmtree", killed_midway)
     _step(engine, 1)
     with pytest.raises(_Killed):
         save_checkpoint(tmp_path, engine, keep_last=1)
-    monkeypatch.setattr(ck.shutil, "rmtree", real)
+    monkeypatch.setattr(layout.shutil, "rmtree", real)
     # Not a `step_*` directory that lost its manifest: a name no listing takes for one.
     assert _names(tmp_path) == [".deleting-step_00000001", "latest", "step_00000002"]
     assert [c.path.name for c in list_checkpoints(tmp_path)] == ["step_00000002"]
@@ -334,7 +335,7 @@ def test_a_fault_inside_finalisation(tmp_path, monkeypatch, point):
     """A kill at each point of rank 0's finalisation (before that point's action runs)
     leaves `latest` and the resolved checkpoint on the last complete step: the previous
     one up to the `latest` update, the new one after it. The next save then succeeds."""
-    from shardwise import checkpoint as ck
+    from shardwise.checkpoint import commit as ck  # the module whose names _finalize calls
 
     def fault_at(name, real, applies=lambda *a: True):
         def call(*args, **kwargs):
@@ -412,9 +413,10 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     import torch
-    from shardwise import checkpoint as ck
+    import shardwise.checkpoint as ck
+    from shardwise.checkpoint import async_save
     from shardwise import Engine
-    from shardwise.models import GPT, GPTConfig, random_lm_batches
+    from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 
     root = sys.argv[1]
     torch.manual_seed(0)
@@ -423,12 +425,12 @@ CHILD = textwrap.dedent(
     engine.train_step(batches[0])
     ck.save_checkpoint(root, engine)
     engine.train_step(batches[1])
-    real = ck._hash_share
+    real = async_save._hash_share
     def slow(tmp):  # on the background thread: the write is under way at the kill
         print("WRITING", flush=True)
         time.sleep(60)
         return real(tmp)
-    ck._hash_share = slow
+    async_save._hash_share = slow
     ck.save_checkpoint(root, engine, async_=True)
     time.sleep(60)
     """

@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise import Engine, ParallelConfig, TrainConfig, unwrap, wrap
-from shardwise.models import GPT, GPTConfig, random_lm_batches
 from shardwise.testing import count_collectives, run_distributed
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 
 CFG = GPTConfig()
 STEPS, GLOBAL_BATCH, K = 3, 8, 2

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import shardwise
 from shardwise import ParallelConfig, init_empty, unwrap, wrap
-from shardwise.parity import full_parameters
 from shardwise.testing import assert_same_distribution, run_distributed
+from shardwise.testing.parity import full_parameters
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,10 +18,10 @@ from torch import nn
 
 import shardwise
 from shardwise import STRATEGIES, InitializationError, ParallelConfig, init_empty, unwrap, wrap
-from shardwise.models import GPT, ConvNet, GPTConfig, random_lm_batches
-from shardwise.parity import full_parameters, split_batch
+from shardwise.parallelize import WeightsError
 from shardwise.testing import assert_same_distribution, run_distributed
-from shardwise.weights import WeightsError
+from shardwise.testing.models import GPT, ConvNet, GPTConfig, random_lm_batches
+from shardwise.testing.parity import full_parameters, split_batch
 
 CFG = GPTConfig(d_model=64, n_layers=2, seq_len=16)
 

@@ -26,15 +26,15 @@ from torch.distributed.fsdp import FSDPModule, ShardingStrategy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import STRATEGIES, ParallelConfig, unwrap, wrap
-from shardwise.models import GPT, Block, GPTConfig, LoRALM, random_lm_batches
-from shardwise.parity import (
+from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, Block, GPTConfig, LoRALM, random_lm_batches
+from shardwise.testing.parity import (
     ParityError,
     compare_trajectories,
     split_batch,
     train_distributed,
     train_reference,
 )
-from shardwise.testing import run_distributed
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 STEPS, GLOBAL_BATCH = 5, 8

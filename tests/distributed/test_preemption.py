@@ -46,7 +46,7 @@ class SlowMLP(torch.nn.Module):
 def worker(run_dir: str, resume: str | None) -> None:
     import shardwise
     from shardwise import Engine, ParallelConfig, Runner, RunnerConfig, TrainConfig
-    from shardwise.runner import Preempted
+    from shardwise.train import Preempted
 
     shardwise.init_distributed()
     torch.manual_seed(0)

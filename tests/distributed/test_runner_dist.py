@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from shardwise import Engine, ParallelConfig, Runner, RunnerConfig, TrainConfig
-from shardwise.models import GPT, GPTConfig, random_lm_batches
 from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 
 CFG = GPTConfig()
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from shardwise import ParallelConfig
-from shardwise.models import GPT, GPTConfig
-from shardwise.simulate import real_step as measure_real_step
-from shardwise.simulate import simulate_step
+from shardwise.memory import real_step as measure_real_step
+from shardwise.memory import simulate_step
 from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4)
 WORLD = 2

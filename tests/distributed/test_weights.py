@@ -16,16 +16,11 @@ from safetensors.torch import load_file
 
 from shardwise import Engine, ParallelConfig, shutdown, wrap
 from shardwise.checkpoint import CheckpointError, read_dcp_metadata, save_checkpoint
-from shardwise.models import GPT, GPTConfig, random_lm_batches
-from shardwise.parity import full_parameters, split_batch
+from shardwise.checkpoint.export import export_weights
+from shardwise.parallelize import INDEX_FILE, SINGLE_FILE, WeightsError, load_weights
 from shardwise.testing import run_distributed
-from shardwise.weights import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    WeightsError,
-    export_weights,
-    load_weights,
-)
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
+from shardwise.testing.parity import full_parameters, split_batch
 
 CFG = GPTConfig()
 DATA = random_lm_batches(CFG, 2, 8, seed=1)

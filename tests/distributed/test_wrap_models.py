@@ -12,7 +12,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardwise import ParallelConfig, unwrap, wrap, wrap_info
-from shardwise.models import (
+from shardwise.testing import run_distributed
+from shardwise.testing.models import (
     GPT,
     Block,
     ConvNet,
@@ -22,7 +23,6 @@ from shardwise.models import (
     LoRALM,
     random_lm_batches,
 )
-from shardwise.testing import run_distributed
 
 CFG = GPTConfig()
 STRATEGIES = ("ddp", "no_shard", "shard_grad_op", "full_shard")

@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 
 from shardwise import STRATEGIES, Engine, Runner, RunnerConfig, shutdown
 from shardwise.checkpoint import save_checkpoint
-from shardwise.models import GPT, GPTConfig, random_lm_batches
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 
 CFG = GPTConfig()
 
@@ -142,7 +142,9 @@ def test_run_multi_node_needs_an_endpoint(tmp_path):
 
 
 def test_plan_prints_units_and_memory():
-    out = cli("plan", "shardwise.models:GPT", "--world", "4", "parallel.mixed_precision=bf16")
+    out = cli(
+        "plan", "shardwise.testing.models:GPT", "--world", "4", "parallel.mixed_precision=bf16"
+    )
     assert out.returncode == 0, out.stderr
     assert "WrapPlan: 3 unit(s)" in out.stdout and "auto: 2x Block" in out.stdout
     for strategy in STRATEGIES:
@@ -152,7 +154,7 @@ def test_plan_prints_units_and_memory():
 def test_plan_json_matches_the_16_psi_over_n_formula():
     import json
 
-    out = cli("plan", "shardwise.models:GPT", "--world", "4", "--json")
+    out = cli("plan", "shardwise.testing.models:GPT", "--world", "4", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     params = data["plan"]["total_params"]
@@ -161,9 +163,9 @@ def test_plan_json_matches_the_16_psi_over_n_formula():
 
 
 def test_plan_bad_target():
-    out = cli("plan", "shardwise.models", "--world", "2")
+    out = cli("plan", "shardwise.testing.models", "--world", "2")
     assert out.returncode == 2 and "is not MODULE:FACTORY" in out.stderr
-    out = cli("plan", "shardwise.models:Nope", "--world", "2")
+    out = cli("plan", "shardwise.testing.models:Nope", "--world", "2")
     assert out.returncode == 2 and "has no attribute 'Nope'" in out.stderr
 
 
@@ -193,7 +195,7 @@ def test_config_show_and_errors(tmp_path):
 def test_run_and_plan_argument_errors():
     bad = cli("run", "--nproc", "zero", "x.py")
     assert bad.returncode == 2 and "--nproc='zero': use a positive integer or 'auto'" in bad.stderr
-    bad = cli("plan", "shardwise.models:CFG_NOT_THERE", "--world", "2")
+    bad = cli("plan", "shardwise.testing.models:CFG_NOT_THERE", "--world", "2")
     assert bad.returncode == 2 and "has no attribute" in bad.stderr
     bad = cli("plan", "shardwise:__version__", "--world", "2")
     assert bad.returncode == 2 and "shardwise:__version__ is not callable" in bad.stderr
@@ -201,7 +203,14 @@ def test_run_and_plan_argument_errors():
 
 def test_plan_simulate_reports_each_strategy_with_activations():
     out = cli(
-        "plan", "shardwise.models:GPT", "--world", "4", "--simulate", "--batch", "2", "--json"
+        "plan",
+        "shardwise.testing.models:GPT",
+        "--world",
+        "4",
+        "--simulate",
+        "--batch",
+        "2",
+        "--json",
     )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
@@ -219,7 +228,7 @@ def test_plan_simulate_reports_each_strategy_with_activations():
 
 
 def test_plan_marks_rows_and_resolves_auto():
-    table = cli("plan", "shardwise.models:GPT", "--world", "4", "--memory-budget", "600KiB")
+    table = cli("plan", "shardwise.testing.models:GPT", "--world", "4", "--memory-budget", "600KiB")
     assert table.returncode == 0, table.stderr[-3000:]
     marks = [line.split()[-1] for line in table.stdout.splitlines() if line.startswith("  ddp ")]
     assert marks == ["no"]  # ddp's replica does not fit 600 KiB; a sharded row does
@@ -228,7 +237,7 @@ def test_plan_marks_rows_and_resolves_auto():
         for line in table.stdout.splitlines()
     )
     auto = cli(
-        "plan", "shardwise.models:GPT", "--world", "4", "--memory-budget", "600KiB",
+        "plan", "shardwise.testing.models:GPT", "--world", "4", "--memory-budget", "600KiB",
         "parallel.strategy=auto",
     )  # fmt: skip
     assert auto.returncode == 0, auto.stderr[-3000:]
@@ -236,7 +245,7 @@ def test_plan_marks_rows_and_resolves_auto():
         "chosen: strategy='shard_grad_op'" in auto.stdout or "chosen: strategy='full" in auto.stdout
     )
     nothing = cli(
-        "plan", "shardwise.models:GPT", "--world", "2", "--memory-budget", "10KiB",
+        "plan", "shardwise.testing.models:GPT", "--world", "2", "--memory-budget", "10KiB",
         "parallel.strategy=auto",
     )  # fmt: skip
     assert nothing.returncode == 2

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from _proc import run_in_session
 
-from shardwise.metrics import read_metrics
 from shardwise.testing import free_port
+from shardwise.train import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "vision_bf16.py"

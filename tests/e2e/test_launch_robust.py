@@ -146,7 +146,7 @@ def test_a_stalled_rank_is_named_and_the_job_ends(tmp_path):
     script = _script(
         tmp_path,
         """
-        from shardwise.watchdog import guard
+        from shardwise.distributed import guard
         info = shardwise.init_distributed()
         (OUT / f"pid{info.rank}").write_text(str(os.getpid()))
         for step in range(3):

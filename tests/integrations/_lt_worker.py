@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from shardwise.integrations.lightning import ShardwiseStrategy
-from shardwise.parity import full_parameters
+from shardwise.testing.parity import full_parameters
 
 warnings.filterwarnings("ignore")
 N, DIM, BATCH = 64, 16, 8  # 64 samples, 8 per rank per step: 4 steps an epoch at world 2

@@ -42,7 +42,7 @@ import transformers as tf
 from torch import nn
 
 import shardwise
-from shardwise.parity import (
+from shardwise.testing.parity import (
     ParityError,
     ParityReport,
     Trajectory,

@@ -29,8 +29,8 @@ from _hf_sweep import (
 )
 
 import shardwise
-from shardwise.parity import ParityError
 from shardwise.testing import run_distributed
+from shardwise.testing.parity import ParityError
 
 pytestmark = pytest.mark.models  # `make test-models`, which .ci/run runs after `make test`
 

@@ -45,13 +45,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.nn import Module
 
-from shardwise.checkpoint import single_process_ok
-from shardwise.config import ParallelConfig
-from shardwise.dcp_safe import CheckpointError, SafeReader, TensorOnlyLoadPlanner, root_cause
-from shardwise.engine import clip_grad_norm_
-from shardwise.materialize import init_empty
-from shardwise.optim import stale_parameters
-from shardwise.strategies import wrap, wrap_info
+from shardwise.checkpoint.ranks import single_process_ok
+from shardwise.checkpoint.trust import (
+    CheckpointError,
+    SafeReader,
+    TensorOnlyLoadPlanner,
+    root_cause,
+)
+from shardwise.config.parallel import ParallelConfig
+from shardwise.parallelize.apply import wrap
+from shardwise.parallelize.materialize import init_empty
+from shardwise.parallelize.wrapped import stale_parameters, wrap_info
+from shardwise.train.engine import clip_grad_norm_
 
 __all__ = ["ShardwiseStrategy"]
 

@@ -57,10 +57,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.config import ParallelConfig
-from shardwise.engine import clip_grad_norm_
-from shardwise.losses import model_parse_losses, split_outputs
-from shardwise.strategies import unwrap, wrap
+from shardwise.config.parallel import ParallelConfig
+from shardwise.parallelize.apply import wrap
+from shardwise.parallelize.wrapped import unwrap
+from shardwise.train.engine import clip_grad_norm_
+from shardwise.train.losses import model_parse_losses, split_outputs
 
 __all__ = ["ShardwiseDataParallel", "full_state_dicts"]
 

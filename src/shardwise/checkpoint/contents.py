@@ -1,0 +1,124 @@
+"""What a checkpoint holds besides tensors: the manifest's fields and each rank's RNG states.
+
+Owns: the manifest (counters, configs, optimizer hyperparameters, scheduler and
+grad-scaler state, runner position, versions), its JSON form, and capturing and restoring
+each rank's RNG states (safetensors files).
+
+Must not: write files or issue collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import platform
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardwise.checkpoint.layout import FORMAT, FORMAT_VERSION
+from shardwise.checkpoint.trust import (
+    CheckpointError,
+)
+
+
+def _jsonable(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value, default=_json_default))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{what} cannot be stored as JSON: {exc}") from None
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if callable(value):
+        return getattr(value, "__qualname__", repr(value))
+    return repr(value)
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if config is None or not dataclasses.is_dataclass(config):
+        return {}
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    return dict(_jsonable(fields, f"{type(config).__name__}"))
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    version, state, gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    out = {
+        "torch": torch.get_rng_state(),
+        "python_state": torch.tensor(state, dtype=torch.int64),
+        "python_meta": torch.tensor([version, gauss is not None, 0], dtype=torch.float64),
+        "python_gauss": torch.tensor([gauss or 0.0], dtype=torch.float64),
+        "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+        "numpy_meta": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _restore_rng(t: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(t["torch"])
+    meta = t["python_meta"].tolist()
+    gauss = float(t["python_gauss"][0]) if meta[1] else None
+    random.setstate((int(meta[0]), tuple(int(x) for x in t["python_state"].tolist()), gauss))
+    pos, has_gauss, cached = t["numpy_meta"].tolist()
+    np.random.set_state(
+        ("MT19937", t["numpy_keys"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached)
+    )
+    if "cuda" in t and torch.cuda.is_available():
+        torch.cuda.set_rng_state(t["cuda"])
+
+
+def _manifest(
+    engine: Any, optim_sd: dict[str, Any], world: int, extra: Any, runner_state: Any
+) -> dict[str, Any]:
+    info = getattr(engine, "config", None)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": engine.step,
+        "skipped_steps": engine.skipped_steps,
+        "world_size": world,
+        "strategy": getattr(info, "strategy", None),
+        "parallel_config": _config_dict(info),
+        "train_config": _config_dict(getattr(engine, "train_config", None)),
+        "optimizer": {
+            "class": type(engine.optimizer).__name__,
+            "param_groups": _jsonable(optim_sd["param_groups"], "optimizer param_groups"),
+        },
+        "scheduler": _jsonable(engine.scheduler.state_dict(), "scheduler state")
+        if engine.scheduler is not None
+        else None,
+        "grad_scaler": _jsonable(engine.scaler.state_dict(), "grad scaler state")
+        if engine.scaler is not None
+        else None,
+        "runner": _jsonable(runner_state, "runner state") if runner_state is not None else None,
+        "extra": extra,
+        "versions": {
+            "shardwise": _shardwise_version(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _shardwise_version() -> str:
+    try:
+        return importlib.metadata.version("shardwise")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"

@@ -1,0 +1,352 @@
+"""Consolidated weights: export to safetensors, from a live model or a checkpoint.
+
+Owns: `export_weights` (from a live, possibly sharded model, or from a checkpoint
+directory). Files use the model's own parameter names, with no `module.` or `_orig_mod.`
+prefixes, in Hugging Face's layout: `model.safetensors`, or numbered shards plus
+`model.safetensors.index.json` above `max_shard_bytes`. One tensor is gathered at a time,
+onto CPU, so no rank's accelerator ever holds the whole model. Loading, the other
+direction, is parallelize/weights.py (`load_weights`).
+
+A model with a Hugging Face config (`model.config.save_pretrained`) also gets its
+config.json (and generation_config.json), so `from_pretrained` opens the export; that is
+duck-typed, and transformers is never imported here. A checkpoint is verified against its
+manifest's SHA-256 hashes before any tensor is read, as `load_checkpoint` does.
+
+Exporting again into the same directory replaces the previous export: the new files are
+written into a hidden staging directory inside `out`, then the old export's files are moved
+out of the way and the new ones in, entry file (model.safetensors or the index) last, so
+`out` never holds an index naming files of another export. Files no export writes are
+never touched: an `out` holding any is refused.
+
+Must not: invent a format (safetensors is the format) or unpickle anything.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardwise.checkpoint.layout import STATE_DIR, resolve_checkpoint, verify_checkpoint
+from shardwise.checkpoint.ranks import single_process_ok
+from shardwise.checkpoint.trust import (
+    CheckpointError,
+    SafeReader,
+    TensorOnlyLoadPlanner,
+    root_cause,
+)
+from shardwise.config.precision import parse_dtype
+from shardwise.distributed.process_group import rank_and_world
+from shardwise.parallelize.weights import INDEX_FILE, SINGLE_FILE, WeightsError, _model_state
+from shardwise.parallelize.wrapped import unwrap
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+STAGING_PREFIX = ".shardwise-export-"
+_WEIGHT_FILE = re.compile(
+    r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
+    r"|\.part-\d{5}\.safetensors"  # a part left by an export killed before this layout
+)
+_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def _checked_checkpoint(directory: str | Path, out: Path, verify: bool) -> Path:
+    """The checkpoint `directory` names, resolved once (a later save may move `latest`, and
+    the checkpoint read must be the one verified), refused before `out` is touched if its
+    files differ from its manifest.
+
+    Corruption is found by the same check `load_checkpoint` runs, so the two cannot
+    disagree about what an intact checkpoint is (and `shardwise checkpoint verify` is it).
+    """
+
+    path = resolve_checkpoint(directory)
+    problems = verify_checkpoint(path) if verify else []
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} failed verification ({len(problems)} problem(s)): "
+            f"{'; '.join(problems[:5])}. Nothing was written to {out}. Export an intact "
+            "checkpoint (`shardwise checkpoint ls` lists them), or pass verify=False "
+            "(--no-verify) to export the bytes as they are."
+        )
+    return path
+
+
+def _model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full CPU tensor) per state_dict entry; all ranks must iterate together."""
+    for name, value in _model_state(model).items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        yield name, value.detach().to("cpu", copy=True)
+
+
+def _checkpoint_tensors(
+    directory: str | Path, max_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for the model entries of a shardwise checkpoint, read in batches."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException as DCPException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = resolve_checkpoint(directory)
+    state_dir = path / STATE_DIR
+    metadata = SafeReader(state_dir).read_metadata()
+    entries = [
+        (key, md)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    ]
+    batch: dict[str, torch.Tensor] = {}
+    size = 0
+    for i, (key, md) in enumerate(entries):
+        tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        batch[key] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= max_bytes or i == len(entries) - 1:
+            try:
+                with single_process_ok():
+                    dcp.load(
+                        batch,
+                        storage_reader=SafeReader(state_dir),
+                        planner=TensorOnlyLoadPlanner(),
+                        no_dist=True,
+                    )
+            # DCP's own exception is a BaseException: unwrapped, it escapes the CLI's handler.
+            except (RuntimeError, ValueError, KeyError, DCPException) as exc:
+                raise CheckpointError(
+                    f"could not read checkpoint {path}: {root_cause(exc)}"
+                ) from None
+            for k, t in batch.items():
+                yield k.removeprefix("model."), t
+            batch, size = {}, 0
+
+
+class _ShardWriter:
+    """Buffers tensors and writes safetensors files of at most `max_bytes` each."""
+
+    def __init__(self, out: Path, max_bytes: int, dtype: torch.dtype | None) -> None:
+        self.out, self.max_bytes, self.dtype = out, max_bytes, dtype
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.max_bytes:
+            self.flush()
+        # Tied weights arrive as the same storage; safetensors needs each entry on its own.
+        self.pending[name] = tensor.contiguous().clone()
+        self.size += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.out / f".part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.size = {}, 0
+
+    def discard(self) -> None:
+        """Remove what was written, so a failed export leaves no half of one behind."""
+        for path, _ in self.files:
+            path.unlink(missing_ok=True)
+        self.files, self.pending = [], {}
+
+    def close(self) -> Path:
+        self.flush()
+        if len(self.files) == 1:
+            final = self.out / SINGLE_FILE
+            os.replace(self.files[0][0], final)
+            return final
+        n = len(self.files)
+        weight_map = {}
+        for i, (path, names) in enumerate(self.files):
+            target = self.out / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(path, target)
+            weight_map.update({name: target.name for name in names})
+        index = {
+            "metadata": {"total_size": self.total},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        return self.out / INDEX_FILE
+
+
+def _original_class_name(model: nn.Module) -> str:
+    """The model's own class name: fully_shard swaps in a generated `FSDP<Name>` subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper around the model
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _save_hf_configs(model: nn.Module, out: Path) -> None:
+    """config.json (and generation_config.json) of a Hugging Face model, without which
+    `from_pretrained(out)` cannot know what model the weights belong to.
+
+    Duck-typed, so transformers is never imported: anything with `save_pretrained` is saved
+    by it. Like transformers' own `save_pretrained`, `architectures` names the model class
+    (tools such as vLLM pick the class from it); it is set on a copy, not the user's config.
+    """
+    config: Any = getattr(model, "config", None)
+    if callable(getattr(config, "save_pretrained", None)):
+        config = copy.copy(config)
+        if hasattr(config, "architectures"):
+            config.architectures = [_original_class_name(model)]
+        config.save_pretrained(out)
+    generation: Any = getattr(model, "generation_config", None)  # None if it cannot generate
+    if callable(getattr(generation, "save_pretrained", None)):
+        generation.save_pretrained(out)
+
+
+def _write_all(
+    tensors: Iterator[tuple[str, torch.Tensor]], writer: _ShardWriter, writes: bool
+) -> Path | None:
+    """Drain `tensors` on every rank (a model's gathers are collectives); only the writing
+    rank keeps them. A failure midway removes the files already written."""
+    try:
+        for name, tensor in tensors:
+            if writes:
+                writer.add(name, tensor)
+        return writer.close() if writes else None
+    except BaseException:
+        writer.discard()
+        raise
+
+
+def export_weights(
+    source: nn.Module | str | Path,
+    out: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    verify: bool = True,
+) -> Path | None:
+    """Write `source`'s weights as consolidated safetensors into the directory `out`.
+
+    `source` is a model (wrapped or not; with a process group every rank must call, and
+    rank 0 writes) or a shardwise checkpoint directory (read without a process group).
+    Returns the written file (model.safetensors or the index) on the writing rank, None
+    on others. `dtype` casts floating-point tensors (e.g. "bf16").
+
+    A Hugging Face model (its `config` has `save_pretrained`) also gets config.json, and
+    generation_config.json when it has a generation config, so `from_pretrained(out)`
+    opens the export. A checkpoint directory holds no model object, hence no config: write
+    it yourself with `model.config.save_pretrained(out)`.
+
+    From a checkpoint, `verify` (as in `load_checkpoint`) first checks every file's size
+    and SHA-256 against the manifest; on a mismatch it raises `CheckpointError` naming the
+    file, and nothing is written to `out`. A read that fails midway removes what it wrote.
+    """
+
+    cast = parse_dtype(dtype, "export_weights(dtype)")
+    if max_shard_bytes < 1:
+        raise ValueError(f"export_weights(max_shard_bytes={max_shard_bytes}) must be positive.")
+    out = Path(out)
+    writes = rank_and_world()[0] == 0
+    if isinstance(source, nn.Module):
+        staging = _prepare_out_on_rank0(out)  # every rank learns rank 0's verdict first
+        tensors: Iterator[tuple[str, torch.Tensor]] = _model_tensors(source)
+    else:
+        if not writes:
+            return None
+        # Before `out` is created: a corrupted checkpoint leaves nothing there.
+        tensors = _checkpoint_tensors(_checked_checkpoint(source, out, verify), max_shard_bytes)
+        staging = _prepare_out_on_rank0(out)
+    try:
+        writer = _ShardWriter(staging or out, max_shard_bytes, cast)
+        written = _write_all(tensors, writer, writes)
+        if staging is None or written is None:
+            return None
+        if isinstance(source, nn.Module):
+            _save_hf_configs(unwrap(source), staging)
+        return _swap_in(staging, out, written)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _previous_export(out: Path) -> list[Path]:
+    """The files of an earlier export in `out`. Anything else there is refused: an export
+    replaces its own files only, so a user's file is never overwritten or deleted."""
+    found, foreign = [], []
+    for p in sorted(out.iterdir()):
+        if p.name.startswith(STAGING_PREFIX) and p.is_dir() and not p.is_symlink():
+            continue  # a killed export's staging directory: removed by _prepare_out_on_rank0
+        if p.is_file() and (_WEIGHT_FILE.fullmatch(p.name) or p.name in _CONFIG_FILES):
+            found.append(p)
+        else:
+            foreign.append(p.name)
+    if foreign:
+        raise WeightsError(
+            f"export_weights(out={str(out)!r}) holds {foreign[:10]}, which no export writes. "
+            "An export replaces an earlier export in the same directory but never touches "
+            "other files: export into a new or empty directory, or move those files away."
+        )
+    return found
+
+
+def _swap_in(staging: Path, out: Path, written: Path) -> Path:
+    """Replace the earlier export in `out` by the files in `staging`.
+
+    The old entry file (model.safetensors or the index) goes first and the new one comes
+    last, so at every moment `out` holds one export's entry with that export's files, or
+    no entry at all (a kill in between: loading fails loudly and the next export cleans
+    up). Config files the new export does not write (a checkpoint's export has none) are
+    left as they are: that is where the user's own config.json goes.
+    """
+    new = sorted(p.name for p in staging.iterdir())
+    old = [p for p in _previous_export(out) if _WEIGHT_FILE.fullmatch(p.name) or p.name in new]
+    aside = staging / ".previous"
+    aside.mkdir()
+    for p in sorted(old, key=lambda p: p.name not in (SINGLE_FILE, INDEX_FILE)):
+        os.replace(p, aside / p.name)
+    for name in sorted(new, key=lambda n: n == written.name):
+        os.replace(staging / name, out / name)
+    return out / written.name
+
+
+def _prepare_out_on_rank0(out: Path) -> Path | None:
+    """Rank 0 creates `out` and a staging directory in it (returned; None on other ranks);
+    with a process group every rank gets its verdict, so a bad `out` fails on every rank
+    instead of leaving the others in the first gather."""
+    import torch.distributed as dist
+
+    rank, world = rank_and_world()
+    failure: Exception | None = None
+    staging = None
+    if rank == 0:
+        try:
+            if out.exists() and not out.is_dir():
+                raise WeightsError(
+                    f"export_weights(out={str(out)!r}) must be a directory, not a file."
+                )
+            out.mkdir(parents=True, exist_ok=True)
+            _previous_export(out)
+            for leftover in out.glob(f"{STAGING_PREFIX}*"):
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover)  # an export that was killed
+            staging = out / f"{STAGING_PREFIX}{os.getpid()}"
+            staging.mkdir()
+        except (OSError, WeightsError) as exc:
+            failure = exc
+    if world > 1 and dist.is_initialized():
+        verdict = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(verdict, src=0)  # bounded by the process group's timeout
+        if rank != 0 and verdict[0] is not None:
+            raise WeightsError(f"rank 0 could not prepare the export directory: {verdict[0]}")
+    if failure is not None:
+        raise failure
+    return staging

@@ -1,0 +1,154 @@
+"""Loading a checkpoint into an engine, at any world size or strategy.
+
+Owns: `load_checkpoint`: resolving and verifying the checkpoint, checking its keys and
+shapes against the model, reading the tensors through DCP (resharded into this engine's
+layout) with the trust checks of trust.py, and restoring optimizer hyperparameters,
+scheduler, grad scaler, counters and, at the saving world size, RNG states.
+
+Must not: write anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from shardwise.checkpoint.contents import _restore_rng
+from shardwise.checkpoint.layout import (
+    RNG_DIR,
+    STATE_DIR,
+    read_manifest,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
+from shardwise.checkpoint.ranks import _agree, single_process_ok
+from shardwise.checkpoint.trust import (
+    CheckpointError,
+    SafeReader,
+    TensorOnlyLoadPlanner,
+    read_dcp_metadata,
+    root_cause,
+)
+from shardwise.distributed.process_group import (
+    rank_and_world,
+)
+
+
+def _check_keys(model_sd: dict[str, Any], metadata: Metadata, where: Path) -> None:
+    saved = {
+        k.removeprefix("model."): md
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith("model.")
+    }
+    missing = sorted(set(model_sd) - set(saved))
+    unexpected = sorted(set(saved) - set(model_sd))
+    mismatched = []
+    for key in sorted(set(model_sd) & set(saved)):
+        md = saved[key]
+        want = tuple(model_sd[key].shape) if isinstance(model_sd[key], torch.Tensor) else None
+        if isinstance(md, TensorStorageMetadata) and want is not None and tuple(md.size) != want:
+            mismatched.append(f"{key}: checkpoint {tuple(md.size)} vs model {want}")
+    if missing or unexpected or mismatched:
+        raise CheckpointError(
+            f"the checkpoint {where} was saved from a different model. "
+            f"Missing from the checkpoint: {missing[:20]}. Unexpected in the checkpoint: "
+            f"{unexpected[:20]}. Shape mismatches: {mismatched[:20]}."
+        )
+
+
+def load_checkpoint(
+    directory: str | Path,
+    engine: Any,
+    *,
+    verify: bool = True,
+    load_optimizer: bool = True,
+) -> dict[str, Any]:
+    """Restore `engine` from a checkpoint (a checkpoint directory, a root, or ROOT/latest).
+
+    Works at any world size and strategy: DCP reshards model and optimizer tensors into
+    this engine's layout. RNG states are restored when the world size matches the one
+    that saved. With `verify`, every file's size and SHA-256 are checked first (each rank
+    hashes its share of the files).
+    Returns the manifest (counters, runner position, `extra`).
+    """
+    rank, world = rank_and_world()
+    error: BaseException | None = None
+    path = Path(directory)
+    manifest: dict[str, Any] = {}
+    try:
+        path = resolve_checkpoint(directory)
+        manifest = read_manifest(path)
+    except CheckpointError as exc:
+        error = exc
+    _agree(error, "reading the checkpoint manifest")
+    if verify:
+        problems = verify_checkpoint(path, shared=True)  # the same list on every rank
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {path} failed verification ({len(problems)} problem(s)): "
+                f"{'; '.join(problems[:5])}. It was not loaded."
+            )
+    try:
+        if load_optimizer and manifest["optimizer"]["class"] != type(engine.optimizer).__name__:
+            raise CheckpointError(
+                f"checkpoint {path} holds {manifest['optimizer']['class']} state but the engine "
+                f"uses {type(engine.optimizer).__name__}. Use the same optimizer class, or "
+                "load_checkpoint(..., load_optimizer=False) for the model alone."
+            )
+        metadata = read_dcp_metadata(path / STATE_DIR)
+        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+        _check_keys(model_sd, metadata, path)
+    except CheckpointError as exc:
+        error = exc
+    _agree(error, "checking the checkpoint")
+
+    state: dict[str, Any] = {"model": model_sd}
+    if load_optimizer:
+        state["optim"] = optim_sd["state"]
+    try:
+        with single_process_ok():
+            dcp.load(
+                state,
+                storage_reader=SafeReader(path / STATE_DIR),
+                planner=TensorOnlyLoadPlanner(),
+                no_dist=not dist.is_initialized(),
+            )
+    except (RuntimeError, ValueError, KeyError, DCPException) as exc:
+        raise CheckpointError(f"could not read checkpoint {path}: {root_cause(exc)}") from None
+    if load_optimizer:
+        optim_state = {
+            "state": state["optim"],
+            "param_groups": manifest["optimizer"]["param_groups"],
+        }
+        set_state_dict(
+            engine.model,
+            engine.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=optim_state,
+        )
+    else:
+        set_model_state_dict(engine.model, state["model"])
+    if load_optimizer and engine.scheduler is not None and manifest.get("scheduler") is not None:
+        engine.scheduler.load_state_dict(manifest["scheduler"])
+    if load_optimizer and engine.scaler is not None and manifest.get("grad_scaler") is not None:
+        engine.scaler.load_state_dict(manifest["grad_scaler"])
+    engine.step = int(manifest["step"])
+    engine.skipped_steps = int(manifest.get("skipped_steps", 0))
+    engine.micro_step = 0
+    rng_file = path / RNG_DIR / f"rank_{rank}.safetensors"
+    manifest["rng_restored"] = manifest["world_size"] == world and rng_file.is_file()
+    if manifest["rng_restored"]:
+        _restore_rng(load_file(str(rng_file)))
+    return manifest

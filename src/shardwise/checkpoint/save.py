@@ -1,0 +1,207 @@
+"""Checkpoints: sharded, atomic, exact to resume, loadable at any world size or strategy.
+
+Owns: `save_checkpoint`/`load_checkpoint` (every rank writes and reads its own part
+through torch.distributed.checkpoint), the checkpoint directory layout, the manifest,
+`latest`, pruning, and the rule that a checkpoint is visible only once complete.
+
+Layout of ROOT/step_00000100/:
+    state/        DCP files: model and optimizer tensors only (resharded on load)
+    rng/          rank_<r>.safetensors: each rank's RNG states
+    shardwise.json  the manifest: counters, configs, optimizer hyperparameters, scheduler
+                  and grad-scaler state, runner position, versions, SHA-256 of every file
+ROOT/latest       name of the newest complete checkpoint
+
+Safety: nothing here unpickles with code execution. Only tensors go through DCP (so its
+byte-object path, torch.load(weights_only=False), is never used, and a load planner
+refuses it), DCP's pickled `.metadata` is read with an allow-list unpickler, RNG states are
+safetensors, and everything else is JSON.
+
+Paths stay inside: DCP's `.metadata` names, per stored chunk, the file that holds it
+(`relative_path`); an entry that is absolute, contains `..` or resolves (through a link)
+outside the checkpoint's state/ directory is refused before anything is read.
+
+The directory rule (what a save does to what is already under ROOT):
+- A save at step N supersedes every checkpoint under ROOT with a step >= N: they are
+  moved, never deleted, to ROOT/superseded/<UTC time>/ (one log line each) just before the
+  new one is renamed into place. So `latest`, `keep_last` and the newest-complete fallback
+  always see one linear history, whether the step existed because a kill came between the
+  rename and the `latest` update, because training resumed from an older checkpoint, or
+  because the directory holds an older run. `set_aside_newer(root, step)` applies the same
+  rule right after resuming, before any save.
+- Leftovers of killed saves and prunings (`.tmp-step_*`, `.deleting-step_*`, and `step_*`
+  without a manifest) are removed by rank 0 at the next save, one log line each. Pruning
+  renames a directory to `.deleting-step_*` before removing it, so a half-deleted one is
+  never mistaken for a checkpoint.
+
+Asynchronous saves (`save_checkpoint(..., async_=True)`) use DCP's `async_save`: the state
+is copied to CPU memory during the call (later steps cannot leak into it), files are
+written by a background thread, and the manifest, rename, `latest` and pruning happen in
+`PendingCheckpoint.result()`, which every rank calls (the next save, and
+`wait_for_checkpoint()`, call it). The background thread's collectives run on a separate
+gloo group: on the default group they interleave with training's own collectives, and gloo
+aborts the process ("Received data size doesn't match expected size", measured at torch
+2.13); DCP also requires a CPU backend for async saves, which a NCCL job lacks.
+
+Must not: hand-write sharding or the tensor format (DCP owns both).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+)
+
+from shardwise.checkpoint.async_save import (
+    PendingCheckpoint,
+    _start_async,
+    in_flight_dir,
+    wait_for_checkpoint,
+)
+from shardwise.checkpoint.commit import (
+    _agree_or_clean,
+    _finish,
+    _hash_share,
+    _prepare,
+    _write_failed,
+)
+from shardwise.checkpoint.contents import _jsonable, _manifest, _rng_tensors
+from shardwise.checkpoint.layout import RNG_DIR, STATE_DIR, TMP_PREFIX, checkpoint_name
+from shardwise.checkpoint.ranks import _agree, single_process_ok
+from shardwise.checkpoint.trust import (
+    CheckpointError,
+    root_cause,
+)
+from shardwise.distributed.process_group import (
+    rank_and_world,
+)
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+# --- RNG --------------------------------------------------------------------------------------
+
+
+# --- listing ----------------------------------------------------------------------------------
+
+
+# --- the directory rule ------------------------------------------------------------------------
+
+
+# --- save ---------------------------------------------------------------------------------------
+
+
+@overload
+def save_checkpoint(
+    directory: str | Path,
+    engine: Any,
+    *,
+    extra: dict[str, Any] | None = ...,
+    keep_last: int | None = ...,
+    runner_state: dict[str, Any] | None = ...,
+    async_: Literal[False] = ...,
+) -> Path: ...
+
+
+@overload
+def save_checkpoint(
+    directory: str | Path,
+    engine: Any,
+    *,
+    extra: dict[str, Any] | None = ...,
+    keep_last: int | None = ...,
+    runner_state: dict[str, Any] | None = ...,
+    async_: Literal[True],
+) -> PendingCheckpoint: ...
+
+
+def save_checkpoint(
+    directory: str | Path,
+    engine: Any,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    runner_state: dict[str, Any] | None = None,
+    async_: bool = False,
+) -> Path | PendingCheckpoint:
+    """Save `engine` (model, optimizer, scheduler, scaler, counters, RNG) under `directory`.
+
+    Every rank writes its own shards in parallel. The checkpoint is written to a
+    temporary directory and renamed to ROOT/step_<step> only after every rank has
+    finished; `latest` then points at it and, with `keep_last`, older complete checkpoints
+    beyond that many are deleted. On failure the partial files are removed and nothing
+    already saved is touched. Call it between optimizer steps (not mid-accumulation).
+
+    What is already there: checkpoints with a step >= this one (a kill after a rename, a
+    resume from an older checkpoint, an older run) are moved to ROOT/superseded/<UTC
+    time>/ just before the rename, never deleted; leftovers of killed saves and prunings
+    are removed first. Each gets a log line (logger "shardwise.checkpoint").
+
+    With `async_=True` the state is copied to CPU memory now and written by a background
+    thread while training goes on; the call returns a `PendingCheckpoint`, and the
+    checkpoint becomes visible (manifest, rename, `latest`, pruning) only in its
+    `result()`, which every rank must call. The next `save_checkpoint` and
+    `wait_for_checkpoint()` call it; call `wait_for_checkpoint()` before exiting, or the
+    save is abandoned (its temporary directory is removed by the next save). The CPU copy
+    (this rank's model and optimizer shards, pinned when CUDA is present) is kept for the
+    next asynchronous save and released by `shardwise.shutdown()`: allocating it anew
+    cost more than copying into it (0.25-1 s against 0.05 s for a 110M-parameter AdamW
+    state on 2 CPU ranks), and the copy is the training stall.
+    """
+    wait_for_checkpoint()  # the previous asynchronous save becomes visible first
+    rank, world = rank_and_world()
+    if engine.micro_step != 0:
+        raise CheckpointError(
+            f"save_checkpoint: the engine is {engine.micro_step} micro-batch(es) into an "
+            "accumulation window; their gradients are not part of any state and would be lost. "
+            "Save right after an optimizer step."
+        )
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(
+            f"save_checkpoint(keep_last={keep_last!r}) must be a positive int or None."
+        )
+    if not isinstance(async_, bool):
+        raise TypeError(f"save_checkpoint(async_={async_!r}) must be True or False.")
+    extra = _jsonable(extra, "save_checkpoint(extra=...)") if extra is not None else None
+    root = Path(directory)
+    name = checkpoint_name(engine.step)
+    final, tmp = root / name, root / f"{TMP_PREFIX}{name}"
+    prepared = _prepare(root, tmp, final, in_flight_dir()) if rank == 0 else None
+    _agree(prepared, "creating the checkpoint directory")
+
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    # All but the tensors is taken now, so an asynchronous save holds this step's state.
+    manifest = _manifest(engine, optim_sd, world, extra, runner_state)
+    error: BaseException | None = None
+    try:
+        save_file(_rng_tensors(), str(tmp / RNG_DIR / f"rank_{rank}.safetensors"))
+        if not async_:
+            with single_process_ok():
+                dcp.save(
+                    {"model": model_sd, "optim": optim_sd["state"]},
+                    storage_writer=FileSystemWriter(tmp / STATE_DIR, sync_files=True),
+                    no_dist=not dist.is_initialized(),
+                )
+    except (OSError, RuntimeError, DCPException, SafetensorError) as exc:
+        error = CheckpointError(_write_failed(root, tmp, root_cause(exc)))
+    _agree_or_clean(error, "writing the checkpoint", tmp)
+    if async_:
+        return _start_async(root, tmp, final, manifest, keep_last, model_sd, optim_sd)
+    # Every rank hashes its share of the files (they are still in the page cache).
+    return _finish(root, tmp, final, manifest, keep_last, _hash_share(tmp))
+
+
+# --- asynchronous save ---------------------------------------------------------------------------
+
+
+# --- load -----------------------------------------------------------------------------------------

@@ -1,0 +1,158 @@
+"""`shardwise run` and `shardwise demo`: torch's elastic launcher, as torchrun, with checks.
+
+Owns: the launcher's arguments (validated before anything spawns), translating them into
+torchrun's, and running torch's launcher with shardwise's environment (the launcher's pid,
+the collective timeout).
+
+Must not: launch processes itself (torch's elastic agent does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+
+def nproc_arg(value: str) -> int:
+    if value == "auto":
+        import torch
+
+        return torch.cuda.device_count() or 2  # the GPUs, or 2 CPU processes
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--nproc={value!r}: use a positive integer or 'auto'"
+        ) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--nproc={n}: use a positive integer or 'auto'")
+    return n
+
+
+def nnodes_arg(value: str) -> str:
+    """--nnodes: N, or MIN:MAX for an elastic job (torchrun's syntax)."""
+    lo, sep, hi = value.partition(":")
+    try:
+        low, high = int(lo), int(hi if sep else lo)
+    except ValueError:
+        low = high = 0
+    if low < 1 or high < low:
+        raise argparse.ArgumentTypeError(
+            f"--nnodes={value!r}: use a positive integer N, or MIN:MAX with 1 <= MIN <= MAX "
+            "(an elastic job that starts with MIN nodes and admits up to MAX)"
+        )
+    return f"{low}:{high}" if sep else str(low)
+
+
+def non_negative_arg(flag: str) -> Any:
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"{flag}={value!r}: use a whole number >= 0")
+        return n
+
+    return parse
+
+
+def seconds_arg(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        s = -1.0
+    if not s > 0:
+        raise argparse.ArgumentTypeError(
+            f"--timeout={value!r}: use a positive number of seconds (the collective timeout)"
+        )
+    return s
+
+
+def _max_nodes(nnodes: str | int) -> int:
+    return int(str(nnodes).rpartition(":")[2])
+
+
+def launcher_args(args: argparse.Namespace) -> list[str]:
+    """torchrun's arguments for our `run` flags (single node: --standalone)."""
+    nnodes = str(args.nnodes)
+    out = ["--nproc_per_node", str(args.nproc), "--nnodes", nnodes]
+    if _max_nodes(nnodes) == 1 and not args.rdzv_endpoint:
+        out.append("--standalone")
+    else:
+        if not args.rdzv_endpoint:
+            raise ValueError(
+                f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node) "
+                "so the nodes can find each other."
+            )
+        if ":" not in nnodes and not 0 <= args.node_rank < int(nnodes):
+            raise ValueError(
+                f"--node-rank={args.node_rank} must be in [0, --nnodes={nnodes}): give each "
+                "node's launcher its own number, 0 on the first."
+            )
+        out += [
+            "--node_rank",
+            str(args.node_rank),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            args.rdzv_endpoint,
+        ]
+    out += ["--max_restarts", str(args.max_restarts)]
+    return out
+
+
+# torch's elastic agent by default hosts one TCPStore for the whole run and hands it to
+# every worker generation (TORCHELASTIC_USE_AGENT_STORE). A restart re-runs
+# init_process_group against the same store, where the dead generation's keys are still
+# set: the process group's prefix ("default_pg/0/") does not change between restarts, so
+# a new rank can read a dead peer's Gloo address ("connectFullMesh failed ... Connection
+# refused") or count stale keys in a store barrier (a hang). With the sharing switched
+# off, each rendezvous round hands out a fresh port and worker rank 0 hosts a new, empty
+# store (dynamic_rendezvous.py, next_rendezvous). Measured with bench/soak.py (rank 1
+# SIGKILLed at a random step, torch 2.13, 2 CPU ranks): with sharing 8 of 12 trials
+# resumed (3 died in connectFullMesh, 1 hung); without it 8 of 8, each with one restart.
+# See pytorch#135712. An explicit value set by the user is kept.
+_LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def launch_torchrun(torchrun_args: list[str], *, timeout_s: float | None = None) -> int:
+    """Run torch's elastic launcher in this process with `torchrun_args`."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from shardwise.distributed.process_group import LAUNCHER_PID_ENV, TIMEOUT_ENV
+
+    # The agent runs in this process and its workers inherit this environment.
+    for key, value in _LAUNCH_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers die with us (init_distributed)
+    if timeout_s is not None:
+        os.environ[TIMEOUT_ENV] = repr(timeout_s)
+    try:
+        run(get_args_parser().parse_args(torchrun_args))
+    except ChildFailedError as exc:
+        print(f"shardwise: a process failed:\n{exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    target = ["-m", args.script] if args.module else [args.script]
+    return launch_torchrun(
+        [*launcher_args(args), *target, *args.script_args], timeout_s=args.timeout
+    )
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    passthrough = (["--short"] if args.short else []) + (
+        ["--config", args.config] if args.config else []
+    )
+    if args.nproc == 1:
+        from shardwise.cli.demo import main as demo_main
+
+        return demo_main([*passthrough, *args.overrides])
+    torchrun = ["--nproc_per_node", str(args.nproc), "--standalone"]
+    return launch_torchrun([*torchrun, "-m", "shardwise.cli.demo", *passthrough, *args.overrides])

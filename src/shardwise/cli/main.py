@@ -1,0 +1,267 @@
+"""The `shardwise` command line.
+
+Owns: parsing the command line and dispatching to library functions; prints results.
+Subcommands: `run` (torch's elastic launcher, as torchrun), `plan` (the wrap plan and
+per-rank memory of a model built on the meta device), `demo` (the main job), `config`
+(show a resolved config, generate the reference), `plot RUN_DIR` and
+`checkpoint ls|inspect|export|verify DIR`.
+
+Must not: hold logic of its own beyond argument handling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from shardwise.cli.launch import (
+    demo_command,
+    nnodes_arg,
+    non_negative_arg,
+    nproc_arg,
+    run_command,
+    seconds_arg,
+)
+from shardwise.cli.plan import plan_command
+from shardwise.memory.model_states import format_bytes
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from shardwise.train.plot import plot_run
+
+    path = plot_run(args.run_dir, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    import shardwise.checkpoint as ck
+
+    if args.action == "ls":
+        found = ck.list_checkpoints(args.dir)
+        latest = (
+            (Path(args.dir) / ck.LATEST).read_text().strip()
+            if (Path(args.dir) / ck.LATEST).is_file()
+            else None
+        )
+        if not found:
+            print(f"no checkpoints under {args.dir}")
+        for c in found:
+            state = "complete" if c.complete else "INCOMPLETE (ignored)"
+            mark = "  <- latest" if c.path.name == latest else ""
+            size = format_bytes(c.size_bytes)
+            print(f"{c.path.name:<24} step {c.step:>8}  {size:>10}  {state}{mark}")
+        return 0
+    if args.action == "inspect":
+        manifest = ck.read_manifest(args.dir)
+        metadata = ck.read_dcp_metadata(ck.resolve_checkpoint(args.dir) / ck.STATE_DIR)
+        shown = {k: v for k, v in manifest.items() if k != "files"}
+        print(json.dumps(shown, indent=2))
+        print(f"files: {len(manifest['files'])}, {format_bytes(manifest.get('bytes', 0))}")
+        print("tensors:")
+        for key, md in sorted(metadata.state_dict_metadata.items()):
+            shape = tuple(getattr(md, "size", ()))
+            dtype = str(getattr(getattr(md, "properties", None), "dtype", "")).removeprefix(
+                "torch."
+            )
+            print(f"  {key:<60} {shape!s:<20} {dtype}")
+        return 0
+    if args.action == "verify":
+        directory = ck.resolve_checkpoint(args.dir)
+        problems = ck.verify_checkpoint(directory)
+        for p in problems:
+            print(f"PROBLEM {p}")
+        print(f"{directory}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        return 0 if not problems else 1
+    from shardwise.checkpoint.export import export_weights
+
+    # A corrupted checkpoint raises CheckpointError (a RuntimeError): main() exits 2 with it.
+    path = export_weights(
+        args.dir,
+        args.out,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_bytes,
+        verify=not args.no_verify,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from shardwise.config import run_file as schema
+
+    if args.action == "show":
+        print(
+            schema.dump_config(schema.load_config(args.config, args.overrides, cls=schema.Config)),
+            end="",
+        )
+        return 0
+    if args.update:
+        changed = schema.update_reference(args.update)
+        print(f"{args.update}: {'updated' if changed else 'already up to date'}")
+        return 0
+    print(schema.reference_markdown(), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardwise",
+        description="Scale a PyTorch model from one process to DDP, ZeRO-2, FSDP or HSDP.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run", help="launch SCRIPT on N processes per node (torch's elastic launcher)"
+    )
+    run.add_argument(
+        "--nproc",
+        type=nproc_arg,
+        default=nproc_arg("auto"),
+        help="processes per node, or 'auto' (GPUs, or 2 on CPU)",
+    )
+    run.add_argument(
+        "--nnodes",
+        type=nnodes_arg,
+        default="1",
+        help="number of nodes, or MIN:MAX for an elastic job (needs --rdzv-endpoint)",
+    )
+    run.add_argument(
+        "--node-rank",
+        type=non_negative_arg("--node-rank"),
+        default=0,
+        help="this node's rank (multi-node)",
+    )
+    run.add_argument(
+        "--rdzv-endpoint", default=None, help="HOST:PORT every node can reach (multi-node)"
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=non_negative_arg("--max-restarts"),
+        default=0,
+        help="restart the job this many times on failure; it resumes from its last checkpoint "
+        "when the script uses RunnerConfig(resume='latest')",
+    )
+    run.add_argument(
+        "--timeout",
+        type=seconds_arg,
+        default=None,
+        help="seconds a collective may wait before the job fails, naming the stuck rank in "
+        "steps wrapped by shardwise.distributed.guard (default 300; sets SHARDWISE_TIMEOUT_S)",
+    )
+    run.add_argument(
+        "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"
+    )
+    run.add_argument("script", help="the training script (or module with -m)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(func=run_command)
+
+    plan = sub.add_parser(
+        "plan", help="print the wrap plan and per-rank memory, built on the meta device"
+    )
+    plan.add_argument(
+        "target", help="MODULE:FACTORY that returns the model, e.g. shardwise.testing.models:GPT"
+    )
+    plan.add_argument("--world", type=int, required=True, help="world size to plan for")
+    plan.add_argument(
+        "--config", default=None, help="a YAML config (its parallel/optimizer sections)"
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also run one training step per strategy on fake tensors with a fake process "
+        "group of --world ranks (CPU, no real memory): each rank's peak, activations included",
+    )
+    plan.add_argument(
+        "--batch", type=int, default=1, help="micro-batch per rank for the peak with activations"
+    )
+    plan.add_argument(
+        "--memory-budget",
+        default=None,
+        help="per-rank budget each row is checked against, e.g. 70GiB, 80GB or 85%% "
+        "(default: parallel.memory_budget, else 90%% of this machine's device memory)",
+    )
+    plan.add_argument(
+        "--verbose", action="store_true", help="with --simulate: each simulation's categories"
+    )
+    plan.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="sequence length for the peak with activations (default: the model config's seq_len)",
+    )
+    plan.add_argument("overrides", nargs="*", help="section.key=value")
+    plan.set_defaults(func=plan_command)
+
+    demo = sub.add_parser(
+        "demo", help="train a small GPT on Python's own source with FSDP (about a minute)"
+    )
+    demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    demo.add_argument("--short", action="store_true", help="a few steps only")
+    demo.add_argument("--config", default=None, help="a YAML file with the demo's sections")
+    demo.add_argument("overrides", nargs="*", help="section.key=value, e.g. runner.max_steps=50")
+    demo.set_defaults(func=demo_command)
+
+    config = sub.add_parser("config", help="show a resolved config, or the generated reference")
+    config_actions = config.add_subparsers(dest="action", required=True)
+    show = config_actions.add_parser(
+        "show", help="the config after the file and overrides, as YAML"
+    )
+    show.add_argument("--config", default=None, help="a YAML config file")
+    show.add_argument("overrides", nargs="*", help="section.key=value")
+    reference = config_actions.add_parser("reference", help="the Markdown reference of every key")
+    reference.add_argument(
+        "--update", default=None, help="rewrite the generated block in this file"
+    )
+    config.set_defaults(func=_config)
+
+    plot = sub.add_parser("plot", help="render a run's loss, lr and throughput curves to PNG")
+    plot.add_argument("run_dir", help="a run directory written by shardwise.Runner")
+    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
+    plot.set_defaults(func=_plot)
+
+    ckpt = sub.add_parser("checkpoint", help="list, inspect, verify or export checkpoints")
+    actions = ckpt.add_subparsers(dest="action", required=True)
+    for name, text in (
+        ("ls", "list the checkpoints under a root, newest last"),
+        ("inspect", "show a checkpoint's manifest and tensors"),
+        ("verify", "check every file's size and SHA-256 (exit 1 on problems)"),
+        ("export", "verify, then write the model weights as consolidated safetensors"),
+    ):
+        p = actions.add_parser(name, help=text)
+        p.add_argument("dir", help="a checkpoint, or a root holding checkpoints (its latest)")
+        if name == "export":
+            p.add_argument("--out", required=True, help="output directory")
+            p.add_argument("--dtype", default=None, help="cast floating tensors (e.g. bf16)")
+            p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30)
+            p.add_argument(
+                "--no-verify",
+                action="store_true",
+                help="skip the size and SHA-256 check of the checkpoint's files (done by default)",
+            )
+    ckpt.set_defaults(func=_checkpoint)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow options (plan X --world 4 runner.max_steps=3); argparse leaves
+    # positionals after an option unparsed, so take the key=value ones here.
+    if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return int(args.func(args))
+    except (FileNotFoundError, ValueError, ImportError, RuntimeError) as exc:
+        print(f"shardwise {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

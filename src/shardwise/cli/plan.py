@@ -1,0 +1,185 @@
+"""`shardwise plan`: the wrap plan, per-rank memory and the strategy choice, before any run.
+
+Owns: importing the user's model factory, printing the plan and the memory table
+(estimates, and simulations with `--simulate`), and resolving `strategy=auto`.
+
+Must not: build a real model or start a process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from shardwise.memory.model_states import format_bytes
+
+
+def _load_factory(target: str) -> Any:
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"{target!r} is not MODULE:FACTORY, e.g. shardwise.testing.models:GPT or "
+            "mypkg.model:build"
+        )
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name!r}: {exc}") from None
+    factory = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ValueError(f"{target} is not callable")
+    return factory
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    import warnings
+
+    import torch
+
+    from shardwise.config.run_file import Config, load_config
+    from shardwise.memory.model_states import (
+        dtype_bytes,
+        estimate_memory,
+        format_memory,
+        memory_json,
+    )
+    from shardwise.plan.planner import PlanNotice, plan_wrap
+
+    if args.world < 1:
+        raise ValueError(
+            f"--world={args.world}: the world size to plan for must be a positive integer "
+            "(the total number of ranks, e.g. --world 8 for 8 GPUs)."
+        )
+    config = load_config(args.config, args.overrides, cls=Config)
+    factory = _load_factory(args.target)
+    with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere
+        model = factory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanNotice)
+        plan = plan_wrap(model, config.parallel)
+    precision = config.parallel.precision
+    compute = (
+        dtype_bytes(str(precision.param_dtype).removeprefix("torch."))
+        if precision.is_mixed
+        else None
+    )
+    estimates = estimate_memory(
+        plan, args.world, optimizer=config.optimizer.name, compute_dtype_bytes=compute
+    )
+    parallel = config.parallel
+    if args.memory_budget is not None:
+        parallel = dataclasses.replace(parallel, memory_budget=args.memory_budget)
+    seq_len = args.seq_len
+    if seq_len is None:
+        from shardwise.memory.fake import default_seq_len
+
+        seq_len = default_seq_len(model)
+    if parallel.strategy == "auto" or parallel.activation_checkpointing == "auto":
+        return _plan_auto(args, factory, parallel, config.optimizer.name, seq_len)
+    from shardwise.memory.auto import format_rows, resolve_budget
+
+    limit, source = resolve_budget(parallel.memory_budget)
+    rows = _plan_rows(
+        args, factory, model, parallel, estimates, config.optimizer.name, seq_len, limit
+    )
+    if args.json:
+        out = {"plan": plan.to_dict(), "memory": json.loads(memory_json(estimates))}
+        out["peaks"] = [dataclasses.asdict(r) for r, _ in rows]
+        sims = [s for _, s in rows if s is not None]
+        if sims:
+            out["simulated"] = [s.to_dict() for s in sims]
+        print(json.dumps(out, indent=2))
+        return 0
+    print(plan)
+    print()
+    print(f"world size {args.world}, optimizer {config.optimizer.name}, precision {precision}")
+    print(format_memory(estimates))
+    if rows:
+        print()
+        print(
+            f"per-rank peak with activations, micro-batch {args.batch} x seq {seq_len}, "
+            f"AC {parallel.activation_checkpointing}; budget {format_bytes(limit)} ({source})"
+        )
+        print(format_rows([r for r, _ in rows]))
+    for _, sim in rows:
+        if sim is not None and args.verbose:
+            print()
+            print(sim)
+    return 0
+
+
+def _plan_rows(
+    args: argparse.Namespace,
+    factory: Any,
+    model: Any,
+    parallel: Any,
+    estimates: list[Any],
+    optimizer: str,
+    seq_len: int | None,
+    limit: int,
+) -> list[tuple[Any, Any]]:
+    """A row per strategy: the instant peak with activations, the simulated one with
+    --simulate, and whether it fits the budget. Empty when the sequence length is unknown."""
+    from shardwise.memory.auto import Candidate, InstantPeak
+    from shardwise.memory.simulate import simulate_step
+
+    if seq_len is None:
+        return []
+    instant = InstantPeak(model, args.world, args.batch, seq_len, optimizer)
+    rows = []
+    for e in estimates:
+        cfg = dataclasses.replace(parallel, strategy=e.strategy)
+        estimate = instant(cfg)
+        sim = None
+        if args.simulate:
+            sim = simulate_step(
+                factory,
+                cfg,
+                world=args.world,
+                batch=args.batch,
+                seq_len=seq_len,
+                optimizer=optimizer,
+            )
+        peak = sim.peak if sim is not None else estimate
+        row = Candidate(
+            e.strategy,
+            str(parallel.activation_checkpointing),
+            estimate,
+            simulated=sim.peak if sim is not None else None,
+            fits=peak <= limit,
+        )
+        rows.append((row, sim))
+    return rows
+
+
+def _plan_auto(
+    args: argparse.Namespace, factory: Any, parallel: Any, optimizer: str, seq_len: int | None
+) -> int:
+    from shardwise.memory.auto import NoPlanFitsError, choose_plan
+
+    try:
+        auto = choose_plan(
+            factory,
+            parallel,
+            world=args.world,
+            batch=args.batch,
+            seq_len=seq_len,
+            optimizer=optimizer,
+            simulate=args.simulate,
+        )
+    except NoPlanFitsError as exc:
+        if args.json:
+            print(json.dumps(exc.plan.to_dict(), indent=2))
+        print(f"shardwise plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(auto.to_dict(), indent=2) if args.json else auto)
+    return 0

@@ -1,0 +1,463 @@
+"""The one configuration schema for files and the command line.
+
+Owns: `Config` (sections parallel, train, optimizer, scheduler, runner) and the machinery
+every schema shares: strict loading from YAML (`yaml.safe_load`), `section.key=value`
+overrides, dumping back to YAML, and the Markdown reference generated from the fields'
+docstrings (so the README's reference cannot drift).
+
+Strictness: an unknown key is an error listing the valid keys and the closest match; a
+value of the wrong type names the field and the expected type; each section's own
+validation (e.g. ParallelConfig's) then runs as usual.
+
+Must not: read environment variables or start anything.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import math
+import textwrap
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import torch
+import yaml
+
+from shardwise.config.names import closest
+from shardwise.config.parallel import ParallelConfig
+from shardwise.config.training import RunnerConfig, TrainConfig
+from shardwise.config.vocabulary import FOREIGN_WORDS, PLACEMENT_WORDS, integral, translate
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the key."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """The optimizer built after wrapping (Engine gets `config.build`)."""
+
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    """Optimizer class."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled (adamw) or L2 (adam, sgd) weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's moment decay rates."""
+    momentum: float = 0.0
+    """SGD momentum."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(
+                f"optimizer.lr={self.lr} must be a finite number > 0 (a peak learning rate "
+                "such as 3e-4)."
+            )
+        for name in ("weight_decay", "momentum"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"optimizer.{name}={value} must be a finite number >= 0.")
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ConfigError(
+                    f"optimizer.betas[{i}]={beta} must be in [0, 1) (a moment decay rate; "
+                    "1 never forgets and divides by zero in the bias correction). Use e.g. "
+                    "betas: [0.9, 0.95]."
+                )
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        params = list(params)
+        if self.name == "sgd":
+            return torch.optim.SGD(
+                params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            )
+        cls = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
+        return cls(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """Learning-rate schedule, stepped once per optimizer step."""
+
+    name: Literal["none", "constant", "cosine", "linear"] = "none"
+    """'none' keeps the optimizer's lr; the others add linear warm-up, then decay."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to the peak lr."""
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of the peak (cosine, linear), in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        w = self.warmup_steps
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ConfigError(f"scheduler.warmup_steps={w!r} must be an int >= 0 (0: no warm-up).")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(
+                f"scheduler.min_lr_ratio={self.min_lr_ratio} must be in [0, 1] (the final lr "
+                "as a fraction of the peak; a negative ratio would give a negative lr)."
+            )
+
+    def build(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        if self.name == "none":
+            return None
+        warmup, floor, name = self.warmup_steps, self.min_lr_ratio, self.name
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if name == "constant":
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            decay = 0.5 * (1 + math.cos(math.pi * progress)) if name == "cosine" else 1 - progress
+            return floor + (1 - floor) * decay
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@dataclass(kw_only=True)
+class Config:
+    """Everything a training job needs besides the model and data."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Strategy, mesh, precision, wrap planning."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Accumulation, clipping, loss scaling."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """The learning-rate schedule."""
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    """Loops, logging and checkpoints."""
+
+
+# --- from plain data -------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is not None:
+        args = ", ".join("..." if a is Ellipsis else _type_name(a) for a in get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """`value` checked (and lightly converted: int->float, list->tuple) against `tp`."""
+    if tp is Any:
+        return tuple(value) if isinstance(value, list) else value
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arm in get_args(tp):
+            try:
+                return _coerce(value, arm, path)
+            except ConfigError:
+                continue
+        raise ConfigError(
+            f"{path}: expected {_type_name(tp)}, got {type(value).__name__} ({value!r})."
+        )
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        hint = closest(str(value), [str(a) for a in get_args(tp)])
+        raise ConfigError(
+            f"{path}={value!r} is not allowed.{hint} Choose one of {list(get_args(tp))}."
+        )
+    if tp is type(None):
+        if value is None:
+            return None
+    elif dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if isinstance(value, Mapping):
+            return from_dict(tp, value, path)
+    elif origin is tuple or origin is list:
+        if isinstance(value, (list, tuple)):
+            args = get_args(tp)
+            if origin is tuple and args and args[-1] is not Ellipsis and len(args) != len(value):
+                raise ConfigError(
+                    f"{path}: expected {len(args)} values ({_type_name(tp)}), got {len(value)}."
+                )
+            items = (
+                [
+                    _coerce(
+                        v,
+                        args[0] if (origin is list or args[-1] is Ellipsis) else args[i],
+                        f"{path}[{i}]",
+                    )
+                    for i, v in enumerate(value)
+                ]
+                if args
+                else list(value)
+            )
+            return tuple(items) if origin is tuple else items
+    elif origin is dict or tp is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, (float, str)):
+            # 1e7 is an int count written as a float (YAML 1.1 even reads it as text).
+            try:
+                return integral(value, path, text=True)
+            except TypeError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 (PyYAML) reads 1e-4, without a dot, as a string.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} ({value!r}).")
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "", base: Any = None) -> T:
+    """Build the dataclass `cls` from plain data, strictly (see the module docstring).
+
+    Keys not given keep `base`'s values, or the field defaults; a nested section given
+    in part keeps its own defaults (e.g. the demo's) for the rest.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{path or 'config'}: expected a mapping of keys, got {type(data).__name__}."
+        )
+    fields = _fields(cls)
+    defaults = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    if base is not None:
+        kwargs = {name: getattr(base, name) for name in fields}
+    if cls is ParallelConfig and FOREIGN_WORDS & set(data):
+        data = _translate_words(data, path)
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key in PLACEMENT_WORDS:  # checked by wrap against this rank's device
+            kwargs[key] = value
+            continue
+        if key not in fields:
+            raise ConfigError(
+                f"unknown key {where!r}.{closest(str(key), fields)} Valid keys"
+                f"{' in ' + path if path else ''}: {sorted(fields)}."
+            )
+        tp = fields[key]
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type) and isinstance(value, Mapping):
+            section_base = kwargs[key] if key in kwargs else _field_default(defaults[key])
+            kwargs[key] = from_dict(tp, value, where, base=section_base)
+        else:
+            kwargs[key] = _coerce(value, tp, where)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{path or 'config'}: {exc}") from None
+
+
+def _translate_words(data: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """Other systems' words in a parallel section, as ParallelConfig fields (before the
+    section is merged over its defaults, so `sharding_strategy` replaces `strategy`)."""
+    try:
+        values, placement = translate(dict(data))
+    except ValueError as exc:
+        raise ConfigError(f"{path or 'parallel'}: {exc}") from None
+    return {**values, **placement}
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain data (what YAML can hold) for a dataclass config; the inverse of from_dict."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if f.init:
+            out[f.name] = _plain(getattr(config, f.name), f.name)
+    return out
+
+
+def _plain(value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_dict(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v, where) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _plain(v, where) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, type):
+        return value.__name__  # module classes (wrap policies) by name
+    raise ConfigError(f"{where}={value!r} cannot be written to YAML; use names and numbers.")
+
+
+# --- files and overrides -----------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`section.key=value` -> (['section', 'key'], value); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form section.key=value.")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise ConfigError(
+            f"override {text!r}: {key!r} is not a dotted key such as runner.max_steps."
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({exc}).") from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A copy of `data` with each override set (creating sections as needed)."""
+    result: dict[str, Any] = _deep_copy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = result
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section.")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    cls: type[T] = Config,  # type: ignore[assignment]
+) -> T:
+    """A config of type `cls` from an optional YAML file plus `section.key=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}."
+            )
+        data = loaded or {}
+    return from_dict(cls, apply_overrides(data, overrides))
+
+
+def dump_config(config: Any) -> str:
+    return str(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+# --- the generated reference ---------------------------------------------------------------
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal after it), read from the source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def reference_markdown(cls: type = Config) -> str:
+    """The Markdown reference of every section and key of `cls`."""
+    lines = []
+    default = cls()
+    for section in dataclasses.fields(cls):
+        sub = type(getattr(default, section.name))
+        docs = field_docs(sub)
+        lines += [
+            f"### `{section.name}` ({sub.__name__})",
+            "",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
+        raw = {f.name: f.type for f in dataclasses.fields(sub)}
+        for f in dataclasses.fields(sub):
+            if not f.init:
+                continue
+            value = _plain(getattr(getattr(default, section.name), f.name), f.name)
+            shown = (
+                yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+            )
+            kind = str(raw[f.name]).replace("|", "\\|")
+            doc = docs.get(f.name, "").replace("|", "\\|")
+            lines.append(f"| `{section.name}.{f.name}` | `{kind}` | `{shown}` | {doc} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+REFERENCE_BEGIN = (
+    "<!-- BEGIN CONFIG REFERENCE (generated by `shardwise config reference --update README.md`) -->"
+)
+REFERENCE_END = "<!-- END CONFIG REFERENCE -->"
+
+
+def update_reference(readme: str | Path, cls: type = Config) -> bool:
+    """Rewrite the generated block in `readme`; True if it changed."""
+    path = Path(readme)
+    text = path.read_text()
+    if REFERENCE_BEGIN not in text or REFERENCE_END not in text:
+        raise ConfigError(
+            f"{path} has no generated-reference markers "
+            f"({REFERENCE_BEGIN!r} ... {REFERENCE_END!r})."
+        )
+    head, rest = text.split(REFERENCE_BEGIN, 1)
+    _, tail = rest.split(REFERENCE_END, 1)
+    new = f"{head}{REFERENCE_BEGIN}\n\n{reference_markdown(cls)}\n{REFERENCE_END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text

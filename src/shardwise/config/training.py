@@ -1,0 +1,133 @@
+"""How training steps and loops are configured: TrainConfig and RunnerConfig.
+
+Owns: the two dataclasses the Engine and the Runner read, and their validation. They live
+here, beside ParallelConfig, so the run file (config/run_file.py) can be read without
+importing any training code.
+
+Must not: import torch.distributed, read the environment, or hold loop logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """How `Engine.train_step` turns micro-batches into optimizer steps."""
+
+    accumulate_steps: int = 1
+    """Micro-batches per optimizer step; gradients synchronise on the last one only."""
+    sync_each_microbatch: bool = False
+    """Reduce gradients after every micro-batch: more communication, less memory (FSDP
+    keeps sharded instead of full gradients between micro-batches)."""
+    max_grad_norm: float | None = None
+    """Clip gradients to this global L2 norm (over all shards and replicas)."""
+    grad_scaler: bool | None = None
+    """Dynamic loss scaling; None turns it on for fp16 compute."""
+    init_scale: float = 2.0**16
+    """Initial loss scale when scaling is on."""
+    detect_anomalous_params: bool = False
+    """Debug: list trainable parameters that received no gradient in a step."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A NaN/inf loss (keys containing 'loss') or gradient norm on any rank: 'stop' raises
+    NonFiniteError on every rank; 'skip' drops that update on every rank (parameters and
+    optimizer state unchanged, counted in skipped_steps) and warns. Under fp16 loss
+    scaling, a step with inf/nan gradients stays the grad scaler's to skip (and back off);
+    a non-finite loss with finite gradients is still caught."""
+
+    def __post_init__(self) -> None:
+        k = self.accumulate_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"TrainConfig.accumulate_steps={k!r} must be an int >= 1 (micro-batches per "
+                "optimizer step; 1 means no accumulation)."
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(
+                f"TrainConfig.max_grad_norm={self.max_grad_norm!r} must be > 0, or None to "
+                "not clip."
+            )
+        if not self.init_scale > 0:
+            raise ValueError(f"TrainConfig.init_scale={self.init_scale!r} must be > 0.")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(
+                f"TrainConfig.on_nonfinite={self.on_nonfinite!r} is not allowed. Choose 'stop' "
+                "(raise on every rank) or 'skip' (drop that update on every rank)."
+            )
+
+
+@dataclass(kw_only=True)
+class RunnerConfig:
+    """How `Runner.fit` loops."""
+
+    max_epochs: int | None = 1
+    """Epochs over the training data (None: until max_steps)."""
+    max_steps: int | None = None
+    """Optimizer steps; training stops at whichever of max_epochs/max_steps comes first."""
+    batch_size: int = 8
+    """Per-rank batch size when given a Dataset (a DataLoader keeps its own)."""
+    val_every: int | None = None
+    """Validate every N optimizer steps (None: at the end of each epoch)."""
+    val_batches: int | None = None
+    """Validate on at most this many batches per rank (None: all)."""
+    log_every: int = 1
+    """Write a metrics row every N optimizer steps."""
+    run_dir: str = "runs/default"
+    """Where metrics.csv (and tensorboard/) go."""
+    seed: int = 0
+    """Seeds the sampler's shuffling (and everything, via seed_everything, in fit)."""
+    shuffle: bool = True
+    """Shuffle the training data each epoch."""
+    drop_last: bool = False
+    """Drop the tail that does not fill a batch on every rank."""
+    num_workers: int = 0
+    """DataLoader worker processes for datasets."""
+    progress: bool = True
+    """Show the progress bar on rank 0."""
+    tensorboard: bool | None = None
+    """Write TensorBoard scalars: None when installed, True to require it."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go (None: RUN_DIR/checkpoints)."""
+    save_every: int | None = None
+    """Save a checkpoint every N optimizer steps (None: never during training)."""
+    save_at_end: bool = False
+    """Save a checkpoint when training ends."""
+    keep_last: int | None = None
+    """Keep only the newest N complete checkpoints (None: keep all)."""
+    resume: str | None = None
+    """'latest' (the newest complete checkpoint in checkpoint_dir, or a fresh start when there
+    is none) or a checkpoint path to continue from. None: a fresh run, refused when run_dir
+    already holds metrics or checkpoint_dir holds checkpoints."""
+    async_save: bool = False
+    """Write `save_every` checkpoints in the background (DCP's async_save): training goes on
+    while the files are written; each becomes complete (manifest, `latest`) when the next
+    save starts or fit ends. Costs one CPU copy of this rank's state, kept between saves."""
+    stop_on_sigterm: bool = True
+    """On SIGTERM, finish the current optimizer step, save a checkpoint and exit with code
+    75 (all ranks at the same step); False leaves SIGTERM's handling as it was."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_epochs",
+            "max_steps",
+            "val_every",
+            "val_batches",
+            "save_every",
+            "keep_last",
+        ):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"RunnerConfig.{name}={value!r} must be a positive int or None.")
+        for name in ("batch_size", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RunnerConfig.{name}={value!r} must be a positive int.")
+        if self.max_epochs is None and self.max_steps is None:
+            raise ValueError(
+                "RunnerConfig: max_epochs and max_steps are both None, so training would never "
+                "stop. Set at least one of them."
+            )

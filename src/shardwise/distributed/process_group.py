@@ -1,0 +1,422 @@
+"""Process-group lifecycle: `init_distributed`, `shutdown`, and who-am-I queries.
+
+Owns: reading the launcher's environment (the only place in shardwise that does):
+torchrun's variables, or SLURM's when a task was started by `srun` without torchrun;
+choosing the backend and device; the default process group's timeout
+(SHARDWISE_TIMEOUT_S, set by `shardwise run --timeout`); and tying a torchrun worker's
+life to its launcher (a parent-death signal), so killing the launcher leaves no orphans.
+
+Must not: build meshes or wrap models.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Collective timeout when neither timeout_s nor SHARDWISE_TIMEOUT_S says otherwise."""
+TIMEOUT_ENV = "SHARDWISE_TIMEOUT_S"
+LAUNCHER_PID_ENV = "SHARDWISE_LAUNCHER_PID"
+"""Set by `shardwise run`: the agent's pid, which its workers check they are still children of."""
+SLURM_DEFAULT_PORT_BASE = 20000
+"""Under srun without MASTER_PORT: port 20000 + SLURM_JOB_ID % 10000, so two jobs that share
+a node do not collide."""
+_DRAIN_S = 0.1
+_PR_SET_PDEATHSIG = 1
+# slurmstepd's pseudo step ids of the batch script and the extern step: not an srun task
+_SLURM_NON_TASK_STEPS = {"batch", "extern", "4294967294", "4294967291", "4294967295"}
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str | None
+    device: torch.device
+    timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size} (local {self.local_rank}/"
+            f"{self.local_world_size}) backend={self.backend} device={self.device}"
+        )
+
+
+_info: DistInfo | None = None
+_monitor: dist.ProcessGroup | None = None
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def _register_shutdown_hook(hook: Callable[[], None]) -> None:
+    """Run `hook` in `shutdown()` before the process group is destroyed."""
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
+
+
+def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {key}={raw!r} is not an integer. torchrun sets it; "
+            "if you set it by hand, use a whole number."
+        ) from None
+
+
+def env_world_size(env: Mapping[str, str] | None = None) -> int:
+    """WORLD_SIZE as the launcher set it (1 when absent)."""
+    return _env_int(os.environ if env is None else env, "WORLD_SIZE", 1)
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """What the launcher told this process: torchrun's variables or SLURM's."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+    source: str
+    """'torchrun' (RANK/WORLD_SIZE/...), 'slurm' (an srun task), or 'none' (plain python)."""
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """SLURM's compressed host list as names: 'gpu[01-03,07],cpu1' -> gpu01 gpu02 gpu03 gpu07 cpu1.
+
+    Brackets may repeat within a name ('r[1-2]n[1-2]': the product) and keep zero padding.
+    """
+    items: list[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(hostlist + ","):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            if hostlist[start:i].strip():
+                items.append(hostlist[start:i].strip())
+            start = i + 1
+        if depth not in (0, 1):
+            break
+    if depth != 0:
+        raise ValueError(f"SLURM host list {hostlist!r} has unbalanced brackets.")
+    hosts: list[str] = []
+    for item in items:
+        names = [""]
+        for literal, group in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            choices = [literal]
+            if group:
+                choices = [literal + n for n in _expand_ranges(group, hostlist)]
+            names = [n + c for n in names for c in choices]
+        hosts.extend(names)
+    return hosts
+
+
+def _expand_ranges(group: str, hostlist: str) -> list[str]:
+    out: list[str] = []
+    for part in group.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(
+                f"SLURM host list {hostlist!r}: [{group}] is not a list of numbers and "
+                "ranges like [01-04,07]."
+            )
+        if not sep:
+            out.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"SLURM host list {hostlist!r}: range {part} runs backwards.")
+        out.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
+    return out
+
+
+def _tasks_on_node(spec: str, node: int) -> int | None:
+    """SLURM_TASKS_PER_NODE ('2(x3),1') -> the count of node number `node`."""
+    nodes: list[int] = []
+    for part in spec.split(","):
+        found = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not found:
+            return None
+        nodes += [int(found.group(1))] * int(found.group(2) or 1)
+    return nodes[node] if 0 <= node < len(nodes) else None
+
+
+def _is_srun_task(env: Mapping[str, str]) -> bool:
+    # The batch script itself has SLURM_PROCID=0 and SLURM_NTASKS=N too: a plain `python
+    # train.py` there must not wait for N-1 ranks that were never started.
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    return bool(env.get("SLURM_PROCID")) and step is not None and step not in _SLURM_NON_TASK_STEPS
+
+
+def _read_slurm(env: Mapping[str, str]) -> JobEnv:
+    world = _env_int(env, "SLURM_STEP_NUM_TASKS", _env_int(env, "SLURM_NTASKS", 1))
+    rank = _env_int(env, "SLURM_PROCID", 0)
+    local_rank = _env_int(env, "SLURM_LOCALID", 0)
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    local_world = _tasks_on_node(per_node, _env_int(env, "SLURM_NODEID", 0)) if per_node else None
+    if local_world is None:
+        local_world = _env_int(env, "SLURM_NTASKS_PER_NODE", world)
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+        hosts = expand_hostlist(nodelist)
+        if world > 1 and not hosts:
+            raise ValueError(
+                f"SLURM task {rank} of {world}: SLURM_JOB_NODELIST is empty, so the first "
+                "node (the rendezvous host) is unknown. Set MASTER_ADDR to it."
+            )
+        addr = hosts[0] if hosts else "127.0.0.1"
+    port = _env_int(env, "MASTER_PORT", 0) or (
+        SLURM_DEFAULT_PORT_BASE + _env_int(env, "SLURM_JOB_ID", 0) % 10000
+    )
+    return JobEnv(rank, world, local_rank, local_world, addr, port, "slurm")
+
+
+def _read_env(env: Mapping[str, str]) -> JobEnv:
+    """The job as the launcher described it: torchrun's variables first, then SLURM's."""
+    if "RANK" not in env and "WORLD_SIZE" not in env and _is_srun_task(env):
+        job = _read_slurm(env)
+        where = "SLURM_PROCID"
+    else:
+        world = _env_int(env, "WORLD_SIZE", 1)
+        rank = _env_int(env, "RANK", 0)
+        job = JobEnv(
+            rank,
+            world,
+            _env_int(env, "LOCAL_RANK", rank if world > 1 else 0),
+            _env_int(env, "LOCAL_WORLD_SIZE", world),
+            env.get("MASTER_ADDR") or None,
+            _env_int(env, "MASTER_PORT", 0) or None,
+            "torchrun" if "RANK" in env or "WORLD_SIZE" in env else "none",
+        )
+        where = "RANK"
+    world, rank = job.world_size, job.rank
+    if world < 1:
+        raise ValueError(f"Environment variable WORLD_SIZE={world} must be >= 1.")
+    if not 0 <= rank < world:
+        raise ValueError(f"Environment variable {where}={rank} must be in [0, WORLD_SIZE={world}).")
+    if world > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+        if job.source == "torchrun" and missing:
+            raise ValueError(
+                f"WORLD_SIZE={world} but {', '.join(missing)} is not set. Launch with "
+                "torchrun (or `shardwise run`), which sets the rendezvous address."
+            )
+    return job
+
+
+def _timeout_from_env(env: Mapping[str, str]) -> float:
+    raw = env.get(TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(
+            f"Environment variable {TIMEOUT_ENV}={raw!r} must be a positive number of seconds "
+            f"(the collective timeout; default {DEFAULT_TIMEOUT_S:g})."
+        )
+    return value
+
+
+def _gpu_index(local_rank: int, visible: int) -> int:
+    """This rank's GPU: its local rank, or the only one it can see (srun --gpus-per-task=1,
+    or a CUDA_VISIBLE_DEVICES per rank)."""
+    if visible == 1:
+        return 0
+    if not 0 <= local_rank < visible:
+        raise ValueError(
+            f"Local rank {local_rank} has no GPU of its own: this process sees {visible} "
+            "GPU(s). Start at most one process per visible GPU (--nproc, or srun "
+            "--ntasks-per-node equal to --gpus-per-node), or pass init_distributed(device=...)."
+        )
+    return local_rank
+
+
+def _die_with_launcher(env: Mapping[str, str]) -> None:
+    """Have Linux SIGKILL this torchrun worker when its launcher (the agent) dies.
+
+    torchrun starts each worker in a session of its own, so a scheduler or OOM killer
+    that SIGKILLs the launcher's process group does not reach the workers; a worker
+    stuck in a collective then lives on. The signal fires when the thread that started
+    us exits: torch's agent starts workers from its main thread.
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in env:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    # The launcher may have died before prctl took effect: then we were re-parented.
+    expected = _env_int(env, LAUNCHER_PID_ENV, 0)
+    if env is os.environ:  # our own children (a nested torchrun) have another parent
+        os.environ.pop(LAUNCHER_PID_ENV, None)
+    parent = os.getppid()
+    if parent == 1 or (expected and parent != expected):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def init_distributed(
+    *,
+    backend: str | None = None,
+    device: str | torch.device | None = None,
+    timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> DistInfo:
+    """Join the job torchrun (or srun) started, or make a one-process group when there is none.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT; without them,
+    in a task started by srun, SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+    SLURM_TASKS_PER_NODE and the first host of SLURM_JOB_NODELIST (port: MASTER_PORT, or
+    20000 + SLURM_JOB_ID % 10000). Picks nccl when CUDA is available (device from the
+    local rank) and gloo otherwise. Every collective on the default group then times out
+    after `timeout_s` (default: SHARDWISE_TIMEOUT_S, else 300 s) instead of hanging; wrap
+    a step in `shardwise.distributed.guard` to have the timeout name the stuck rank.
+    Idempotent: a second call returns the first call's result.
+    """
+    global _info
+    if _info is not None and dist.is_initialized():
+        return _info
+    env = os.environ if env is None else env
+    if timeout_s is None:
+        timeout_s = _timeout_from_env(env)
+    if timeout_s <= 0:
+        raise ValueError(f"init_distributed(timeout_s={timeout_s}) must be > 0 seconds.")
+    job = _read_env(env)
+    _die_with_launcher(env)
+    rank, world, local_rank, local_world = (
+        job.rank,
+        job.world_size,
+        job.local_rank,
+        job.local_world_size,
+    )
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", _gpu_index(local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(dev)
+    if backend is None:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+
+    timeout = timedelta(seconds=timeout_s)
+    if dist.is_initialized():  # someone else (user code, a framework) set it up: adopt it
+        rank, world = dist.get_rank(), dist.get_world_size()
+        backend = str(dist.get_backend())
+    elif world == 1 and not env.get("MASTER_ADDR"):
+        # Plain `python script.py`: a private one-rank group, so the same code paths run.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    else:
+        # torchrun's env:// also honours its agent-store settings; srun tasks give tcp://.
+        host = f"[{job.master_addr}]" if ":" in str(job.master_addr) else job.master_addr
+        dist.init_process_group(
+            backend,
+            init_method="env://" if job.source != "slurm" else f"tcp://{host}:{job.master_port}",
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    _make_monitor_group(timeout_s)
+    _info = DistInfo(rank, world, local_rank, local_world, backend, dev, timeout_s)
+    return _info
+
+
+def _make_monitor_group(timeout_s: float) -> None:
+    """The small gloo group the stall watchdog checks ranks on (distributed/watchdog.py):
+    separate from the default group, so it works after a collective there failed, and on
+    nccl jobs too. Every rank makes it in init_distributed (a collective)."""
+    global _monitor
+    if dist.get_world_size() > 1:
+        _monitor = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def monitor_group() -> dist.ProcessGroup | None:
+    """The watchdog's gloo group, or None when init_distributed did not make the group."""
+    return _monitor
+
+
+def shutdown() -> None:
+    """Destroy the default process group (idempotent)."""
+    global _info, _monitor
+    if dist.is_available() and dist.is_initialized():
+        for hook in _shutdown_hooks:
+            hook()
+        # Gloo's worker threads need the GIL for a moment to drop the tensors of
+        # finished collectives. If the last reference to the group dies later inside a
+        # DDP Reducer's destructor (which joins those threads while holding the GIL),
+        # a worker still waiting for the GIL deadlocks the exit (pytorch#56297). Let
+        # them finish now.
+        time.sleep(_DRAIN_S)
+        dist.destroy_process_group()  # every group, the monitor group included
+    _info = None
+    _monitor = None
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def get_dist_info() -> DistInfo:
+    """This process's place in the job, without initialising anything.
+
+    With no process group: world size 1 on the current default device.
+    """
+    if _info is not None and dist.is_initialized():
+        return _info
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        backend = str(dist.get_backend())
+        local_rank = _env_int(os.environ, "LOCAL_RANK", dist.get_rank() if world > 1 else 0)
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        return DistInfo(
+            dist.get_rank(),
+            world,
+            local_rank,
+            _env_int(os.environ, "LOCAL_WORLD_SIZE", world),
+            backend,
+            dev,
+            DEFAULT_TIMEOUT_S,
+        )
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return DistInfo(0, 1, 0, 1, None, dev, DEFAULT_TIMEOUT_S)

@@ -1,0 +1,330 @@
+"""`strategy="auto"`: the cheapest plan whose per-rank peak fits the memory budget.
+
+Owns: `choose_plan`, which walks strategy x activation-checkpointing candidates from the
+cheapest up, gives each the instant estimate (model states + traced activations,
+`shardwise.memory.estimate_peak`) and simulates it (`shardwise.memory.simulate_step`)
+until one fits; `device_memory` and `resolve_budget`; the `AutoPlan` table with the reason
+for the choice; and `NoPlanFitsError`, which names the smallest peak found and what would
+make it fit.
+
+Cost order. Recompute dominates: activation checkpointing re-runs a forward (about a
+third of a step's compute) that nothing overlaps, while the extra communication of the
+sharded strategies mostly overlaps with compute. So every strategy without checkpointing
+comes before any with it (then every second block, then every block), and within one
+checkpointing level the strategies go by communication per step: ddp (one all-reduce) <
+shard_grad_op (gather once, reduce-scatter) < hybrid_shard (full sharding inside a group
+of ranks, an all-reduce across groups) < full_shard (gather twice across all ranks).
+
+Must not: wrap anything or touch the caller's process group (simulations run on fake
+tensors, in a subprocess when a process group exists).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.config.parallel import ParallelConfig, parse_memory_budget
+from shardwise.distributed.mesh import resolve_mesh
+from shardwise.memory.activations import trace_activations
+from shardwise.memory.model_states import estimate_memory, estimate_peak, format_bytes
+from shardwise.memory.simulate import simulate_step
+from shardwise.plan.planner import PlanNotice, plan_wrap
+
+__all__ = ["AutoPlan", "Candidate", "NoPlanFitsError", "choose_plan", "resolve_budget"]
+
+COMM_ORDER = ("ddp", "shard_grad_op", "hybrid_shard", "full_shard")
+AC_ORDER = ("none", "every_2", "full")
+DEFAULT_FRACTION = 0.9
+_SKIP_ABOVE = 1.25
+"""A candidate whose instant estimate exceeds the budget by this factor is not simulated
+(the estimate is within 10% of the simulation; see BENCHMARKS.md)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One row of the table: a strategy with an activation-checkpointing level."""
+
+    strategy: str
+    activation_checkpointing: str
+    estimate: int
+    simulated: int | None = None
+    fits: bool | None = None
+    note: str = ""
+
+    @property
+    def peak(self) -> int:
+        """The simulated peak where there is one, else the instant estimate."""
+        return self.simulated if self.simulated is not None else self.estimate
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """The candidates, in cost order, and the one chosen (None: nothing fits)."""
+
+    world_size: int
+    budget: int
+    budget_source: str
+    batch: int
+    seq_len: int | None
+    rows: list[Candidate]
+    chosen: Candidate | None
+    base: ParallelConfig = field(repr=False)
+
+    @property
+    def reason(self) -> str:
+        """Why the chosen row, or (nothing fits) the smallest peak and what would fit."""
+        return _reason(self)
+
+    @property
+    def config(self) -> ParallelConfig:
+        """The input config with the chosen strategy and checkpointing filled in."""
+        if self.chosen is None:
+            raise NoPlanFitsError(self)
+        return dataclasses.replace(
+            self.base,
+            strategy=self.chosen.strategy,
+            activation_checkpointing=self.chosen.activation_checkpointing,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "budget": self.budget,
+            "budget_source": self.budget_source,
+            "batch": self.batch,
+            "seq_len": self.seq_len,
+            "rows": [dataclasses.asdict(r) for r in self.rows],
+            "chosen": dataclasses.asdict(self.chosen) if self.chosen else None,
+            "reason": self.reason,
+        }
+
+    def __str__(self) -> str:
+        head = (
+            f"strategy='auto' at world {self.world_size}, micro-batch {self.batch} x seq "
+            f"{self.seq_len}: budget {format_bytes(self.budget)} per rank ({self.budget_source})"
+        )
+        lines = [head, format_rows(self.rows, chosen=self.chosen), self.reason]
+        return "\n".join(lines)
+
+
+def format_rows(rows: list[Candidate], *, chosen: Candidate | None = None) -> str:
+    """The plan table: estimate, simulation (where run) and the fit of each row."""
+    header = f"  {'strategy':<18} {'AC':<8} {'estimate':>12} {'simulated':>12}  fits"
+    out = [header]
+    for r in rows:
+        sim = format_bytes(r.simulated) if r.simulated is not None else "-"
+        fits = {True: "yes", False: "no", None: "-"}[r.fits]
+        mark = "  <- chosen" if r is chosen else ""
+        note = f"  ({r.note})" if r.note else ""
+        out.append(
+            f"  {r.strategy:<18} {r.activation_checkpointing:<8} "
+            f"{format_bytes(r.estimate):>12} {sim:>12}  {fits}{mark}{note}"
+        )
+    return "\n".join(out)
+
+
+class NoPlanFitsError(ValueError):
+    """No strategy x activation-checkpointing candidate fits the budget."""
+
+    def __init__(self, plan: AutoPlan) -> None:
+        self.plan = plan
+        super().__init__(plan.reason + "\n" + format_rows(plan.rows))
+
+
+def device_memory(device: torch.device | str | None = None) -> tuple[int, str]:
+    """Total memory of one rank's device, and where the figure came from. A GPU's own
+    memory; on CPU the host's RAM shared by the ranks of this node (LOCAL_WORLD_SIZE)."""
+    device = torch.device(device) if device is not None else None
+    if (device is None or device.type == "cuda") and torch.cuda.is_available():
+        index = device.index if device is not None and device.index is not None else 0
+        props = torch.cuda.get_device_properties(index)
+        return int(props.total_memory), f"{props.name}"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    share = f" / {local} local ranks" if local > 1 else ""
+    return ram // local, f"host RAM{share}"
+
+
+def resolve_budget(value: object, device: torch.device | str | None = None) -> tuple[int, str]:
+    """Bytes per rank for `ParallelConfig.memory_budget`, and a description of it."""
+    parsed = parse_memory_budget(value)
+    if isinstance(parsed, int):
+        return parsed, "memory_budget"
+    fraction = DEFAULT_FRACTION if parsed is None else parsed
+    total, source = device_memory(device)
+    what = "default " if parsed is None else ""
+    return int(total * fraction), f"{what}{fraction:.0%} of {format_bytes(total)}, {source}"
+
+
+def _candidates(config: ParallelConfig, world: int) -> list[tuple[str, str]]:
+    if config.strategy == "auto":
+        strategies = []
+        for s in COMM_ORDER:
+            try:
+                resolve_mesh(s, config.dp_shard if s.startswith("hybrid") else -1, world)
+            except ValueError:
+                continue  # hybrid needs a 2-D mesh
+            strategies.append(s)
+    else:
+        strategies = [config.strategy]
+    levels = AC_ORDER if config.activation_checkpointing == "auto" else (None,)
+    return [(ac or str(config.activation_checkpointing), s) for ac in levels for s in strategies]
+
+
+class InstantPeak:
+    """The instant per-rank peak of a config: `estimate_memory`'s model states plus a
+    traced forward's activations (`estimate_peak`). Traces are shared between configs that
+    compute alike (FSDP's cast parameters, or DDP's autocast)."""
+
+    def __init__(
+        self,
+        meta_model: nn.Module,
+        world: int,
+        batch: int,
+        seq_len: int | None,
+        optimizer: str = "adamw",
+        example_input: Callable[[], Any] | None = None,
+    ) -> None:
+        self.model, self.world, self.batch, self.seq_len = meta_model, world, batch, seq_len
+        self.optimizer, self.example_input = optimizer, example_input
+        self._traces: dict[tuple[bool, str], Any] = {}
+
+    def __call__(self, cfg: ParallelConfig) -> int:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PlanNotice)
+            plan = plan_wrap(self.model, cfg)
+        precision = cfg.precision
+        compute = precision.param_dtype if precision.is_mixed else None
+        width = compute.itemsize if compute else None
+        states = estimate_memory(
+            plan,
+            self.world,
+            optimizer=self.optimizer,
+            compute_dtype_bytes=width,
+            strategies=(cfg.strategy,),
+        )[0]
+        key = (cfg.strategy == "ddp", str(compute))
+        if key not in self._traces:
+            self._traces[key] = trace_activations(
+                self.model,
+                batch=self.batch,
+                seq_len=self.seq_len,
+                blocks=[u.modules[0] for u in plan.units if u.reason == "policy"],
+                compute_dtype=compute,
+                keep_fp32=[
+                    m for u in plan.units if u.compute_dtype == "float32" for m in u.modules
+                ],
+                autocast=cfg.strategy == "ddp",
+                example_input=self.example_input,
+            )
+        return estimate_peak(states, self._traces[key], cfg.checkpoint_every).peak
+
+
+def choose_plan(
+    model_factory: Callable[[], nn.Module],
+    config: ParallelConfig,
+    *,
+    world: int,
+    batch: int,
+    seq_len: int | None,
+    example_input: Callable[[], Any] | None = None,
+    optimizer: str = "adamw",
+    budget: object = None,
+    device: torch.device | str | None = None,
+    simulate: bool = True,
+) -> AutoPlan:
+    """The cheapest strategy x activation checkpointing (see the module docstring) whose
+    per-rank peak fits `budget` (default `config.memory_budget`, else 90% of `device`'s
+    memory). Candidates are fixed where `config` fixes them: only `strategy="auto"` varies
+    the strategy and only `activation_checkpointing="auto"` the checkpointing.
+
+    Each candidate gets the instant estimate; in cost order, candidates are simulated
+    (`simulate_step`, fake tensors) until one fits, and the rest are left unsimulated.
+    With `simulate=False` the estimate decides. Raises `NoPlanFitsError` when nothing
+    fits; returns the `AutoPlan` otherwise (`.config` is the resolved config).
+    """
+    limit, source = resolve_budget(config.memory_budget if budget is None else budget, device)
+    with torch.device("meta"):
+        meta_model = model_factory()
+    rows: list[Candidate] = []
+    chosen: Candidate | None = None
+    estimator = InstantPeak(meta_model, world, batch, seq_len, optimizer, example_input)
+    for ac, strategy in _candidates(config, world):
+        cfg = dataclasses.replace(config, strategy=strategy, activation_checkpointing=ac)
+        estimate = estimator(cfg)
+        row = Candidate(strategy, ac, estimate)
+        if chosen is None:
+            if estimate > _SKIP_ABOVE * limit:
+                row = dataclasses.replace(
+                    row, fits=False, note=f"estimate over {_SKIP_ABOVE:.2f}x budget: not simulated"
+                )
+            elif simulate:
+                sim = simulate_step(
+                    model_factory,
+                    cfg,
+                    world=world,
+                    batch=batch,
+                    seq_len=seq_len,
+                    example_input=example_input,
+                    optimizer=optimizer,
+                )
+                row = dataclasses.replace(row, simulated=sim.peak, fits=sim.peak <= limit)
+            else:
+                row = dataclasses.replace(row, fits=estimate <= limit)
+            if row.fits:
+                chosen = row
+        else:
+            row = dataclasses.replace(row, note="not checked: a cheaper plan fits")
+        rows.append(row)
+    plan_ = AutoPlan(
+        world_size=world,
+        budget=limit,
+        budget_source=source,
+        batch=batch,
+        seq_len=seq_len,
+        rows=rows,
+        chosen=chosen,
+        base=config,
+    )
+    if chosen is None:
+        raise NoPlanFitsError(plan_)
+    return plan_
+
+
+def _reason(plan: AutoPlan) -> str:
+    rows, chosen, limit = plan.rows, plan.chosen, plan.budget
+    if chosen is not None:
+        cheaper = rows.index(chosen)
+        why = (
+            f"; the {cheaper} cheaper candidate(s) above it do not fit"
+            if cheaper
+            else "; it is the cheapest candidate"
+        )
+        return (
+            f"chosen: strategy={chosen.strategy!r}, activation_checkpointing="
+            f"{chosen.activation_checkpointing!r}, per-rank peak {format_bytes(chosen.peak)} "
+            f"<= budget {format_bytes(limit)}{why}."
+        )
+    best = min(rows, key=lambda r: r.peak)
+    over = best.peak / limit
+    more_ranks = plan.world_size * max(2, int(over + 0.999))
+    return (
+        f"No plan fits: the smallest per-rank peak is {format_bytes(best.peak)} "
+        f"({'simulated' if best.simulated is not None else 'estimated'}, "
+        f"strategy={best.strategy!r}, activation_checkpointing="
+        f"{best.activation_checkpointing!r}), {over:.2f}x the budget of "
+        f"{format_bytes(limit)} ({plan.budget_source}). To fit: shard over more ranks "
+        f"(e.g. --world {more_ranks}; model states shrink with the shard group), offload "
+        "to CPU (cpu_offload=True), use a smaller micro-batch than "
+        f"{plan.batch} (activations shrink with it; keep the global batch with "
+        "gradient accumulation), checkpoint activations (activation_checkpointing='full' "
+        "or 'auto'), compute in bf16 (mixed_precision='bf16'), or raise memory_budget."
+    )

@@ -1,0 +1,184 @@
+"""The fake world the memory answers run in: fake storage, a fake group's DDP hook, inputs.
+
+Owns: giving a meta-built model fake storage (`fake_materialize`, swapped in for wrap's
+`materialize` while a simulation wraps), a DDP communication hook that works over the fake
+process group, a meta copy of a model for tracing (`meta_copy`), and the default input,
+call and loss of a model (`default_input`, `call_model`, `loss_of`), shared by the
+activation trace and the step simulation.
+
+Must not: allocate real parameter memory or touch a real process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+import shardwise.parallelize.apply as apply_module
+
+
+def fake_materialize(model: nn.Module, device: torch.device, **_: Any) -> list[str]:
+    """Stand-in for `shardwise.parallelize.materialize.materialize` on a fake, meta-built model.
+
+    Gives each meta parameter and buffer fake storage on `device`; values are irrelevant to
+    memory, so no initialiser runs (materialize's NaN check would need real values).
+    Plain parameters are replaced in their modules (fake tensors carry weak references that
+    forbid `swap_tensors`, which `to_empty` would use), shared ones once, keeping ties.
+    FSDP2's DTensor parameters are swapped in place, as `to_empty` does, and FSDP2 is told
+    to re-read its shards.
+    """
+    memo: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                if isinstance(p, DTensor):
+                    if id(p) not in memo:
+                        new = nn.Parameter(
+                            torch.empty_like(p, device=device), requires_grad=p.requires_grad
+                        )
+                        torch.utils.swap_tensors(p, new)
+                        memo[id(p)] = p
+                    continue
+                if id(p) not in memo:
+                    memo[id(p)] = nn.Parameter(
+                        torch.empty(p.shape, dtype=p.dtype, device=device),
+                        requires_grad=p.requires_grad,
+                    )
+                module._parameters[name] = memo[id(p)]
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.is_meta:
+                    module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state()
+                for group in state._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.reset_sharded_param()
+    return ["fake"]
+
+
+def local_comm_hook(compress_to: torch.dtype | None) -> Callable[..., Any]:
+    """A DDP comm hook that communicates nothing (the fake group's all-reduce yields no
+    tensor for DDP's reducer) but allocates what the real hook would: the bucket itself,
+    plus its compressed copy under torch's bf16/fp16 compress hooks."""
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        if compress_to is not None:
+            buffer.copy_(buffer.to(compress_to))
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+
+    hook.__annotations__ = {}  # DDP rejects string annotations (this module's __future__)
+    return hook
+
+
+@contextlib.contextmanager
+def fake_world_patches() -> Iterator[list[Any]]:
+    """While the simulation's own `wrap` runs: materialise meta models with fake storage
+    (`shardwise.wrap` looks `materialize` up in parallelize/apply.py), and give DDP a
+    communication hook that works over the fake group. Yields the DDP modules that got one.
+    """
+    hooked: list[Any] = []
+    original_materialize = apply_module.materialize
+    original_register = DistributedDataParallel.register_comm_hook
+
+    def register(self: DistributedDataParallel, state: object, hook: Callable[..., Any]) -> None:
+        compress = {
+            default_hooks.bf16_compress_hook: torch.bfloat16,
+            default_hooks.fp16_compress_hook: torch.float16,
+        }
+        if hook not in compress:
+            raise NotImplementedError(
+                f"simulate_step: DDP comm hook {getattr(hook, '__name__', hook)} is not "
+                "simulated (only torch's bf16/fp16 compress hooks are)."
+            )
+        original_register(self, None, local_comm_hook(compress[hook]))
+        hooked.append(self)
+
+    apply_module.materialize = fake_materialize
+    DistributedDataParallel.register_comm_hook = register  # type: ignore[method-assign]
+    try:
+        yield hooked
+    finally:
+        apply_module.materialize = original_materialize
+        DistributedDataParallel.register_comm_hook = original_register  # type: ignore[method-assign]
+
+
+def _vocab_size(model: nn.Module) -> int:
+    for holder in (getattr(model, "config", None), getattr(model, "cfg", None)):
+        if holder is not None and getattr(holder, "vocab_size", None):
+            return int(holder.vocab_size)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return int(module.num_embeddings)
+    raise ValueError(
+        f"simulate_step: cannot tell the vocabulary size of {type(model).__name__} for the "
+        "default token input. Pass example_input=lambda: (tokens, labels) (or a dict of "
+        "keyword arguments) built with torch.randint."
+    )
+
+
+def default_seq_len(model: nn.Module) -> int | None:
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and getattr(cfg, "seq_len", None):
+        return int(cfg.seq_len)
+    return None
+
+
+def default_input(model: nn.Module, batch: int, seq_len: int) -> Any:
+    """Integer tokens and next-token labels of shape (batch, seq_len), as a causal LM takes
+    them: keyword `input_ids`/`labels` for Hugging Face models, positional otherwise."""
+    if isinstance(model, DistributedDataParallel):  # DDP passes keywords through
+        model = model.module
+    vocab = _vocab_size(model)
+    tokens = torch.randint(0, vocab, (batch, seq_len))
+    labels = torch.randint(0, vocab, (batch, seq_len))
+    if hasattr(model, "config") and hasattr(model.config, "model_type"):
+        return {"input_ids": tokens, "labels": labels}
+    return (tokens, labels)
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The scalar to backpropagate: the output itself, `.loss`, or the mean of logits."""
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"simulate_step: the model returned {type(out).__name__}, with no tensor loss. "
+            "Return the loss (or an object with .loss), or logits."
+        )
+    return loss if loss.dim() == 0 else loss.float().mean()
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are empty meta tensors (shapes,
+    dtypes, ties and `requires_grad` kept): no parameter data is copied."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in memo:
+            continue
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)

@@ -1,0 +1,194 @@
+"""Per-rank memory of model states, per strategy, computed from a wrap plan before any run.
+
+Owns: `estimate_memory`, the bytes each rank holds for parameters, gradients and optimizer
+state under each strategy at a world size, plus the parameters gathered transiently for
+compute. For fp32 AdamW under full sharding this is the familiar 16 bytes x params / N
+(4 parameter + 4 gradient + 8 optimizer state). Works from a plan of a meta-device model.
+
+Must not: allocate tensors or measure anything (bench/ and the runner measure).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from shardwise.config.names import STRATEGIES
+from shardwise.distributed.mesh import resolve_mesh
+from shardwise.memory.activations import ActivationTrace
+from shardwise.plan.planner import WrapPlan
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one rank. `gathered` is the transient full-precision-of-compute copy of the
+    parameters that FSDP all-gathers: one unit at a time (plus the root) when resharding
+    after forward, all units between forward and backward otherwise."""
+
+    strategy: str
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    unit_buffers: int = 0
+    """During backward, FSDP also holds the next unit's all-gather (prefetch) and one
+    unit's unsharded gradients for its reduce-scatter (fp32): the largest unit's."""
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        return self.model_states + self.gathered
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for people: B, KiB, MiB (one decimal), GiB and above (two)."""
+    if n < 1024:
+        return f"{n:,.0f} B"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.{2 if scale >= 2**30 else 1}f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def estimate_memory(
+    plan: WrapPlan,
+    world_size: int,
+    *,
+    optimizer: str = "adamw",
+    compute_dtype_bytes: int | None = None,
+    strategies: tuple[str, ...] = STRATEGIES,
+) -> list[MemoryEstimate]:
+    """An estimate per strategy that fits `world_size` (hybrid needs a 2-D mesh).
+
+    Parameters and gradients are counted in their stored dtype, optimizer state in fp32
+    (`OPTIMIZER_STATES[optimizer]` tensors per trainable parameter).
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(
+            f"estimate_memory(optimizer={optimizer!r}): use one of {sorted(OPTIMIZER_STATES)}."
+        )
+    states = OPTIMIZER_STATES[optimizer]
+    stored = sum(sum(u.bytes_by_dtype.values()) for u in plan.units)
+    trainable = sum(u.trainable_params for u in plan.units)
+    trainable_bytes = sum(
+        round(sum(u.bytes_by_dtype.values()) * u.trainable_params / u.num_params)
+        for u in plan.units
+        if u.num_params
+    )
+
+    def compute_bytes(unit_params: int, unit_bytes: int) -> int:
+        return unit_params * compute_dtype_bytes if compute_dtype_bytes else unit_bytes
+
+    units = [compute_bytes(u.num_params, sum(u.bytes_by_dtype.values())) for u in plan.units]
+    root = units[-1] if units else 0
+    largest = max(units[:-1], default=0)
+    largest_numel = max((u.num_params for u in plan.units[:-1]), default=0)
+    out = []
+    for strategy in strategies:
+        try:
+            spec = resolve_mesh(strategy, -1, world_size)
+        except ValueError:
+            continue  # e.g. hybrid at a world size with no 2-D mesh
+        shard = spec.dp_shard
+        if strategy == "ddp":
+            gathered = 0  # DDP computes on its full replica
+        elif shard == 1:
+            gathered = 0
+        elif spec.reshard_after_forward:
+            gathered = largest + root
+        else:
+            gathered = sum(units)
+        out.append(
+            MemoryEstimate(
+                strategy=strategy,
+                world_size=world_size,
+                dp_replicate=spec.dp_replicate,
+                dp_shard=shard,
+                params=-(-stored // shard),
+                grads=-(-trainable_bytes // shard),
+                optimizer=-(-(trainable * 4 * states) // shard),
+                gathered=gathered,
+                unit_buffers=(
+                    (largest if spec.reshard_after_forward else 0) + 4 * largest_numel
+                    if strategy != "ddp" and shard > 1
+                    else 0
+                ),
+            )
+        )
+    return out
+
+
+def format_memory(estimates: list[MemoryEstimate]) -> str:
+    header = (
+        f"{'strategy':<20} {'mesh':>7} {'params':>12} {'grads':>12} {'optimizer':>12} "
+        f"{'model states':>13} {'+ gathered':>12} {'peak':>12}"
+    )
+    lines = ["per-rank memory (model states; activations not included)", header, "-" * len(header)]
+    for e in estimates:
+        sizes = [e.params, e.grads, e.optimizer, e.model_states, e.gathered, e.peak]
+        widths = [12, 12, 12, 13, 12, 12]
+        cells = " ".join(f"{format_bytes(n):>{w}}" for n, w in zip(sizes, widths, strict=True))
+        lines.append(f"{e.strategy:<20} {f'{e.dp_replicate}x{e.dp_shard}':>7} {cells}")
+    return "\n".join(lines)
+
+
+def memory_json(estimates: list[MemoryEstimate]) -> str:
+    return json.dumps(
+        [{**asdict(e), "model_states": e.model_states, "peak": e.peak} for e in estimates], indent=2
+    )
+
+
+def dtype_bytes(name: str) -> int:
+    return _DTYPE_BYTES.get(name, 4)
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """The instant per-rank peak: model states plus traced activations, at the larger of
+    three moments of a step. `start_of_backward`: every kept activation, plus the loss's
+    gradient (twice the largest saved tensor: the logits' gradient and its cast).
+    `recompute`: a checkpointed block's activations back during its backward, with
+    FSDP's prefetch and reduce-scatter buffers. `optimizer_step`: all gradients present,
+    plus two gradient-sized temporaries of the update (AdamW's foreach kernels). DDP adds
+    its buckets (one copy of the gradients) throughout."""
+
+    states: MemoryEstimate
+    activations: int
+    recompute: int
+    loss_grads: int
+    ddp_buckets: int
+
+    @property
+    def phases(self) -> dict[str, int]:
+        s = self.states
+        held = s.params + s.optimizer + self.ddp_buckets
+        return {
+            "start_of_backward": held + s.gathered + self.activations + self.loss_grads,
+            "recompute": held + s.gathered + s.unit_buffers + self.activations + self.recompute,
+            "optimizer_step": held + 3 * s.grads,
+        }
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+
+def estimate_peak(states: MemoryEstimate, trace: ActivationTrace, every: int) -> PeakEstimate:
+    """Combine `estimate_memory`'s model states with a `trace_activations` trace, for
+    activation checkpointing of every `every`-th planned block (0: none)."""
+    return PeakEstimate(
+        states=states,
+        activations=trace.activations(every),
+        recompute=trace.recompute(every),
+        loss_grads=2 * trace.largest,
+        ddp_buckets=states.grads if states.strategy == "ddp" else 0,
+    )

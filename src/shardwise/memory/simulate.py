@@ -1,0 +1,445 @@
+"""Simulate one training step's per-rank peak memory on the CPU, with fake tensors.
+
+Owns: `simulate_step`, which builds the user's model on the meta device inside torch's
+`FakeTensorMode`, wraps it with `shardwise.wrap` over a fake process group of the requested
+world size, runs a training step (forward, backward, optimizer step) under torch's memory
+tracker (`FSDPMemTracker` for FSDP2 strategies, `MemTracker` for DDP), and returns rank 0's
+peak by category as a `SimReport`. Fake tensors carry shapes and dtypes but no storage, so
+the simulation uses the same few hundred MB of host memory whatever the model's size.
+
+Rank 0 stands for every rank: FSDP2 pads each parameter to a multiple of the shard size, so
+every rank holds equal shards, and DDP ranks hold identical replicas.
+
+Must not: touch the caller's process group (a simulation that finds one runs itself in a
+spawned subprocess), or allocate real parameter memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.config.parallel import ParallelConfig
+from shardwise.distributed.mesh import resolve_mesh
+from shardwise.distributed.process_group import shutdown
+from shardwise.memory.fake import (
+    call_model,
+    default_input,
+    default_seq_len,
+    fake_world_patches,
+    local_comm_hook,
+    loss_of,
+)
+from shardwise.memory.model_states import format_bytes
+from shardwise.parallelize.apply import wrap
+from shardwise.parallelize.materialize import init_empty
+
+__all__ = ["SimReport", "real_step", "simulate_step", "tracked_step"]
+
+# torch's category names (the trackers' `_RefType` values) -> ours.
+_CATEGORIES = {
+    "Sharded Param": "params",
+    "Parameter": "params",
+    "Unsharded Param": "gathered_params",
+    "Buffer": "buffers",
+    "Sharded Grad": "grads",
+    "Gradient": "grads",
+    "Unsharded Grad": "unsharded_grads",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "All Gather": "all_gather",
+    "Reduce Scatter": "reduce_scatter",
+    "OptState": "optimizer",
+    "Optstate": "optimizer",
+    "Inputs": "inputs",
+    "Input": "inputs",
+    "Other": "other",
+}
+CATEGORIES: tuple[str, ...] = (
+    "params",
+    "gathered_params",
+    "buffers",
+    "grads",
+    "unsharded_grads",
+    "activations",
+    "temporaries",
+    "all_gather",
+    "reduce_scatter",
+    "optimizer",
+    "inputs",
+    "other",
+    "ddp_buckets",
+)
+_OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+
+
+@dataclass(frozen=True)
+class SimReport:
+    """Rank 0's memory during one steady-state training step, in bytes.
+
+    `at_peak` is each category at the moment the total peaked (they sum to `peak`);
+    `category_peaks` is each category's own maximum over the step (these need not occur
+    together). `ddp_buckets` is DDP's gradient buckets, which DDP allocates in C++ at
+    construction where no tracker sees them: counted analytically (one copy of the
+    gradients) and added to `peak`.
+    """
+
+    strategy: str
+    world_size: int
+    batch: int
+    seq_len: int | None
+    precision: str
+    activation_checkpointing: str
+    optimizer: str
+    peak: int
+    at_peak: dict[str, int]
+    category_peaks: dict[str, int]
+    fake: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer state held between steps (at the peak)."""
+        return sum(self.at_peak.get(k, 0) for k in ("params", "grads", "optimizer"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "model_states": self.model_states}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        head = (
+            f"{self.strategy} at world {self.world_size}, batch {self.batch} x seq "
+            f"{self.seq_len}, {self.precision}, AC {self.activation_checkpointing}, "
+            f"{self.optimizer}: per-rank peak {format_bytes(self.peak)}"
+        )
+        rows = [
+            f"  {k:<16} {format_bytes(self.at_peak.get(k, 0)):>12} "
+            f"{format_bytes(self.category_peaks.get(k, 0)):>12}"
+            for k in CATEGORIES
+            if self.at_peak.get(k, 0) or self.category_peaks.get(k, 0)
+        ]
+        header = f"  {'category':<16} {'at peak':>12} {'own peak':>12}"
+        return "\n".join([head, header, *rows, *(f"  note: {n}" for n in self.notes)])
+
+
+# --------------------------------------------------------------------------- model + input
+
+
+def _make_optimizer(optimizer: str | Callable[..., Any], params: Any) -> Any:
+    if callable(optimizer):
+        return optimizer(params)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4)
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=1e-4)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9)
+    if optimizer == "none":
+        return None
+    raise ValueError(
+        f"simulate_step(optimizer={optimizer!r}): use one of {list(_OPTIMIZERS)} or a "
+        "callable that takes the parameters and returns a torch optimizer."
+    )
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _ddp_bucket_bytes(model: nn.Module) -> int:
+    """DDP's reducer keeps one flat copy of the gradients (its buckets), unless gradients
+    are views into them (`gradient_as_bucket_view`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
+        return 0
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _tracker(model: nn.Module, optimizer: Any, inputs: Any) -> Any:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        fsdp_tracker = FSDPMemTracker(model, optimizer)
+        fsdp_tracker.track_inputs(inputs if isinstance(inputs, tuple) else (inputs,))
+        return fsdp_tracker
+    tracker = MemTracker()
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    return tracker
+
+
+def _peaks(tracker: Any) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(total peak, categories at the peak, each category's own peak) on one device."""
+    snapshot = tracker.get_tracker_snapshot("peak")
+    if len(snapshot) > 1:
+        raise RuntimeError(f"simulate_step: memory on more than one device: {list(snapshot)}")
+    dev_snap: dict[Any, int] = next(iter(snapshot.values()), {})
+    at_peak: dict[str, int] = {}
+    total = 0
+    for key, value in dev_snap.items():
+        if key == "Total":
+            total = int(value)
+            continue
+        name = _CATEGORIES.get(getattr(key, "value", str(key)), "other")
+        at_peak[name] = at_peak.get(name, 0) + int(value)
+    own = dict(getattr(tracker, "_shardwise_category_peaks", {}))
+    return total, at_peak, own
+
+
+def _follow_category_peaks(tracker: Any) -> None:
+    """Record each category's own maximum as the tracker updates its running snapshot."""
+    peaks: dict[str, int] = {}
+    original = tracker._update_peak_stats
+
+    def update(peak_state: Any) -> None:
+        original(peak_state)
+        for dev_snap in tracker._curr_mem_snap.values():
+            for key, value in dev_snap.items():
+                if key == "Total":
+                    continue
+                name = _CATEGORIES.get(getattr(key, "value", str(key)), "other")
+                peaks[name] = max(peaks.get(name, 0), int(value))
+
+    tracker._update_peak_stats = update
+    tracker._shardwise_category_peaks = peaks
+
+
+def _create_optimizer_state(model: nn.Module, optimizer: Any) -> None:
+    """One optimizer step on zero gradients: the state every later step starts with.
+
+    Cheaper than a warm-up forward and backward, and it leaves DDP on its first iteration
+    (DDP rebuilds its buckets before the second, which reads data pointers that fake
+    tensors do not have).
+    """
+    if optimizer is None:
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def tracked_step(model: nn.Module, optimizer: Any, make_input: Callable[[], Any]) -> dict[str, Any]:
+    """Create the optimizer state (as in every step after the first), then run one step
+    (forward, backward, optimizer step) under torch's memory tracker; return the peak and
+    its categories.
+
+    Shared by the simulation (fake tensors) and the real-run check (real tensors), so the
+    two measure exactly the same thing.
+    """
+    _create_optimizer_state(model, optimizer)
+    inputs = make_input()
+    tracker = _tracker(model, optimizer, inputs)
+    _follow_category_peaks(tracker)
+    with tracker:
+        loss = loss_of(call_model(model, inputs))
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        del loss
+    total, at_peak, own = _peaks(tracker)
+    buckets = _ddp_bucket_bytes(model)
+    if buckets:
+        at_peak["ddp_buckets"] = own["ddp_buckets"] = buckets
+        total += buckets
+    return {"peak": total, "at_peak": at_peak, "category_peaks": own}
+
+
+def real_step(
+    model_factory: Callable[[], nn.Module],
+    config: ParallelConfig,
+    *,
+    batch: int,
+    seq_len: int,
+    optimizer: str | Callable[..., Any] = "adamw",
+) -> dict[str, Any]:
+    """The real counterpart of `simulate_step`, on real tensors in the caller's process group:
+    build, `wrap`, then `tracked_step` with the same default input. What a simulation is
+    checked against."""
+    model = wrap(model_factory(), config)
+    opt = _make_optimizer(optimizer, model.parameters())
+    return tracked_step(model, opt, lambda: default_input(model, batch, seq_len))
+
+
+def _resolve_config(config: ParallelConfig, activation_checkpointing: Any) -> ParallelConfig:
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(
+            f"simulate_step(config=...) expects a ParallelConfig, got {type(config).__name__}."
+        )
+    changes: dict[str, Any] = {"sync_module_states": False}  # values are fake: nothing to sync
+    if activation_checkpointing is not None:
+        changes["activation_checkpointing"] = activation_checkpointing
+    if config.compile:
+        raise NotImplementedError(
+            "simulate_step: ParallelConfig.compile is not simulated yet (compiling under "
+            "fake tensors traces a different graph than the eager step). Simulate with "
+            "compile=False: eager activations are an upper bound for the compiled ones."
+        )
+    if config.device_mesh is not None:
+        raise NotImplementedError(
+            "simulate_step: ParallelConfig.device_mesh is a mesh of the real job and cannot "
+            "be reused in a fake world. Give the strategy and dp_shard instead."
+        )
+    return dataclasses.replace(config, **changes)
+
+
+def _simulate_here(
+    model_factory: Callable[[], nn.Module],
+    config: ParallelConfig,
+    world: int,
+    example_input: Callable[[], Any] | None,
+    batch: int,
+    seq_len: int | None,
+    optimizer: str | Callable[..., Any],
+) -> SimReport:
+    import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d kernels)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        spec = resolve_mesh(
+            config.strategy,
+            config.dp_shard,
+            world,
+            reshard_after_forward=config.reshard_after_forward,
+        )
+        # DeviceMesh reads its layout with .tolist(): build it before entering fake mode.
+        mesh = spec.build("cpu")
+        if mesh is not None:
+            config = dataclasses.replace(config, device_mesh=mesh)
+        fake_mode = FakeTensorMode()
+        with fake_mode, init_empty():
+            model = model_factory()
+        if seq_len is None and example_input is None:
+            seq_len = default_seq_len(model)
+            if seq_len is None:
+                raise ValueError(
+                    "simulate_step: seq_len=None and no example_input: give the sequence "
+                    "length of the default (batch, seq_len) token input, or example_input."
+                )
+        with fake_mode, fake_world_patches() as hooked:
+            model = wrap(model, config)
+        with fake_mode:
+            if isinstance(model, DistributedDataParallel) and model not in hooked:
+                model.register_comm_hook(None, local_comm_hook(None))
+            opt = _make_optimizer(optimizer, model.parameters())
+
+            def make_input() -> Any:
+                if example_input is not None:
+                    return example_input()
+                return default_input(model, batch, int(seq_len or 0))
+
+            result = tracked_step(model, opt, make_input)
+    finally:
+        shutdown()
+    notes = [f"rank 0 of {world}; ranks are symmetric ({spec.strategy}, {spec})"]
+    return SimReport(
+        strategy=spec.strategy,
+        world_size=world,
+        batch=batch,
+        seq_len=seq_len,
+        precision=str(config.precision),
+        activation_checkpointing=str(config.activation_checkpointing),
+        optimizer=optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "?"),
+        peak=result["peak"],
+        at_peak=result["at_peak"],
+        category_peaks=result["category_peaks"],
+        notes=notes,
+    )
+
+
+def _child(conn: Any, kwargs: dict[str, Any]) -> None:
+    try:
+        conn.send(("ok", _simulate_here(**kwargs)))
+    except BaseException as exc:  # sent back and re-raised in the parent
+        import traceback
+
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def _simulate_in_subprocess(kwargs: dict[str, Any], timeout_s: float) -> SimReport:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, kwargs), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise TimeoutError(f"simulate_step: the simulation subprocess ran over {timeout_s}s.")
+        status, payload = parent.recv()
+    finally:
+        if proc.is_alive():
+            proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if status != "ok":
+        raise RuntimeError(f"simulate_step failed in its subprocess: {payload}")
+    return payload
+
+
+def simulate_step(
+    model_factory: Callable[[], nn.Module],
+    config: ParallelConfig,
+    *,
+    world: int,
+    example_input: Callable[[], Any] | None = None,
+    batch: int,
+    seq_len: int | None,
+    optimizer: str | Callable[..., Any] = "adamw",
+    activation_checkpointing: Any = None,
+    timeout_s: float = 600.0,
+) -> SimReport:
+    """Rank 0's peak memory, by category, for one training step at `world` ranks.
+
+    `model_factory()` builds the model; it runs on the meta device under fake tensors, so
+    it must not read parameter values. The input is integer tokens and labels of shape
+    (batch, seq_len) unless `example_input()` returns the model's arguments (a tuple, a
+    dict of keyword arguments, or one tensor); it is called under fake tensors too. The
+    step is: a warm-up step (creating optimizer state), then forward, backward and
+    optimizer step under torch's memory tracker — the steady-state peak.
+
+    Runs in this process with a fake process group, destroyed afterwards. If this process
+    already has a process group (torch allows one default group per process), the
+    simulation runs in a spawned subprocess instead: `model_factory`, `example_input`
+    and `optimizer` must then be picklable (module-level functions or classes).
+    """
+    if world < 1:
+        raise ValueError(f"simulate_step(world={world}): the world size must be >= 1.")
+    if batch < 1:
+        raise ValueError(f"simulate_step(batch={batch}): the micro-batch must be >= 1.")
+    if isinstance(optimizer, str) and optimizer not in _OPTIMIZERS:
+        raise ValueError(
+            f"simulate_step(optimizer={optimizer!r}): use one of {list(_OPTIMIZERS)} or a "
+            "callable that takes the parameters and returns a torch optimizer."
+        )
+    kwargs = dict(
+        model_factory=model_factory,
+        config=_resolve_config(config, activation_checkpointing),
+        world=world,
+        example_input=example_input,
+        batch=batch,
+        seq_len=seq_len,
+        optimizer=optimizer,
+    )
+    if dist.is_available() and dist.is_initialized():
+        return _simulate_in_subprocess(kwargs, timeout_s)
+    return _simulate_here(**kwargs)  # type: ignore[arg-type]

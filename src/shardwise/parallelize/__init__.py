@@ -1,0 +1,43 @@
+"""Applying a plan: `wrap(model, config)` and what it leaves behind.
+
+apply.py holds wrap's one documented order; ddp.py and fsdp.py apply the two engines;
+recompute.py and autocast.py apply activation checkpointing and autocast; materialize.py
+builds meta models for real; weights.py loads safetensors into local shards; wrapped.py is
+the record of what wrap did, read by every layer above.
+"""
+
+from shardwise.parallelize.apply import check_not_wrapped, wrap
+from shardwise.parallelize.autocast import apply_autocast
+from shardwise.parallelize.fsdp import sync_module_states
+from shardwise.parallelize.materialize import InitializationError, has_meta, init_empty, materialize
+from shardwise.parallelize.recompute import apply_activation_checkpointing, is_checkpointed
+from shardwise.parallelize.weights import INDEX_FILE, SINGLE_FILE, WeightsError, load_weights
+from shardwise.parallelize.wrapped import (
+    WrapInfo,
+    mark_replaced,
+    stale_parameters,
+    unwrap,
+    wrap_info,
+)
+
+__all__ = [
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "InitializationError",
+    "WeightsError",
+    "WrapInfo",
+    "apply_activation_checkpointing",
+    "apply_autocast",
+    "check_not_wrapped",
+    "has_meta",
+    "init_empty",
+    "is_checkpointed",
+    "load_weights",
+    "mark_replaced",
+    "materialize",
+    "stale_parameters",
+    "sync_module_states",
+    "unwrap",
+    "wrap",
+    "wrap_info",
+]

@@ -1,0 +1,210 @@
+"""Apply a strategy: `wrap(model, config)` with DistributedDataParallel or FSDP2's fully_shard.
+
+Owns: the order of operations when wrapping (checks → device → sync from rank 0 →
+plan → shard → prefetch wiring), the refusal of already-wrapped models, and the record
+of what was done (`wrap_info`).
+
+Must not: hand-write collectives or sharding (torch does both), or read config files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.config.parallel import ParallelConfig
+from shardwise.distributed.mesh import from_user_mesh, resolve_mesh
+from shardwise.distributed.process_group import DistInfo, env_world_size, get_dist_info
+from shardwise.parallelize.autocast import apply_autocast
+from shardwise.parallelize.ddp import apply_ddp
+from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, sync_module_states
+from shardwise.parallelize.materialize import has_meta, materialize
+from shardwise.parallelize.recompute import apply_activation_checkpointing
+from shardwise.parallelize.weights import load_weights
+from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_replaced
+from shardwise.plan.planner import WrapPlan, plan_wrap
+
+
+def _sharded_description(module: nn.Module) -> str | None:
+    if isinstance(module, DistributedDataParallel):
+        return "DistributedDataParallel"
+    if isinstance(module, FSDPModule):
+        return "fully_shard (FSDP2)"
+    if isinstance(module, FullyShardedDataParallel):
+        return "FullyShardedDataParallel (FSDP1)"
+    if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+        return "DTensor parameters (already sharded)"
+    return None
+
+
+def check_not_wrapped(model: nn.Module) -> None:
+    """Refuse a model that is already wrapped or partly sharded, naming the submodule."""
+    for fqn, module in model.named_modules():
+        how = _sharded_description(module)
+        if how is not None:
+            where = f"submodule {fqn!r}" if fqn else f"the model ({type(model).__name__})"
+            raise ValueError(
+                f"shardwise.wrap: {where} is already wrapped by {how}. wrap() applies the "
+                "strategy itself and cannot nest wrappers: pass the plain, unwrapped model "
+                "(build it fresh, or use shardwise.unwrap(model) for a DDP-wrapped one)."
+            )
+
+
+def _check_process_group(config: ParallelConfig) -> DistInfo:
+    world_env = env_world_size()
+    if not dist.is_initialized():
+        if world_env > 1:
+            raise RuntimeError(
+                f"shardwise.wrap: WORLD_SIZE={world_env} is set in the environment but no "
+                "process group is initialised, so the ranks cannot talk to each other. Call "
+                "shardwise.init_distributed() before shardwise.wrap()."
+            )
+        if config.force_wrap:
+            raise RuntimeError(
+                "shardwise.wrap: ParallelConfig.force_wrap=True needs a process group even "
+                "at world size 1. Call shardwise.init_distributed() first (it makes a "
+                "one-rank group when no launcher is present)."
+            )
+    return get_dist_info()
+
+
+def _prepare_blocks(model: nn.Module, plan: WrapPlan, config: ParallelConfig) -> None:
+    """Activation checkpointing, then compilation, on the planned blocks: before DDP or
+    sharding, so FSDP2's hooks stay outside the compiled region."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for unit in plan.units:
+        if unit.activation_checkpointing:
+            for fqn in unit.modules:
+                apply_activation_checkpointing(modules[fqn])
+    if config.compile:
+        backend = "inductor" if config.compile is True else str(config.compile)
+        for unit in plan.units:
+            if unit.reason == "policy":
+                for fqn in unit.modules:
+                    modules[fqn].compile(backend=backend)  # in place: names are unchanged
+
+
+def _check_placement(placement: dict[str, Any], info: DistInfo) -> None:
+    """DDP's device_ids/output_device and FSDP1's device_id, accepted when they name this
+    rank's own device: shardwise puts rank r on its LOCAL_RANK device itself."""
+    mine = {None, info.local_rank, info.device.index, str(info.device), info.device}
+    for word, value in placement.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if len(values) > 1 or any(v not in mine for v in values):
+            raise ValueError(
+                f"ParallelConfig: {word}={value!r} on rank {info.rank}, whose device is "
+                f"{info.device} (LOCAL_RANK {info.local_rank}). shardwise places each rank on "
+                "its own local device and cannot use another: remove it, or give "
+                f"[{info.local_rank}]."
+            )
+
+
+def wrap(
+    model: nn.Module,
+    config: ParallelConfig | None = None,
+    *,
+    weights: str | Path | None = None,
+    broadcast_from_rank0: bool = False,
+) -> nn.Module:
+    """Parallelise `model` as `config` says and return the module to train.
+
+    Order (each step needs the previous one): refuse already-wrapped models → move to
+    this rank's device → make every rank hold rank 0's weights (before sharding, so each
+    shard is cut from the same tensor) → plan units → activation checkpointing on the
+    planned blocks → shard (post-order, root last) → wire prefetch. At world size 1 the
+    model comes back unwrapped, with its precision applied through autocast, unless
+    `config.force_wrap`. Build the optimizer *after* this call, from the returned
+    model's parameters.
+
+    A model built on the meta device (`with shardwise.init_empty(): ...`) is sharded
+    first and then materialised: each rank allocates only its shards and fills them from
+    `weights` (safetensors from export_weights) or through the model's initialisers.
+    Every rank reads its own slices of `weights`, unless `broadcast_from_rank0=True`: then
+    only rank 0 reads the file and sends each rank its shards (see `load_weights`).
+    """
+    config = config if config is not None else ParallelConfig()
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(
+            f"shardwise.wrap(config=...) expects a ParallelConfig, got {type(config).__name__}."
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shardwise.wrap expects an nn.Module, got {type(model).__name__}.")
+    check_not_wrapped(model)
+    if config.strategy == "auto" or config.activation_checkpointing == "auto":
+        raise ValueError(
+            f"shardwise.wrap: ParallelConfig(strategy={config.strategy!r}, "
+            f"activation_checkpointing={config.activation_checkpointing!r}) is chosen by "
+            "simulating the model at your micro-batch, which wrap does not know. Resolve it "
+            "first: config = shardwise.choose_plan(make_model, config, world=..., batch=..., "
+            "seq_len=...).config (or read the choice from `shardwise plan --world N "
+            "--simulate parallel.strategy=auto`), then wrap with that config."
+        )
+    info = _check_process_group(config)
+    on_meta = has_meta(model)
+    if not on_meta and config.offload_policy is None:
+        model.to(info.device)
+
+    def fill(target: nn.Module, mesh: Any = None) -> None:
+        if on_meta:
+            materialize(
+                target,
+                info.device,
+                mesh=mesh,
+                weights=weights,
+                param_init_fn=config.param_init_fn,
+                seed=config.init_seed,
+                broadcast_from_rank0=broadcast_from_rank0,
+            )
+        elif weights is not None:
+            load_weights(target, weights, broadcast_from_rank0=broadcast_from_rank0)
+
+    _check_placement(config._placement, info)
+    if info.world_size == 1 and not config.force_wrap:
+        plan = plan_wrap(model, config, sharded=False)
+        _prepare_blocks(model, plan, config)
+        fill(model)
+        apply_autocast(model, config.precision, info.device.type)
+        setattr(model, INFO_ATTR, WrapInfo(config, info, None, plan))
+        return model
+
+    user_mesh = None
+    if config.device_mesh is not None:
+        spec, user_mesh = from_user_mesh(
+            config.strategy,
+            config.dp_shard,
+            config.device_mesh,
+            info.device.type,
+            config.reshard_after_forward,
+        )
+    else:
+        spec = resolve_mesh(
+            config.strategy,
+            config.dp_shard,
+            info.world_size,
+            local_world_size=info.local_world_size,
+            reshard_after_forward=config.reshard_after_forward,
+        )
+    plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
+    _prepare_blocks(model, plan, config)
+    if spec.engine == "ddp":
+        fill(model)  # DDP replicates: every rank holds the full model anyway
+        wrapped = apply_ddp(model, config, info, plan, user_mesh)
+        setattr(wrapped, INFO_ATTR, WrapInfo(config, info, spec, plan))
+        return wrapped
+
+    if config.sync_module_states and not on_meta:  # a meta model has no values to sync
+        sync_module_states(model)
+    originals = list(model.parameters())
+    mesh = apply_fsdp(model, config, info, spec, plan, user_mesh)
+    fill(model, mesh)  # after sharding: each rank allocates and fills only its shards
+    replicate_scalars(model, plan.replicated_params)
+    # An optimizer built from `originals` would train nothing: refuse it at its first step.
+    mark_replaced(originals, model.parameters())
+    setattr(model, INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))
+    return model

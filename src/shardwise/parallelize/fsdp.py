@@ -1,0 +1,135 @@
+"""fully_shard (FSDP2): every sharded strategy, from ZeRO-2 to HSDP.
+
+Owns: one fully_shard call per planned unit in post-order (children first, the root last),
+each with its unit's mixed-precision policy (fp32 for keep_fp32 units), CPU offload and
+ignored parameters; explicit prefetch wiring; keeping 0-dim parameters whole with their
+gradients averaged; and broadcasting rank 0's values before sharding.
+
+Must not: decide the strategy or mesh (apply.py and distributed/mesh.py do), or
+hand-write sharding: torch's fully_shard does it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from shardwise.config.parallel import ParallelConfig
+from shardwise.config.precision import Precision
+from shardwise.distributed.mesh import MeshSpec
+from shardwise.distributed.process_group import DistInfo
+from shardwise.plan.planner import WrapPlan
+
+_BROADCAST_BUCKET_BYTES = 64 * 2**20
+
+
+def sync_module_states(model: nn.Module, src: int = 0) -> None:
+    """Overwrite every rank's parameters and buffers with rank `src`'s, bucketed by dtype."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if not t.is_meta]
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    buckets: list[list[torch.Tensor]] = []
+    for group in by_dtype.values():
+        size = _BROADCAST_BUCKET_BYTES  # forces a new bucket for each dtype/device
+        for t in group:
+            if size >= _BROADCAST_BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(t)
+            size += t.numel() * t.element_size()
+    with torch.no_grad():
+        for bucket in buckets:
+            flat = torch.cat([b.detach().reshape(-1) for b in bucket])
+            dist.broadcast(flat, src=src)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+
+def _wire_prefetch(units: list[FSDPModule], root: FSDPModule, config: ParallelConfig) -> None:
+    """Explicit FSDP2 prefetch, assuming units run forward in plan (registration) order."""
+    back, fwd = config.backward_prefetch_depth, config.forward_prefetch_depth
+    if back > 1:
+        for i, unit in enumerate(units):
+            unit.set_modules_to_backward_prefetch(units[max(0, i - back) : i][::-1])
+        root.set_modules_to_backward_prefetch(units[::-1][:back])
+    if fwd > 0:
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + fwd])
+        root.set_modules_to_forward_prefetch(units[:fwd])
+
+
+def _fp32_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """fp32 compute for keep_fp32 units; outputs go back to the low-precision dtype so the
+    next (low-precision) layer gets the input dtype it expects."""
+    return MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        output_dtype=precision.param_dtype,
+        cast_forward_inputs=True,
+    )
+
+
+def apply_fsdp(
+    model: nn.Module,
+    config: ParallelConfig,
+    info: DistInfo,
+    spec: MeshSpec,
+    plan: WrapPlan,
+    mesh: Any = None,
+) -> Any:
+    mesh = mesh if mesh is not None else spec.build(info.device.type)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    mp_policy = config.precision.to_fsdp_policy()
+    fp32_policy = _fp32_policy(config.precision)
+    mixed = config.precision.is_mixed
+    offload = config.offload_policy
+    if offload is not None and info.device.type != "cuda":
+        # Pinned memory needs an accelerator; on CPU the offload is a no-op move.
+        offload = type(offload)(pin_memory=False)
+    extra: dict[str, Any] = {"offload_policy": offload} if offload is not None else {}
+    if plan.ignored_params or plan.replicated_params:
+        named = dict(model.named_parameters())
+        extra["ignored_params"] = {named[n] for n in plan.ignored_params + plan.replicated_params}
+    sharded: list[FSDPModule] = []
+    # Post-order: children before parents, so each unit owns only what no unit below owns.
+    for unit in plan.units:
+        targets = list({id(modules[m]): modules[m] for m in unit.modules}.values())
+        fully_shard(
+            targets[0] if len(targets) == 1 else targets,
+            mesh=mesh,
+            reshard_after_forward=unit.reshard_after_forward,
+            mp_policy=fp32_policy if unit.compute_dtype == "float32" and mixed else mp_policy,
+            **extra,
+        )
+        sharded.append(cast(FSDPModule, targets[0]))
+    _wire_prefetch(sharded[:-1], sharded[-1], config)
+    return mesh
+
+
+def replicate_scalars(model: nn.Module, names: list[str]) -> None:
+    """Keep 0-dim parameters whole and equal on every rank: fully_shard cannot shard them.
+
+    Each is broadcast from rank 0 once (a meta-built model initialised them rank by rank)
+    and its gradient is averaged over all ranks as soon as backward accumulates it. During
+    accumulation that happens on every micro-batch: the sum of per-micro-batch averages is
+    the average of the sums, so the result is the same, for a few bytes each time.
+    """
+    world = dist.get_world_size()
+    for name in names:
+        param = model.get_parameter(name)
+        with torch.no_grad():
+            dist.broadcast(param.data, src=0)
+
+        def average(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)  # SUM: gloo has no AVG
+                p.grad.div_(world)
+
+        param.register_post_accumulate_grad_hook(average)

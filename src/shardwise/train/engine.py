@@ -1,0 +1,372 @@
+"""The training engine: train/val/test steps on a wrapped model.
+
+Owns: the model contract (plain `forward(batch)` or OpenMMLab-style `data_preprocessor`
++ `forward(..., mode=)`), loss parsing, gradient accumulation that synchronises only on
+the last micro-batch, clipping by the true global norm over every shard and replica,
+fp16 loss scaling that agrees across ranks, and the optimizer/scheduler built after
+wrapping.
+
+Must not: loop over data, log or print (runner.py does), or hand-write collectives:
+norms come from torch's DTensor reductions, syncing from DDP/FSDP2's own switches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.config.parallel import ParallelConfig
+from shardwise.config.training import TrainConfig
+from shardwise.parallelize.apply import wrap
+from shardwise.parallelize.wrapped import unwrap, wrap_info
+from shardwise.train.losses import VIS_KEYS, model_parse_losses, parse_losses, split_outputs
+from shardwise.train.nonfinite import (
+    NonFiniteError,
+    anomalous_params,
+    nonfinite_report,
+    stop_or_warn,
+)
+from shardwise.train.optim import (
+    OptimizerFactory,
+    build_optimizer,
+    build_scheduler,
+    from_optim_wrapper,
+    is_optim_wrapper,
+)
+
+__all__ = [
+    "VIS_KEYS",
+    "Engine",
+    "NonFiniteError",
+    "TrainConfig",
+    "clip_grad_norm_",
+    "parse_losses",
+    "total_grad_norm",
+]
+
+MODES = ("loss", "predict", "tensor")
+
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients over every shard and replica (a plain tensor).
+
+    Sharded gradients are DTensors, whose norm torch reduces across their mesh (both
+    dimensions under HSDP); unmanaged (ignored) gradients count with their local norm.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    local = [g for g in grads if not isinstance(g, DTensor)]
+    squares = []
+    for group in (sharded, local):
+        if group:
+            norm = torch.nn.utils.get_total_norm(group, foreach=True)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            squares.append(norm.float() ** 2)
+    if not squares:
+        return torch.zeros(())
+    return torch.stack([s.cpu() for s in squares]).sum().sqrt()
+
+
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Scale gradients so their global norm (`total_grad_norm`) is at most `max_norm`, by
+    torch's `clip_grad_norm_` rule; returns the norm before clipping. A non-finite norm
+    clips nothing (fp16 scaling skips that step anyway). `max_norm=None` only measures."""
+    norm = total_grad_norm(parameters)
+    _clip_to(parameters, norm, max_norm)
+    return norm
+
+
+def _clip_to(parameters: list[nn.Parameter], norm: torch.Tensor, max_norm: float | None) -> None:
+    if max_norm is not None and math.isfinite(float(norm)):
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        if coef < 1.0:
+            for p in parameters:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+
+class Engine:
+    """One object that steps a wrapped model: `train_step`, `val_step`, `test_step`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | Any,
+        config: ParallelConfig | None = None,
+        scheduler: Any = None,
+        *,
+        train: TrainConfig | None = None,
+    ) -> None:
+        self.train_config = train or TrainConfig()
+        info = wrap_info(model)
+        if info is not None:
+            if config is not None and config != info.config:
+                differ = [
+                    f"{f.name}={getattr(config, f.name)!r} (wrapped with "
+                    f"{getattr(info.config, f.name)!r})"
+                    for f in dataclasses.fields(config)
+                    if getattr(config, f.name) != getattr(info.config, f.name)
+                ]
+                raise ValueError(
+                    "Engine(model, config=...): the model was already wrapped by "
+                    f"shardwise.wrap with another ParallelConfig: {', '.join(differ)}. A "
+                    "wrapped model cannot be re-wrapped. Pass config=None (the wrap's config "
+                    "is used), or pass the unwrapped model and let the Engine wrap it."
+                )
+            self.config = info.config
+            self.model = model
+        elif _already_parallel(model):
+            self.config = config or ParallelConfig()
+            self.model = model
+        else:
+            self.config = config or ParallelConfig()
+            self.model = wrap(model, self.config)
+        self.device = _model_device(self.model)
+        if is_optim_wrapper(optimizer):
+            optimizer, self.train_config = from_optim_wrapper(
+                optimizer, self.train_config, self.config, self.device.type
+            )
+        self.optimizer = build_optimizer(optimizer, self.model)
+        self.scheduler = build_scheduler(scheduler, self.optimizer)
+        self.scaler = self._build_scaler()
+        self.micro_step = 0
+        self.step = 0
+        self.skipped_steps = 0
+        self.last_outputs: Any = None
+        self._stop_requested = False
+        self._nonfinite_ranks = 0
+        self._window: list[dict[str, torch.Tensor]] = []
+
+    # --- set-up ---------------------------------------------------------------------
+
+    def _build_scaler(self) -> ShardedGradScaler | None:
+        use = self.train_config.grad_scaler
+        if use is None:
+            use = self.config.precision.param_dtype == torch.float16
+        if not use:
+            return None
+        # ShardedGradScaler all-reduces "found inf" so every rank skips the same steps.
+        return ShardedGradScaler(self.device.type, init_scale=self.train_config.init_scale)
+
+    # --- forward ----------------------------------------------------------------------
+
+    def forward(self, batch: Any, mode: str = "loss") -> Any:
+        """Run the model on `batch` under the model contract, in `mode`."""
+        if mode not in MODES:
+            raise ValueError(
+                f"Engine.forward(mode={mode!r}) is not a known mode. Use one of {list(MODES)}."
+            )
+        batch = _to_device(batch, self.device)
+        inner = unwrap(self.model)
+        preprocessor = getattr(inner, "data_preprocessor", None)
+        if callable(preprocessor):  # OpenMMLab-style contract
+            data = preprocessor(batch, mode == "loss")
+            if isinstance(data, Mapping):
+                return self.model(**data, mode=mode)
+            if isinstance(data, (list, tuple)):
+                return self.model(*data, mode=mode)
+            return self.model(data, mode=mode)
+        if isinstance(batch, Mapping):
+            return self.model(**batch)
+        if isinstance(batch, (list, tuple)):
+            return self.model(*batch)
+        return self.model(batch)
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, sync: bool) -> Iterator[None]:
+        model = self.model
+        if isinstance(model, DistributedDataParallel):
+            with contextlib.nullcontext() if sync else model.no_sync():
+                yield
+        elif isinstance(model, FSDPModule):
+            # Without sync FSDP2 keeps unsharded gradients locally until the last micro-batch.
+            model.set_requires_gradient_sync(sync)
+            yield
+        else:
+            yield
+
+    # --- steps ------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop after the current optimizer step (safe in a signal handler).
+
+        The request rides on the all-reduce each update already makes, so ranks asked at
+        different moments still agree: the update that first sees any rank's request
+        returns `stop=1.0` on every rank."""
+        self._stop_requested = True
+
+    def train_step(self, batch: Any, *, force_update: bool = False) -> dict[str, Any]:
+        """Forward + backward one micro-batch; update on the last of the window.
+
+        Returns the micro-batch's loss values. On the micro-batch that updates (or with
+        `force_update`, e.g. at the end of an epoch), returns instead the window's mean
+        values averaged across ranks, plus `grad_norm`, `lr`, `loss_scale`, `skipped`
+        (1.0 when the update was dropped: fp16 scaling found inf/nan gradients, or
+        `on_nonfinite='skip'` found a non-finite loss or norm) and `stop` (1.0 when any
+        rank called `request_stop`). A non-finite loss or norm with `on_nonfinite='stop'`
+        raises `NonFiniteError` on every rank.
+        A model returning `(losses, preds[, masks])` gets them back, untouched, under
+        `vis_preds`/`vis_masks`. A model with its own `parse_losses` has it called.
+        """
+        tc = self.train_config
+        update = force_update or self.micro_step + 1 >= tc.accumulate_steps
+        if not self.model.training:  # train() walks every module: not on each micro-step
+            self.model.train()
+        with self._gradient_sync(update or tc.sync_each_microbatch):
+            outputs = self.forward(batch, "loss")
+            losses, passed = split_outputs(outputs)
+            loss, logs = model_parse_losses(unwrap(self.model), losses)
+            scaled = loss / tc.accumulate_steps
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        self.last_outputs = outputs
+        self._window.append(logs)
+        self.micro_step += 1
+        result: dict[str, Any]
+        if not update:
+            result = {k: float(v) for k, v in logs.items()}
+        else:
+            result = self._update()
+        result.update(passed)  # predictions for visualisation: as returned, never averaged
+        return result
+
+    def _reduce_window(
+        self, norm: torch.Tensor
+    ) -> tuple[dict[str, float], list[str], list[str], bool]:
+        """(window means averaged over ranks, the keys, this rank's non-finite keys, whether
+        any rank asked to stop), with the one all-reduce each update makes: it also carries
+        each rank's non-finite and stop flags, so the guard and preemption cost nothing."""
+        keys = sorted(self._window[0])
+        means = torch.stack(
+            [torch.stack([w[k].float().cpu() for w in self._window]).mean() for k in keys]
+        )
+        self._window = []
+        bad = [k for k, v in zip(keys, means, strict=True) if "loss" in k and not v.isfinite()]
+        if not math.isfinite(float(norm)):
+            # With fp16 scaling, inf/nan gradients (from an overflow, or from an inf loss)
+            # are the grad scaler's to skip, as in any AMP loop; without it they are ours.
+            bad = [] if self.scaler is not None else [*bad, "grad_norm"]
+        asked = self._stop_requested
+        flags = torch.tensor([float(bool(bad)), float(asked)])
+        values = torch.cat([means, flags])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values)  # SUM (gloo has no AVG)
+            values = values.cpu()
+            values[: len(keys)] /= dist.get_world_size()
+        self._nonfinite_ranks = int(values[-2])
+        stop = bool(values[-1] > 0)
+        if asked:  # sent: a request that arrives from here on rides on the next update
+            self._stop_requested = False
+        return {k: float(v) for k, v in zip(keys, values, strict=False)}, keys, bad, stop
+
+    def _update(self) -> dict[str, Any]:
+        tc = self.train_config
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.scaler is not None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*scalar.*")
+                self.scaler.unscale_(self.optimizer)
+        anomalous = anomalous_params(self.model) if tc.detect_anomalous_params else []
+        norm = total_grad_norm(params)
+        result, keys, bad, stop = self._reduce_window(norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the lr this update uses
+        self.micro_step = 0
+        if self._nonfinite_ranks:
+            self._drop_update(nonfinite_report(bad, keys, self.device))
+            result.update(grad_norm=float(norm), lr=lr, skipped=1.0, stop=float(stop))
+            return result
+        _clip_to(params, norm, tc.max_grad_norm)
+        skipped = False
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*scalar.*")
+                self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self.step += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        result.update(grad_norm=float(norm), lr=lr, skipped=float(skipped), stop=float(stop))
+        if self.scaler is not None:
+            result["loss_scale"] = float(self.scaler.get_scale())
+        if tc.detect_anomalous_params:
+            result["anomalous_params"] = float(len(anomalous))
+        return result
+
+    def _drop_update(self, where: str) -> None:
+        """The update found a non-finite loss or norm on some rank: stop or skip, everywhere."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.update(self.scaler.get_scale())  # forget this step's inf checks
+        step = self.step + self.skipped_steps + 1
+        stop_or_warn(step, self._nonfinite_ranks, where, self.train_config.on_nonfinite)
+        self.skipped_steps += 1
+
+    def val_step(self, batch: Any) -> Any:
+        """Predict on `batch` without gradients, in eval mode."""
+        return self._predict(batch)
+
+    def test_step(self, batch: Any) -> Any:
+        """Predict on `batch` without gradients, in eval mode."""
+        return self._predict(batch)
+
+    def _predict(self, batch: Any) -> Any:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return self.forward(batch, "predict")
+        finally:
+            self.model.train(was_training)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _already_parallel(model: nn.Module) -> bool:
+    return isinstance(model, DistributedDataParallel) or any(
+        isinstance(m, FSDPModule) for m in model.modules()
+    )
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    info = wrap_info(model)
+    if info is not None:
+        return info.dist.device
+    for p in model.parameters():
+        return p.device if not isinstance(p, DTensor) else p.to_local().device
+    return torch.device("cpu")
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch

@@ -1,0 +1,202 @@
+"""Optimizers meeting wrapped models: built after wrapping, or stopped loudly.
+
+Owns: building the optimizer and scheduler the Engine steps (from factories or objects),
+the check that an optimizer holds the wrapped model's own parameters, the process-wide
+optimizer step hook that refuses an optimizer built before `shardwise.wrap` replaced its
+parameters, and the translation of mmengine's `OptimWrapper`/`AmpOptimWrapper` (read by
+duck typing: this module never imports mmengine).
+
+Must not: step optimizers itself (engine.py does), or import a host library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.config.parallel import ParallelConfig
+from shardwise.config.training import TrainConfig
+from shardwise.parallelize.wrapped import unwrap
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def is_optim_wrapper(value: object) -> bool:
+    """mmengine's OptimWrapper (or anything with its interface)."""
+    return all(hasattr(value, a) for a in ("update_params", "optim_context", "optimizer"))
+
+
+def build_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer to step: a torch optimizer holding `model`'s parameters, or one built
+    by a factory from them (an OptimWrapper is translated by the Engine first)."""
+
+    model_params = list(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError(
+                f"Engine(optimizer=...) got {type(optimizer).__name__}; expected a "
+                "torch.optim.Optimizer, a factory such as lambda params: AdamW(params, "
+                "lr=3e-4), or mmengine's OptimWrapper."
+            )
+        built = optimizer([p for p in model_params if p.requires_grad])
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(
+                f"Engine: the optimizer factory returned {type(built).__name__}, not a "
+                "torch.optim.Optimizer."
+            )
+        check_hyperparameters(built)
+        return built
+    ids = {id(p) for p in model_params}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = [p for p in held if id(p) not in ids]
+    if foreign:
+        raise ValueError(
+            f"Engine: the optimizer holds {len(foreign)} of {len(held)} parameter(s) that are "
+            "not the wrapped model's: it was built before wrapping, and sharding replaced the "
+            "parameters, so it would update tensors the model no longer uses. Pass a factory "
+            "instead, Engine(model, lambda params: torch.optim.AdamW(params, lr=...)), or "
+            "build the optimizer from the wrapped model's parameters after shardwise.wrap()."
+        )
+    held_ids = {id(p) for p in held}
+    missing = [
+        n for n, p in unwrap(model).named_parameters() if p.requires_grad and id(p) not in held_ids
+    ]
+    if missing:
+        warnings.warn(
+            f"Engine: {len(missing)} trainable parameter(s) are not in the optimizer and will "
+            f"not be updated: {missing[:10]}",
+            stacklevel=3,
+        )
+    check_hyperparameters(optimizer)
+    return optimizer
+
+
+def check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what trains into NaN or backwards without an error from torch: an lr that is
+    not a finite number >= 0 (torch accepts inf), and Adam betas outside [0, 1)."""
+    name = type(optimizer).__name__
+    for i, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if lr is not None and not (math.isfinite(float(lr)) and float(lr) >= 0):
+            raise ValueError(
+                f"Engine: {name} param_groups[{i}]['lr']={float(lr)!r} must be a finite "
+                "number >= 0. Use a learning rate such as 3e-4."
+            )
+        betas = group.get("betas")
+        if isinstance(betas, (tuple, list)):
+            for j, beta in enumerate(betas):
+                if not 0.0 <= float(beta) < 1.0:
+                    raise ValueError(
+                        f"Engine: {name} param_groups[{i}]['betas'][{j}]={float(beta)!r} must "
+                        "be in [0, 1) (a moment decay rate). Use e.g. betas=(0.9, 0.95)."
+                    )
+
+
+def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    if scheduler is None:
+        return None
+    if hasattr(scheduler, "step") and hasattr(scheduler, "optimizer"):
+        if scheduler.optimizer is not optimizer:
+            raise ValueError(
+                "Engine: the scheduler was built for a different optimizer than the engine's. "
+                "Pass a factory instead: scheduler=lambda opt: torch.optim.lr_scheduler."
+                "CosineAnnealingLR(opt, T_max=...)."
+            )
+        return scheduler
+    if callable(scheduler):
+        return scheduler(optimizer)
+    raise TypeError(
+        f"Engine(scheduler=...) got {type(scheduler).__name__}; expected an LR scheduler or a "
+        "factory taking the optimizer."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class WrapperSettings:
+    """What an mmengine OptimWrapper asks for, in shardwise's words."""
+
+    optimizer: torch.optim.Optimizer
+    accumulate_steps: int
+    max_grad_norm: float | None
+    amp_dtype: torch.dtype | None
+    """The dtype an AmpOptimWrapper computes in (None: a plain OptimWrapper)."""
+
+
+def read_optim_wrapper(wrapper: Any, device_type: str) -> WrapperSettings:
+    """Translate mmengine's OptimWrapper/AmpOptimWrapper, or refuse what cannot carry over.
+
+    The Engine steps the wrapper's optimizer itself: its own global-norm clipping (over
+    every shard and replica, unmanaged parameters included), its own gradient-sync switch
+    for accumulation, and its own loss scaler. The wrapper's
+    `update_params` is therefore not called.
+    """
+    name = type(wrapper).__name__
+    optimizer = wrapper.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"Engine: {name}.optimizer is {type(optimizer).__name__}, not a torch optimizer."
+        )
+    counts = int(getattr(wrapper, "_accumulative_counts", 1))
+    max_norm = None
+    clip = getattr(wrapper, "clip_grad_kwargs", None)
+    if clip:
+        clip_func = getattr(getattr(wrapper, "clip_func", None), "__name__", "clip_grad_norm_")
+        norm_type = float(clip.get("norm_type", 2.0))
+        extra = sorted(set(clip) - {"max_norm", "norm_type"})
+        if clip_func != "clip_grad_norm_" or norm_type != 2.0 or extra or "max_norm" not in clip:
+            raise ValueError(
+                f"Engine: {name}(clip_grad={dict(clip)!r}) with {clip_func} is not supported: "
+                "shardwise clips by the global L2 norm over every shard and replica only. Use "
+                "clip_grad=dict(max_norm=...) (norm_type 2), or remove clip_grad."
+            )
+        max_norm = float(clip["max_norm"])
+    amp_dtype = None
+    if hasattr(wrapper, "loss_scaler") and hasattr(wrapper, "cast_dtype"):  # AmpOptimWrapper
+        amp_dtype = wrapper.cast_dtype or (
+            torch.float16 if device_type == "cuda" else torch.bfloat16  # autocast's default
+        )
+    return WrapperSettings(optimizer, counts, max_norm, amp_dtype)
+
+
+def from_optim_wrapper(
+    wrapper: Any, train: TrainConfig, config: ParallelConfig, device_type: str
+) -> tuple[torch.optim.Optimizer, TrainConfig]:
+    """Take an mmengine OptimWrapper's optimizer, accumulation and clipping (the Engine then
+    steps them itself, see `read_optim_wrapper`): (its optimizer, `train` with the
+    wrapper's settings). A setting given in both places must agree."""
+    name = type(wrapper).__name__
+    settings = read_optim_wrapper(wrapper, device_type)
+    tc = train
+    theirs_by_field: tuple[tuple[str, Any, Any], ...] = (
+        ("accumulate_steps", settings.accumulate_steps, 1),
+        ("max_grad_norm", settings.max_grad_norm, None),
+    )
+    for field_name, theirs, default in theirs_by_field:
+        ours = getattr(tc, field_name)
+        if theirs != default and ours not in (default, theirs):
+            raise ValueError(
+                f"Engine: {name} asks for {field_name}={theirs} but TrainConfig."
+                f"{field_name}={ours}. Set it in one place."
+            )
+        if theirs != default:
+            tc = dataclasses.replace(tc, **{field_name: theirs})
+    ours_dtype = config.precision.param_dtype or torch.float32
+    if settings.amp_dtype is not None and settings.amp_dtype != ours_dtype:
+        raise ValueError(
+            f"Engine: {name} computes in {settings.amp_dtype} but ParallelConfig."
+            f"mixed_precision={config.mixed_precision!r} computes in {ours_dtype}. "
+            "Under shardwise the model's compute dtype comes from ParallelConfig (FSDP2's "
+            "policy, or autocast for ddp and one process), not from the wrapper's autocast: "
+            f"set ParallelConfig.mixed_precision='{_short(settings.amp_dtype)}'."
+        )
+    return settings.optimizer, tc
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

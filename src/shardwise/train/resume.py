@@ -1,0 +1,230 @@
+"""Starting a run: refusing to overwrite one, resuming one, and stopping cleanly on SIGTERM.
+
+Owns: the checks before anything is written (an earlier run in run_dir, directories that
+cannot be written), finding and loading the checkpoint `resume` names and moving newer
+checkpoints aside, and preemption: SIGTERM sets a flag, the next optimizer-step boundary
+agrees on it across ranks (inside the all-reduce each update already makes), the Runner
+saves there and raises `Preempted`, a SystemExit with code 75 (EX_TEMPFAIL).
+
+What torchrun (torch 2.13) does with that: a worker's non-zero exit marks the worker group
+FAILED, which the agent restarts while `--max-restarts` allows (any non-zero code counts;
+the restarted workers continue with `resume='latest'`). When the agent itself gets SIGTERM,
+as a scheduler reclaiming a node sends it, it raises SignalException, forwards SIGTERM to
+the workers, waits `--shutdown-timeout` (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default)
+before SIGKILL, and exits non-zero without restarting: the next start of the job, with
+`resume='latest'`, continues from the checkpoint, exactly.
+
+Must not: run the training loop (train/runner.py does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from shardwise.checkpoint.layout import list_checkpoints, read_manifest, set_aside_newer
+from shardwise.checkpoint.load import load_checkpoint
+from shardwise.checkpoint.trust import CheckpointError
+from shardwise.config.training import RunnerConfig
+from shardwise.distributed.process_group import rank_and_world
+from shardwise.train.data import map_position
+from shardwise.train.engine import Engine
+from shardwise.train.metrics import METRICS_FILE
+
+PREEMPTED_EXIT_CODE = 75
+"""os.EX_TEMPFAIL ("temporary failure, retry"): a checkpoint was saved on SIGTERM. torchrun
+restarts any non-zero exit within --max-restarts; a scheduler can match this code to
+requeue (e.g. a Kubernetes podFailurePolicy rule)."""
+
+
+class Preempted(SystemExit):
+    """Raised by `Runner.fit` on every rank after SIGTERM: a checkpoint was saved after
+    `step`. Uncaught, the process exits with PREEMPTED_EXIT_CODE (no traceback)."""
+
+    def __init__(self, step: int, checkpoint: Path) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return (
+            f"SIGTERM: stopped after optimizer step {self.step} and saved {self.checkpoint}; "
+            f"exiting with code {PREEMPTED_EXIT_CODE}. Start the job again with "
+            "RunnerConfig.resume='latest' to continue from it."
+        )
+
+
+@dataclass
+class SigtermState:
+    installed: bool = False
+    received: bool = False
+
+
+def _probe(directory: Path, setting: str) -> list[str]:
+    """[] if this process can create `directory` and write a file in it, else the reason."""
+    probe = directory / f".shardwise_write_probe_{rank_and_world()[0]}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        return [f"{setting} is not writable ({exc.strerror or exc}: {exc.filename or directory})"]
+    return []
+
+
+def checkpoint_dir(config: RunnerConfig) -> Path:
+    """Where a run's checkpoints go: `checkpoint_dir`, or RUN_DIR/checkpoints."""
+    return Path(config.checkpoint_dir or Path(config.run_dir) / "checkpoints")
+
+
+@contextlib.contextmanager
+def sigterm_requests_stop(engine: Engine, enabled: bool) -> Iterator[SigtermState]:
+    """While fitting, SIGTERM asks the engine to stop at the next update (a flag only:
+    nothing else is safe in a handler). The previous handler is restored afterwards; a
+    SIGTERM that came too late for fit to act on is then delivered to it."""
+    state = SigtermState()
+    if not enabled:
+        yield state
+        return
+    if threading.current_thread() is not threading.main_thread():
+        warnings.warn(
+            "Runner.fit() runs outside the main thread, where Python cannot install a "
+            "signal handler: RunnerConfig.stop_on_sigterm has no effect here, and SIGTERM "
+            "ends the process without a checkpoint. Call fit() from the main thread.",
+            stacklevel=4,
+        )
+        yield state
+        return
+
+    def request_stop(signum: int, frame: Any) -> None:
+        state.received = True
+        engine.request_stop()
+
+    previous = signal.signal(signal.SIGTERM, request_stop)
+    state.installed = True
+    acted = False
+    try:
+        yield state
+    except Preempted:
+        acted = True
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        engine._stop_requested = False
+        if state.received and not acted:
+            signal.raise_signal(signal.SIGTERM)
+
+
+def any_rank(flag: bool, world: int, device: torch.device) -> bool:
+    """Whether `flag` is set on any rank (every rank calls this at the same point)."""
+    if world == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+def preflight(config: RunnerConfig, rank: int, world: int) -> str:
+    """On every rank, before anything is written: look for an earlier run in run_dir (rank
+    0) and probe the directories for writing. Every rank gets every rank's findings (one
+    all-gather), so all raise or none does. Returns the refusal for a fresh run over an
+    earlier one ('' when run_dir is unused)."""
+    cfg = config
+    existing, problems = "", []
+    if rank == 0:
+        existing = earlier_run(cfg)
+        problems += _probe(Path(cfg.run_dir), f"RunnerConfig.run_dir={cfg.run_dir!r}")
+    if cfg.save_every or cfg.save_at_end:
+        setting = (
+            f"RunnerConfig.checkpoint_dir={cfg.checkpoint_dir!r}"
+            if cfg.checkpoint_dir
+            else f"RunnerConfig.checkpoint_dir=None (RUN_DIR/checkpoints = '{checkpoint_dir(cfg)}')"
+        )
+        problems += _probe(checkpoint_dir(cfg), setting)
+    found: list[Any] = [(existing, problems)]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, (existing, problems))
+    bad = [f"{p} (rank {r})" if world > 1 else p for r, (_, mine) in enumerate(found) for p in mine]
+    if bad:
+        raise ValueError(
+            f"Runner: cannot write where this run writes: {'; '.join(bad)}. Choose "
+            "directories this process can create and write, or fix their permissions. "
+            "Nothing was trained."
+        )
+    return str(found[0][0])
+
+
+def earlier_run(config: RunnerConfig) -> str:
+    """The refusal for a fresh run over an earlier one ('' when run_dir is unused)."""
+    found = []
+    root = checkpoint_dir(config)
+    if root.is_dir():
+        saved = [c for c in list_checkpoints(root) if c.complete]
+        if saved:
+            found.append(f"{len(saved)} checkpoint(s) in {root}, the newest {saved[-1].path.name}")
+    run_dir = Path(config.run_dir)
+    if (run_dir / METRICS_FILE).is_file():
+        found.append(f"metrics in {run_dir / METRICS_FILE}")
+    board = run_dir / "tensorboard"
+    if board.is_dir() and any(board.rglob("events.out.tfevents*")):
+        found.append(f"TensorBoard events in {board}")
+    if not found:
+        return ""
+    return (
+        f"Runner.fit(): RunnerConfig.run_dir={config.run_dir!r} already holds a run "
+        f"({'; '.join(found)}) and RunnerConfig.resume=None starts a fresh one, which "
+        "would overwrite it. Set resume='latest' to continue that run, or choose a new "
+        "run_dir to start over. Nothing was changed."
+    )
+
+
+def resume_target(config: RunnerConfig) -> str | None:
+    """The checkpoint (or root) `config.resume` continues from; None: a fresh start."""
+    if config.resume != "latest":
+        return config.resume
+    root = checkpoint_dir(config)
+    if not root.is_dir() or not any(c.complete for c in list_checkpoints(root)):
+        return None  # nothing saved yet: a fresh start (preemptible jobs rerun as is)
+    return str(root)
+
+
+def step_to_resume(config: RunnerConfig) -> int:
+    """The step `resume` will restore, read ahead (for validate() before fit())."""
+    target = resume_target(config)
+    try:
+        return int(read_manifest(target)["step"]) if target is not None else 0
+    except (CheckpointError, KeyError, ValueError):
+        return 0  # fit() will report it
+
+
+def resume(
+    config: RunnerConfig, engine: Engine, loader: DataLoader[Any] | None, world: int
+) -> tuple[int, int]:
+    """(epoch, samples each rank skips in it) after restoring `config.resume`, or (0, 0).
+
+    Checkpoints newer than the resumed step belong to a future this run abandons: they are
+    moved aside (never deleted), so saves do not collide with them."""
+    target = resume_target(config)
+    if target is None:
+        return 0, 0
+    manifest = load_checkpoint(target, engine)
+    position = manifest.get("runner") or {}
+    if not position:
+        raise CheckpointError(
+            f"{target} was saved by save_checkpoint outside a Runner: it has no loop "
+            "position to resume from. Load it with load_checkpoint() instead."
+        )
+    set_aside_newer(checkpoint_dir(config), engine.step)
+    saved_world = int(manifest.get("world_size", world))
+    return map_position(position, saved_world, loader, world, config.resume)

@@ -1,0 +1,310 @@
+"""Loops around the engine: epochs or steps, validation, checkpoints, logs, progress.
+
+Owns: the training loop (accumulation windows, a partial window at the end of an epoch
+still updating with the micro-batches it has, validation every N steps, periodic and final
+checkpoints, the scheduler through the engine), validation and test averaged over all
+ranks' samples, and metrics rows (CSV always, TensorBoard when installed). Rank 0 prints;
+other ranks print nothing. Per-rank data is train/data.py; refusing to overwrite a run,
+resuming and preemption are train/resume.py; the progress bar is train/progress.py.
+
+Resume is exact (same losses, bit for bit, on CPU in fp32): the loop position, each rank's
+RNG states and all engine state are restored, and the loaders draw from their own
+generators. With `num_workers > 0`, worker seeds after a resume differ from an
+uninterrupted run, so random augmentations inside workers are not reproduced. RNG states
+are restored only at the saving world size.
+
+A run directory belongs to one run: `fit` without `resume` refuses, on every rank and
+before writing anything, a run_dir that holds metrics or a checkpoint_dir that holds
+checkpoints; the run and checkpoint directories are probed for writing before the first
+step.
+
+Must not: compute gradients or talk to the model directly (the engine does).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from shardwise.checkpoint.async_save import wait_for_checkpoint
+from shardwise.checkpoint.layout import checkpoint_name
+from shardwise.checkpoint.save import save_checkpoint
+from shardwise.config.training import RunnerConfig
+from shardwise.distributed.process_group import rank_and_world
+from shardwise.distributed.watchdog import guard
+from shardwise.train.data import ResumableSampler, make_loader
+from shardwise.train.engine import Engine
+from shardwise.train.losses import VIS_KEYS, parse_losses
+from shardwise.train.metrics import MetricsLogger
+from shardwise.train.progress import Progress, Window, count_batch, say
+from shardwise.train.resume import (
+    Preempted,
+    any_rank,
+    preflight,
+    resume,
+    sigterm_requests_stop,
+    step_to_resume,
+)
+from shardwise.train.resume import checkpoint_dir as _checkpoint_dir
+
+EvaluateFn = Callable[[Any, Any], dict[str, float]]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA): same seed and world size, same run."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Runner:
+    """Train, validate and test an `Engine` over data, logging as it goes."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        train_data: Dataset[Any] | DataLoader[Any] | None = None,
+        val_data: Dataset[Any] | DataLoader[Any] | None = None,
+        test_data: Dataset[Any] | DataLoader[Any] | None = None,
+        config: RunnerConfig | None = None,
+        *,
+        evaluate: EvaluateFn | None = None,
+    ) -> None:
+        self.engine = engine
+        self.config = config or RunnerConfig()
+        self.rank, self.world = rank_and_world()
+        self.evaluate = evaluate
+        cfg, rank, world = self.config, self.rank, self.world
+        self.train_loader = make_loader(train_data, "train_data", cfg.shuffle, cfg, rank, world)
+        self.val_loader = make_loader(val_data, "val_data", False, cfg, rank, world)
+        self.test_loader = make_loader(test_data, "test_data", False, cfg, rank, world)
+        self.logger = MetricsLogger(
+            self.config.run_dir, enabled=self.rank == 0, tensorboard=self.config.tensorboard
+        )
+        self.history: list[dict[str, Any]] = []
+        self._checked = False
+        self._existing_run = ""  # what run_dir held before this Runner wrote (rank 0's view)
+        self._resumed = False
+
+    # --- loops ------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        """Train until max_epochs or max_steps; validate as configured. Returns a summary.
+
+        Raises `Preempted` (exit code 75) on every rank after saving, when SIGTERM came
+        and `stop_on_sigterm` is set."""
+
+        if self.train_loader is None:
+            raise ValueError("Runner.fit() needs train_data.")
+        cfg, engine = self.config, self.engine
+        self._preflight()
+        if cfg.resume is None and self._existing_run:
+            raise ValueError(self._existing_run)  # the same verdict on every rank
+        seed_everything(cfg.seed)
+        k = engine.train_config.accumulate_steps
+        steps_per_epoch = math.ceil(len(self.train_loader) / k)
+        total = cfg.max_steps or 0
+        if cfg.max_epochs is not None:
+            by_epochs = steps_per_epoch * cfg.max_epochs
+            total = min(total, by_epochs) if total else by_epochs
+        step_limit = cfg.max_steps or math.inf
+        self._resumed = True
+        epoch, skip = resume(cfg, engine, self.train_loader, self.world)
+        self._start_logger()
+        progress = Progress(total, enabled=cfg.progress and self.rank == 0)
+        sampler = self.train_loader.sampler
+        batch = self.train_loader.batch_size or 1
+        window = Window()
+        saved_at = engine.step if cfg.resume else -1
+        position: dict[str, Any] | None = None
+        start = time.perf_counter()
+        last_train: dict[str, Any] = {}
+        last_val: dict[str, float] = {}
+        stop = False
+        try:
+            with sigterm_requests_stop(engine, cfg.stop_on_sigterm) as sigterm:
+                # Epochs bound the loop by epochs, not by `total`: after a resume at another
+                # world or batch size, an epoch has another number of steps.
+                while (
+                    engine.step + engine.skipped_steps < step_limit
+                    and (cfg.max_epochs is None or epoch < cfg.max_epochs)
+                    and not stop
+                ):
+                    if isinstance(sampler, DistributedSampler):
+                        sampler.set_epoch(epoch)
+                    if isinstance(sampler, ResumableSampler):
+                        sampler.skip = skip
+                    # The segment of the epoch this pass trains starts skip*world samples in.
+                    offset, consumed, skip = skip // batch, skip * self.world, 0
+                    n = len(self.train_loader)
+                    window.restart()
+                    for i, data in enumerate(self.train_loader):
+                        window.add(data)
+                        # A collective that times out here names the rank that never came.
+                        with guard(f"train step {engine.step + engine.skipped_steps + 1}"):
+                            logs = engine.train_step(data, force_update=i == n - 1)
+                        if "grad_norm" not in logs:
+                            continue
+                        stop = logs.pop("stop", 0.0) > 0
+                        logs = {k: v for k, v in logs.items() if k not in VIS_KEYS}
+                        done = engine.step + engine.skipped_steps
+                        # Where the loop stands after this update: what a resume needs.
+                        position = {
+                            "epoch": epoch,
+                            "batches_done": offset + i + 1,
+                            "total_batches": offset + n,
+                            "samples_done": consumed + (i + 1) * batch * self.world,
+                            "world_size": self.world,
+                            "batch_size": batch,
+                        }
+                        row = window.close(logs, self.world, engine.device, done, epoch)
+                        last_train = row
+                        if done % cfg.log_every == 0 or done == total:
+                            self._log(row)
+                        progress.update(row)
+                        if stop:
+                            break
+                        if (
+                            cfg.val_every
+                            and self.val_loader is not None
+                            and done % cfg.val_every == 0
+                        ):
+                            last_val = self.validate()
+                            window.restart()  # validation time is not training throughput
+                        if cfg.save_every and done % cfg.save_every == 0:
+                            self.save(position, async_=cfg.async_save)
+                            saved_at = engine.step
+                            window.restart()
+                        if done >= step_limit and i < n - 1:
+                            break  # max_steps reached inside the epoch
+                    else:
+                        epoch += 1
+                        if cfg.val_every is None and self.val_loader is not None:
+                            last_val = self.validate()
+                        continue
+                    break
+                if not stop and sigterm.installed:
+                    # A SIGTERM after the last update (during validation, say) counts too.
+                    stop = any_rank(sigterm.received, self.world, engine.device)
+                if stop and position is not None:
+                    path = self.checkpoint_dir / checkpoint_name(engine.step)
+                    if saved_at != engine.step:
+                        path = self.save(position)
+                    wait_for_checkpoint()  # an async save of this very step completes first
+                    preempted = Preempted(engine.step, path)
+                    say(str(preempted))
+                    raise preempted
+            if cfg.save_at_end and position is not None and saved_at != engine.step:
+                self.save(position)
+            # An asynchronous save still being written completes here (every rank; not in
+            # `finally`: after an error some ranks may never arrive).
+            wait_for_checkpoint()
+        finally:
+            progress.close()
+            self.logger.close()
+        return {
+            "steps": engine.step,
+            "skipped_steps": engine.skipped_steps,
+            "epochs": epoch,
+            "train": last_train,
+            "val": last_val,
+            "seconds": time.perf_counter() - start,
+            "run_dir": str(Path(cfg.run_dir)),
+        }
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return _checkpoint_dir(self.config)
+
+    def save(self, position: dict[str, Any], *, async_: bool = False) -> Path:
+        """Checkpoint the engine plus where the loop is, for an exact resume. With `async_`
+        the files are written in the background (DCP's async_save) and the checkpoint is
+        complete only once `wait_for_checkpoint()` (or the next save) has finished it."""
+
+        state = {**position, "seed": self.config.seed}
+        where, keep = self.checkpoint_dir, self.config.keep_last
+        if async_:
+            pending = save_checkpoint(
+                where, self.engine, keep_last=keep, runner_state=state, async_=True
+            )
+            return pending.path
+        return save_checkpoint(where, self.engine, keep_last=keep, runner_state=state)
+
+    # --- start: checks, resume, logger ----------------------------------------------------
+
+    def _preflight(self) -> None:
+        """Once per Runner, on every rank, before anything is written (see resume.preflight)."""
+        if not self._checked:
+            self._checked = True
+            self._existing_run = preflight(self.config, self.rank, self.world)
+
+    def _start_logger(self) -> None:
+        """Open the metrics files: appended to, or (resuming) cut after the resumed step."""
+        if self.logger.started:
+            return
+        keep = None
+        if self.config.resume is not None:
+            keep = self.engine.step if self._resumed else step_to_resume(self.config)
+        self.logger.start(keep_until_step=keep)
+
+    def _log(self, row: dict[str, Any]) -> None:
+        self.history.append(row)
+        self.logger.log(row)
+
+    def validate(self) -> dict[str, float]:
+        """Mean metrics over the validation data, averaged over all ranks' samples."""
+        return self._evaluate(self.val_loader, "val", self.engine.val_step)
+
+    def test(self) -> dict[str, float]:
+        """Mean metrics over the test data, averaged over all ranks' samples."""
+        result = self._evaluate(self.test_loader, "test", self.engine.test_step)
+        self.logger.close()
+        return result
+
+    def _evaluate(
+        self, loader: DataLoader[Any] | None, split: str, step: Callable[[Any], Any]
+    ) -> dict[str, float]:
+        if loader is None:
+            raise ValueError(
+                f"Runner.{'validate' if split == 'val' else 'test'}() needs {split}_data."
+            )
+        self._preflight()
+        self._start_logger()
+        sums: dict[str, float] = {}
+        count = 0
+        for i, batch in enumerate(loader):
+            if self.config.val_batches is not None and i >= self.config.val_batches:
+                break
+            outputs = step(batch)
+            metrics = self.evaluate(outputs, batch) if self.evaluate else _loss_metrics(outputs)
+            samples = count_batch(batch)[0] or 1
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * samples
+            count += samples
+        keys = sorted(sums)
+        totals = torch.tensor([sums[k] for k in keys] + [float(count)], dtype=torch.float64)
+        if self.world > 1:
+            moved = totals.to(self.engine.device)
+            dist.all_reduce(moved)
+            totals = moved.cpu()
+        result = {k: float(totals[i] / max(float(totals[-1]), 1.0)) for i, k in enumerate(keys)}
+        row = {"step": self.engine.step, "split": split, **result}
+        self._log(row)
+        return result
+
+
+def _loss_metrics(outputs: Any) -> dict[str, float]:
+    try:
+        _, logs = parse_losses(outputs)
+    except (TypeError, ValueError):
+        return {}
+    return {k: float(v) for k, v in logs.items()}

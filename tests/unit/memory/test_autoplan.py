@@ -1,0 +1,116 @@
+"""strategy='auto' and the instant peak estimate: budgets, the choice, the error, and the
+estimate against the fake-tensor simulation."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from shardwise import ParallelConfig, wrap
+from shardwise.config import parse_memory_budget
+from shardwise.memory import InstantPeak, NoPlanFitsError, choose_plan, simulate_step
+from shardwise.testing.models import GPT, GPTConfig
+
+MiB = 2**20
+# Big enough that activations and states dominate fixed overheads (as in real models).
+MODEL = functools.partial(
+    GPT, GPTConfig(vocab_size=8192, seq_len=256, d_model=256, n_heads=8, n_layers=6)
+)
+
+
+def test_memory_budget_spellings() -> None:
+    assert parse_memory_budget("70GiB") == 70 * 2**30
+    assert parse_memory_budget("80 GB") == 80 * 10**9
+    assert parse_memory_budget("512MiB") == 512 * MiB
+    assert parse_memory_budget("85%") == pytest.approx(0.85)
+    assert parse_memory_budget(1234) == 1234
+    assert parse_memory_budget(None) is None
+    for bad in ("lots", "0GiB", "150%", -5, "12 parsecs", True):
+        with pytest.raises(ValueError, match=r"memory_budget=.*not valid.*70GiB"):
+            ParallelConfig(memory_budget=bad)
+
+
+def test_wrap_refuses_an_unresolved_auto_config_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="choose_plan"):
+        wrap(torch.nn.Linear(2, 2), ParallelConfig(strategy="auto"))
+    with pytest.raises(ValueError, match="choose_plan"):
+        wrap(torch.nn.Linear(2, 2), ParallelConfig(activation_checkpointing="auto"))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "shard_grad_op", "full_shard"])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_instant_estimate_within_ten_percent_of_the_simulation(strategy: str, ac: str) -> None:
+    cfg = ParallelConfig(strategy=strategy, activation_checkpointing=ac)
+    with torch.device("meta"):
+        model = MODEL()
+    estimate = InstantPeak(model, 4, 2, 256)(cfg)
+    simulated = simulate_step(MODEL, cfg, world=4, batch=2, seq_len=256).peak
+    assert 0.9 <= estimate / simulated <= 1.1, (estimate / MiB, simulated / MiB)
+
+
+def _choose(budget: str, **kw: object) -> object:
+    config = ParallelConfig(strategy="auto", memory_budget=budget, **kw)  # type: ignore[arg-type]
+    return choose_plan(MODEL, config, world=4, batch=2, seq_len=256)
+
+
+def test_auto_picks_ddp_when_it_fits() -> None:
+    plan = _choose("1GiB")
+    assert plan.chosen is not None and plan.chosen.strategy == "ddp"
+    assert plan.chosen.simulated is not None and plan.chosen.simulated <= plan.budget
+    assert plan.config.strategy == "ddp" and plan.config.activation_checkpointing == "none"
+    assert "cheapest candidate" in plan.reason and "ddp" in str(plan)
+
+
+def test_auto_picks_a_sharded_plan_when_ddp_does_not_fit() -> None:
+    ddp = simulate_step(MODEL, ParallelConfig(strategy="ddp"), world=4, batch=2, seq_len=256)
+    full = simulate_step(
+        MODEL, ParallelConfig(strategy="full_shard"), world=4, batch=2, seq_len=256
+    )
+    budget = (ddp.peak + full.peak) // 2
+    plan = choose_plan(
+        MODEL, ParallelConfig(strategy="auto", memory_budget=budget), world=4, batch=2, seq_len=256
+    )
+    assert plan.chosen is not None and plan.chosen.strategy != "ddp"
+    assert plan.rows[0].strategy == "ddp" and plan.rows[0].fits is False
+    assert plan.chosen.peak <= budget
+    # nothing cheaper than the choice fits
+    assert all(r.fits is False for r in plan.rows[: plan.rows.index(plan.chosen)])
+
+
+def test_auto_checkpointing_comes_after_every_strategy_without_it() -> None:
+    no_ac = simulate_step(
+        MODEL, ParallelConfig(strategy="full_shard"), world=4, batch=2, seq_len=256
+    )
+    plan = choose_plan(
+        MODEL,
+        ParallelConfig(
+            strategy="auto", activation_checkpointing="auto", memory_budget=no_ac.peak - MiB
+        ),
+        world=4,
+        batch=2,
+        seq_len=256,
+    )
+    assert plan.chosen is not None and plan.chosen.activation_checkpointing != "none"
+    assert [r.activation_checkpointing for r in plan.rows[:4]] == ["none"] * 4
+
+
+def test_nothing_fits_names_the_smallest_peak_and_the_fixes() -> None:
+    with pytest.raises(NoPlanFitsError) as caught:
+        _choose("8MiB", activation_checkpointing="auto")
+    message = str(caught.value)
+    best = min(caught.value.plan.rows, key=lambda r: r.peak)
+    assert "No plan fits" in message and best.strategy in message
+    assert "8.0 MiB" in message
+    for fix in ("--world", "cpu_offload=True", "smaller micro-batch", "memory_budget"):
+        assert fix in message
+
+
+def test_trace_without_a_sequence_length_says_what_to_give() -> None:
+    from shardwise.memory import trace_activations
+
+    with torch.device("meta"):
+        model = MODEL()
+    with pytest.raises(ValueError, match="seq_len=None and no example_input"):
+        trace_activations(model, batch=1, seq_len=None)

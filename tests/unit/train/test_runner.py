@@ -1,0 +1,308 @@
+"""Runner at world size 1: loops, CSV rows, validation, plot, seeds and bad input."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from shardwise import Engine, Runner, RunnerConfig, TrainConfig
+from shardwise.cli import main as cli_main
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
+from shardwise.train import PREEMPTED_EXIT_CODE, Preempted
+
+CFG = GPTConfig()
+
+
+def lm_dataset(n: int = 32, seed: int = 1) -> TensorDataset:
+    x, y = random_lm_batches(CFG, 1, n, seed=seed)[0]
+    return TensorDataset(x, y)
+
+
+def make_runner(tmp_path, train=None, **cfg):
+    torch.manual_seed(0)
+    engine = Engine(GPT(CFG), lambda p: torch.optim.AdamW(p, lr=3e-3), train=train)
+    config = RunnerConfig(run_dir=str(tmp_path / "run"), progress=False, **cfg)
+    return Runner(engine, lm_dataset(), lm_dataset(8, seed=2), lm_dataset(8, seed=3), config)
+
+
+def rows(tmp_path):
+    with (tmp_path / "run" / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_one_csv_row_per_logged_step_and_val_every(tmp_path):
+    summary = make_runner(
+        tmp_path, batch_size=4, max_steps=6, max_epochs=None, log_every=2, val_every=3
+    ).fit()
+    assert summary["steps"] == 6
+    train = [r for r in rows(tmp_path) if r["split"] == "train"]
+    val = [r for r in rows(tmp_path) if r["split"] == "val"]
+    assert [int(r["step"]) for r in train] == [2, 4, 6]
+    assert [int(r["step"]) for r in val] == [3, 6]
+    for r in train:
+        assert (
+            float(r["loss"]) > 0
+            and float(r["grad_norm"]) > 0
+            and float(r["lr"]) == pytest.approx(3e-3)
+        )
+        assert (
+            float(r["tokens_per_s"]) > 0
+            and float(r["samples_per_s"]) > 0
+            and float(r["peak_mem_mb"]) > 0
+        )
+    assert summary["val"]["loss"] == pytest.approx(float(val[-1]["loss"]))
+
+
+def test_epochs_with_accumulation_step_partial_windows(tmp_path):
+    # 32 samples / batch 8 = 4 batches per epoch; k=3 gives windows of 3 and 1 per epoch.
+    summary = make_runner(
+        tmp_path, train=TrainConfig(accumulate_steps=3), batch_size=8, max_epochs=2
+    ).fit()
+    assert summary["steps"] == 4 and summary["epochs"] == 2
+    assert [int(r["step"]) for r in rows(tmp_path) if r["split"] == "train"] == [1, 2, 3, 4]
+    assert [int(r["step"]) for r in rows(tmp_path) if r["split"] == "val"] == [
+        2,
+        4,
+    ]  # each epoch end
+
+
+def test_loss_falls_and_test_runs(tmp_path):
+    runner = make_runner(tmp_path, batch_size=8, max_epochs=10)
+    runner.fit()
+    train = [float(r["loss"]) for r in rows(tmp_path) if r["split"] == "train"]
+    assert train[-1] < train[0] - 0.3
+    assert "loss" in runner.test()
+    assert rows(tmp_path)[-1]["split"] == "test"
+
+
+def test_same_seed_same_losses_other_seed_differs(tmp_path):
+    def losses(seed, sub):
+        make_runner(tmp_path / sub, batch_size=4, max_steps=4, max_epochs=None, seed=seed).fit()
+        return [r["loss"] for r in rows(tmp_path / sub) if r["split"] == "train"]
+
+    first = losses(5, "a")
+    assert first == losses(5, "b")
+    assert first != losses(6, "c")
+
+
+def test_plot_command_writes_png(tmp_path):
+    make_runner(tmp_path, batch_size=4, max_steps=4, max_epochs=None, val_every=2).fit()
+    assert cli_main(["plot", str(tmp_path / "run")]) == 0
+    png = (tmp_path / "run" / "metrics.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_plot_of_missing_run(tmp_path, capsys):
+    assert cli_main(["plot", str(tmp_path / "nope")]) == 2
+    assert "metrics.csv does not exist: RUN_DIR must be a run directory" in capsys.readouterr().err
+
+
+def test_empty_dataloader(tmp_path):
+    engine = Engine(GPT(CFG), lambda p: torch.optim.AdamW(p))
+    with pytest.raises(
+        ValueError,
+        match=r"Runner: train_data yields no batches: 3 sample\(s\) over 1 rank\(s\) with batch_size=4 and drop_last=True gives 0 batches per rank",
+    ):
+        Runner(
+            engine,
+            lm_dataset(3),
+            config=RunnerConfig(batch_size=4, drop_last=True, run_dir=str(tmp_path)),
+        )
+    with pytest.raises(ValueError, match=r"val_data yields no batches: 0 sample"):
+        Runner(
+            engine,
+            lm_dataset(3),
+            DataLoader(TensorDataset(torch.zeros(0, 2))),
+            config=RunnerConfig(run_dir=str(tmp_path)),
+        )
+
+
+def test_iterable_dataset_refused(tmp_path):
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(2)
+
+    engine = Engine(GPT(CFG), lambda p: torch.optim.AdamW(p))
+    with pytest.raises(
+        TypeError, match=r"is an IterableDataset, which shardwise cannot split across ranks"
+    ):
+        Runner(engine, Stream(), config=RunnerConfig(run_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_epochs": None, "max_steps": None}, r"max_epochs and max_steps are both None"),
+        ({"batch_size": 0}, r"RunnerConfig\.batch_size=0 must be a positive int"),
+        ({"val_every": 0}, r"RunnerConfig\.val_every=0 must be a positive int or None"),
+        ({"log_every": -1}, r"RunnerConfig\.log_every=-1 must be a positive int"),
+    ],
+)
+def test_runner_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RunnerConfig(**kwargs)
+
+
+def test_tensorboard_required_but_missing(tmp_path):
+    pytest.importorskip("matplotlib")
+    try:
+        import tensorboard  # noqa: F401
+
+        pytest.skip("tensorboard is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(
+        ImportError, match=r"RunnerConfig\.tensorboard=True but TensorBoard is not installed"
+    ):
+        make_runner(tmp_path, tensorboard=True)
+
+
+# --- a run directory belongs to one run ---------------------------------------------------
+
+
+def test_fresh_run_over_an_earlier_one_refuses_and_deletes_nothing(tmp_path):
+    make_runner(tmp_path, batch_size=4, max_steps=2, max_epochs=None, save_at_end=True).fit()
+    csv_before = (tmp_path / "run" / "metrics.csv").read_bytes()
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    again = make_runner(tmp_path, batch_size=4, max_steps=2, max_epochs=None, save_at_end=True)
+    with pytest.raises(
+        ValueError,
+        match=r"RunnerConfig\.run_dir='.*run' already holds a run \(1 checkpoint\(s\) in .*, "
+        r"the newest step_00000002; metrics in .*metrics\.csv\) and RunnerConfig\.resume=None "
+        r"starts a fresh one.*Set resume='latest' to continue that run, or choose a new "
+        r"run_dir to start over",
+    ):
+        again.fit()
+    assert again.engine.step == 0  # refused before training
+    assert (tmp_path / "run" / "metrics.csv").read_bytes() == csv_before
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ckpts
+    # Metrics alone (a run that never saved) are refused too; resume='latest' continues.
+    (tmp_path / "only" / "run").mkdir(parents=True)
+    (tmp_path / "only" / "run" / "metrics.csv").write_text("step,split,loss\n1,train,4.0\n")
+    with pytest.raises(ValueError, match=r"already holds a run \(metrics in "):
+        make_runner(tmp_path / "only", max_steps=1, max_epochs=None).fit()
+    resumed = make_runner(
+        tmp_path, batch_size=4, max_steps=3, max_epochs=None, resume="latest"
+    ).fit()
+    assert resumed["steps"] == 3
+
+
+def test_resume_from_an_older_checkpoint_sets_the_newer_aside_and_continues(tmp_path):
+    make_runner(tmp_path, batch_size=4, max_steps=6, max_epochs=None, save_every=2).fit()
+    ckpts = tmp_path / "run" / "checkpoints"
+    older = str(ckpts / "step_00000002")
+    summary = make_runner(
+        tmp_path, batch_size=4, max_steps=6, max_epochs=None, save_every=2, resume=older
+    ).fit()
+    assert summary["steps"] == 6
+    aside = sorted(
+        p.name
+        for p in (ckpts / "superseded").rglob("step_*")
+        if p.parent.parent.name == "superseded"
+    )
+    assert aside == ["step_00000004", "step_00000006"]  # moved, not deleted
+    assert (ckpts / "latest").read_text().strip() == "step_00000006"
+    assert [int(r["step"]) for r in rows(tmp_path) if r["split"] == "train"] == list(range(1, 7))
+
+
+def test_validate_and_test_append_to_an_earlier_run_without_deleting(tmp_path):
+    make_runner(tmp_path, batch_size=4, max_steps=2, max_epochs=None).fit()
+    before = rows(tmp_path)
+    runner = make_runner(tmp_path, batch_size=4)
+    runner.test()  # evaluating a finished run in a new process: its rows stay
+    assert rows(tmp_path)[: len(before)] == before and rows(tmp_path)[-1]["split"] == "test"
+
+
+def test_unwritable_checkpoint_dir_is_found_before_the_first_step(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    runner = make_runner(
+        tmp_path, max_steps=5, max_epochs=None, save_every=5,
+        checkpoint_dir=str(tmp_path / "a_file" / "ckpt"),
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"cannot write where this run writes: RunnerConfig\.checkpoint_dir='.*a_file/ckpt' "
+        r"is not writable \(.*\)\. Choose directories this process can create and write",
+    ):
+        runner.fit()
+    assert runner.engine.step == 0
+    runner = make_runner(tmp_path, max_steps=1, max_epochs=None)
+    runner.config.run_dir = str(tmp_path / "a_file" / "run")
+    with pytest.raises(ValueError, match=r"RunnerConfig\.run_dir='.*a_file/run' is not writable"):
+        runner.fit()
+
+
+# --- preemption at world size 1 (tests/distributed/test_preemption.py: 2 processes) -------
+
+
+class SignalAt(TensorDataset):
+    """Sends this process SIGTERM when the `at`-th sample is read (as a scheduler would)."""
+
+    def __init__(self, at: int | None, *tensors):
+        super().__init__(*tensors)
+        self.at, self.reads = at, 0
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if self.reads == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().__getitem__(i)
+
+
+def preemptible(tmp_path, at, *, resume=None, k=1):
+    torch.manual_seed(0)
+    engine = Engine(
+        GPT(CFG), lambda p: torch.optim.AdamW(p, lr=3e-3), train=TrainConfig(accumulate_steps=k)
+    )
+    config = RunnerConfig(
+        run_dir=str(tmp_path), progress=False, batch_size=2, max_steps=6, max_epochs=None,
+        resume=resume,
+    )  # fmt: skip
+    return Runner(engine, SignalAt(at, *lm_dataset(24).tensors), config=config)
+
+
+def params(runner):
+    return {n: p.detach().clone() for n, p in runner.engine.model.state_dict().items()}
+
+
+def test_sigterm_finishes_the_window_saves_and_exits_75_then_resumes_exactly(tmp_path):
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: calls.append(a))
+    try:
+        full = preemptible(tmp_path / "full", None, k=2)
+        full.fit()
+        # Sample 7 is read in micro-batch 4 (batch 2): the window of micro-batches 3-4 ends
+        # there, so the Runner stops after step 2; at sample 5 (micro-batch 3) it still
+        # finishes micro-batch 4 first.
+        for at in (7, 5):
+            cut = preemptible(tmp_path / f"cut{at}", at, k=2)
+            with pytest.raises(Preempted) as stopped:
+                cut.fit()
+            assert stopped.value.code == PREEMPTED_EXIT_CODE == 75 and stopped.value.step == 2
+            assert (tmp_path / f"cut{at}" / "checkpoints" / "step_00000002").is_dir()
+            assert cut.engine.micro_step == 0
+        assert calls == []  # fit's own handler took them
+        resumed = preemptible(tmp_path / "cut7", None, resume="latest", k=2)
+        assert resumed.fit()["steps"] == 6
+        got, want = params(resumed), params(full)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler in place again is the previous one
+        assert len(calls) == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_stop_on_sigterm_false_leaves_the_handler_alone(tmp_path):
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: calls.append(a))
+    try:
+        runner = preemptible(tmp_path, 3)
+        runner.config.stop_on_sigterm = False
+        assert runner.fit()["steps"] == 6 and len(calls) == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
