@@ -26,30 +26,16 @@ AdamW has its state, then saved with `shardwise.save_checkpoint` and loaded back
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
+import common
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import (
-    _git,
-    _pin_malloc_thresholds,
-    _proc_status_bytes,
-    _reset_rss_peak,
-    _rss_peak_bytes,
-)
-
 import shardwise
-from shardwise.models import GPT, GPTConfig, random_lm_batches
 from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 
 
 def _engine(cfg: GPTConfig, seed: int) -> shardwise.Engine:
@@ -62,7 +48,7 @@ def _engine(cfg: GPTConfig, seed: int) -> shardwise.Engine:
 
 
 def _rank_body(cfg: GPTConfig, root: str) -> dict[str, Any]:
-    _pin_malloc_thresholds()
+    common.pin_malloc_thresholds()
     engine = _engine(cfg, 0)
     x, y = random_lm_batches(cfg, 1, 2, seed=dist.get_rank())[0]
     engine.train_step((x, y))
@@ -73,25 +59,21 @@ def _rank_body(cfg: GPTConfig, root: str) -> dict[str, Any]:
         unit_params * 4 * 3 // world
     )  # fp32 param + exp_avg + exp_avg_sq, this rank's share
     dist.barrier()
-    before = _proc_status_bytes("VmRSS") or 0
-    _reset_rss_peak()
-    start = time.perf_counter()
-    path = shardwise.save_checkpoint(root, engine)
-    save_s = time.perf_counter() - start
-    save_peak = _rss_peak_bytes() - before
+    before = common.proc_status_bytes("VmRSS") or 0
+    common.reset_rss_peak()
+    save_s, path = common.timed(lambda: shardwise.save_checkpoint(root, engine))
+    save_peak = common.rss_peak_bytes() - before
     fresh = _engine(cfg, 1)
-    dist.barrier()
-    start = time.perf_counter()
-    shardwise.load_checkpoint(path, fresh, verify=False)
-    load_s = time.perf_counter() - start
+    load_s, _ = common.timed(
+        lambda: shardwise.load_checkpoint(path, fresh, verify=False), barrier=True
+    )
     same = all(
         torch.equal(a.to_local(), b.to_local())
         for a, b in zip(engine.model.parameters(), fresh.model.parameters(), strict=True)
     )
-    dist.barrier()
-    start = time.perf_counter()
-    shardwise.load_checkpoint(path, fresh, verify=True)
-    load_verified_s = time.perf_counter() - start
+    load_verified_s, _ = common.timed(
+        lambda: shardwise.load_checkpoint(path, fresh, verify=True), barrier=True
+    )
     timings = _async_body(engine, x, y, root)
     return {
         **timings,
@@ -111,10 +93,8 @@ def _async_body(
 ) -> dict[str, Any]:
     """Stalls of two asynchronous saves (the first also allocates the CPU copy that later
     ones reuse); a training step alone and during the write."""
-    dist.barrier()
-    start = time.perf_counter()
-    engine.train_step((x, y))
-    out: dict[str, Any] = {"step_s": time.perf_counter() - start}
+    step_s, _ = common.timed(lambda: engine.train_step((x, y)), barrier=True)
+    out: dict[str, Any] = {"step_s": step_s}
     for i in range(2):
         dist.barrier()
         start = time.perf_counter()
@@ -125,22 +105,19 @@ def _async_body(
         while not pending.done():
             time.sleep(0.01)
         out[f"written_s_{i}"] = time.perf_counter() - start
-        dist.barrier()  # every rank's write is done: result() measures only its own work
-        start = time.perf_counter()
-        out["async_path"] = str(pending.result())
-        out[f"result_s_{i}"] = time.perf_counter() - start
+        # After a barrier, every rank's write is done: result() measures only its own work.
+        out[f"result_s_{i}"], written = common.timed(pending.result, barrier=True)
+        out["async_path"] = str(written)
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.arg_parser(__doc__)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--n-layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32_000)
-    parser.add_argument(
-        "--dir", default=None, help="where to write (default: a temp dir on /tmp's disk)"
-    )
+    common.add_dir_arg(parser)
     parser.add_argument("--smoke", action="store_true", help="a tiny model: seconds")
     args = parser.parse_args()
     if args.smoke:
@@ -152,8 +129,7 @@ def main() -> None:
         n_heads=max(1, args.d_model // 64),
         n_layers=args.n_layers,
     )
-    root = Path(args.dir or tempfile.mkdtemp(prefix="shardwise-ckpt-bench-"))
-    try:
+    with common.work_dir(args.dir, "shardwise-ckpt-bench-") as root:
         ranks = run_distributed(_rank_body, args.world, args=(cfg, str(root)), timeout_s=1200)
         manifest = shardwise.checkpoint.read_manifest(ranks[0]["path"])
         total = manifest["bytes"]
@@ -161,10 +137,7 @@ def main() -> None:
         load_s = max(r["load_s"] for r in ranks)
         verified_s = max(r["load_verified_s"] for r in ranks)
         result = {
-            "benchmark": "checkpoint_io",
-            "command": " ".join(["bench/checkpoint_io.py", *sys.argv[1:]]),
-            "commit": _git("rev-parse", "--short", "HEAD"),
-            "torch": torch.__version__,
+            **common.report_header("checkpoint_io", common.command_line("bench/checkpoint_io.py")),
             "world": args.world,
             "params": GPT(cfg).num_params(),
             "checkpoint_bytes": total,
@@ -174,8 +147,8 @@ def main() -> None:
             "load_MB_per_s": round(total / load_s / 1e6, 1),
             "load_verified_s": round(verified_s, 3),
             "load_verified_MB_per_s": round(total / verified_s / 1e6, 1),
-            "save_peak_MiB_per_rank": [round(r["save_peak_bytes"] / 2**20, 1) for r in ranks],
-            "one_unit_MiB_per_rank": round(ranks[0]["unit_bytes"] / 2**20, 1),
+            "save_peak_MiB_per_rank": [common.mib(r["save_peak_bytes"]) for r in ranks],
+            "one_unit_MiB_per_rank": common.mib(ranks[0]["unit_bytes"]),
             "peak_over_unit": round(
                 max(r["save_peak_bytes"] for r in ranks) / ranks[0]["unit_bytes"], 2
             ),
@@ -197,10 +170,7 @@ def main() -> None:
             )
             == [],
         }
-        print(json.dumps(result, indent=2))
-    finally:
-        if args.dir is None:
-            shutil.rmtree(root, ignore_errors=True)
+        common.emit_json(result)
 
 
 if __name__ == "__main__":

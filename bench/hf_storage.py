@@ -33,7 +33,6 @@ output.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -41,30 +40,21 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import (
-    _git,
-    _pin_malloc_thresholds,
-    _proc_status_bytes,
-    _reset_rss_peak,
-    _rss_peak_bytes,
-)
-
 import shardwise
-from shardwise.models import GPT, GPTConfig
 from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, GPTConfig
 
 SIZES = {
     "tiny": GPTConfig(vocab_size=256, seq_len=128, d_model=64, n_heads=1, n_layers=2),
@@ -74,7 +64,6 @@ SIZES = {
     "570m": GPTConfig(vocab_size=32_000, seq_len=512, d_model=2048, n_heads=16, n_layers=10),
 }
 METHODS = ("shardwise", "torch")
-MiB = 2**20
 
 
 # --- the two methods ----------------------------------------------------------------
@@ -82,7 +71,7 @@ MiB = 2**20
 
 def _tied_aliases(model: nn.Module) -> set[str]:
     """Second and later names of a parameter registered under several (tied weights)."""
-    from shardwise.strategies import unwrap
+    from shardwise.parallelize import unwrap
 
     module = unwrap(model)
     every = {n for n, _ in module.named_parameters(remove_duplicate=False)}
@@ -185,23 +174,18 @@ def _measure(fn: Callable[[], None]) -> dict[str, Any]:
     gc.collect()
     dist.barrier()
     load_before = _loadavg()
-    before = _proc_status_bytes("VmRSS") or 0
-    anon_before = _proc_status_bytes("RssAnon") or 0
-    _reset_rss_peak()
+    before = common.proc_status_bytes("VmRSS") or 0
+    anon_before = common.proc_status_bytes("RssAnon") or 0
+    common.reset_rss_peak()
     with _AnonPeak() as anon:
-        start = time.perf_counter()
-        fn()
-        wall = time.perf_counter() - start
-    peak = _rss_peak_bytes() - before
-    dist.barrier()
-    start = time.perf_counter()
-    os.sync()
-    sync_s = time.perf_counter() - start
+        wall, _ = common.timed(fn)
+    peak = common.rss_peak_bytes() - before
+    sync_s, _ = common.timed(os.sync, barrier=True)
     return {
         "wall_s": wall,
         "sync_after_s": sync_s,
         "peak_rss": peak,
-        "anon_peak": max(anon.peak, _proc_status_bytes("RssAnon") or 0) - anon_before,
+        "anon_peak": max(anon.peak, common.proc_status_bytes("RssAnon") or 0) - anon_before,
         "rss_before": before,
         "loadavg_1min_before": load_before,
     }
@@ -256,7 +240,7 @@ Job = tuple[str, GPTConfig, str, str, str | None]  # phase, model, method, sourc
 
 def _jobs_rank(jobs: list[Job]) -> list[dict[str, Any]]:
     """Run export/load jobs one after another in this group of ranks."""
-    _pin_malloc_thresholds()
+    common.pin_malloc_thresholds()
     run: dict[str, Callable[..., dict[str, Any]]] = {"export": _export_run, "load": _load_run}
     results = []
     for phase, cfg, method, source, out in jobs:
@@ -315,12 +299,12 @@ def _compare_weights(a: Path, b: Path) -> dict[str, Any]:
     """torch.equal per tensor name between two exported directories (one tensor at a time)."""
     from safetensors import safe_open
 
-    from shardwise.weights import _weight_files
+    from shardwise.parallelize.weights import _weight_files
 
     fa, fb = _weight_files(a), _weight_files(b)
-    common = sorted(set(fa) & set(fb))
+    shared = sorted(set(fa) & set(fb))  # tensor names in both
     unequal = []
-    for name in common:
+    for name in shared:
         with safe_open(str(fa[name]), framework="pt") as f:
             ta = f.get_tensor(name)
         with safe_open(str(fb[name]), framework="pt") as f:
@@ -329,7 +313,7 @@ def _compare_weights(a: Path, b: Path) -> dict[str, Any]:
             unequal.append(name)
         del ta, tb
     return {
-        "common": len(common),
+        "common": len(shared),
         "unequal": unequal,
         "only_in_first": sorted(set(fa) - set(fb)),
         "only_in_second": sorted(set(fb) - set(fa)),
@@ -350,9 +334,9 @@ def _run_summary(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "wall_then_sync_s": round(
             max(r["wall_s"] for r in ranks) + max(r["sync_after_s"] for r in ranks), 3
         ),
-        "peak_rss_MiB_per_rank": [round(r["peak_rss"] / MiB, 1) for r in ranks],
-        "anon_peak_MiB_per_rank": [round(r["anon_peak"] / MiB, 1) for r in ranks],
-        "rss_before_MiB_per_rank": [round(r["rss_before"] / MiB, 1) for r in ranks],
+        "peak_rss_MiB_per_rank": [common.mib(r["peak_rss"]) for r in ranks],
+        "anon_peak_MiB_per_rank": [common.mib(r["anon_peak"]) for r in ranks],
+        "rss_before_MiB_per_rank": [common.mib(r["rss_before"]) for r in ranks],
         "loadavg_1min_before": max(r["loadavg_1min_before"] for r in ranks),
     }
     finish = [r["finish_s"] for r in ranks if r.get("finish_s") is not None]
@@ -391,7 +375,7 @@ def _bench_size(
         params = GPT(cfg).num_params()
     result: dict[str, Any] = {
         "params": params,
-        "model_MiB": round(params * 4 / MiB, 1),
+        "model_MiB": common.mib(params * 4),
         "export": {m: [] for m in METHODS},
         "load": {m: [] for m in METHODS},
         "export_checks": [],
@@ -542,14 +526,12 @@ def _bench_transformers(world: int, root: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.arg_parser(__doc__)
     parser.add_argument("--sizes", default="110m,570m", help=f"some of {tuple(SIZES)}")
     parser.add_argument("--repeats", type=int, default=2, help="runs per method and phase")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--no-transformers", action="store_true", help="skip the GPT-2 part")
-    parser.add_argument(
-        "--dir", default=None, help="where to write (default: a temp dir on /tmp's disk)"
-    )
+    common.add_dir_arg(parser)
     parser.add_argument(
         "--smoke", action="store_true", help="the tiny size, once, in one group of ranks"
     )
@@ -563,32 +545,25 @@ def main() -> None:
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats} must be >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded
-    _pin_malloc_thresholds()  # the parent builds the source model; give its memory back
+    common.pin_malloc_thresholds()  # the parent builds the source model; give its memory back
     result: dict[str, Any] = {
-        "benchmark": "hf_storage",
-        "command": " ".join(["bench/hf_storage.py", *sys.argv[1:]]),
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "torch": torch.__version__,
+        **common.report_header("hf_storage", common.command_line("bench/hf_storage.py")),
         "world": args.world,
         "cpus": os.cpu_count(),
         "loadavg_start": _uptime(),
         "sizes": {},
     }
     start = time.perf_counter()
-    root = Path(args.dir or tempfile.mkdtemp(prefix="shardwise-hf-storage-"))
-    try:
+    with common.work_dir(args.dir, "shardwise-hf-storage-") as root:
         for name in sizes:
             result["sizes"][name] = _bench_size(
                 name, SIZES[name], args.world, args.repeats, root, args.smoke
             )
         if not args.no_transformers:
             result["transformers"] = _bench_transformers(args.world, root)
-    finally:
-        if args.dir is None:
-            shutil.rmtree(root, ignore_errors=True)
     result["loadavg_end"] = _uptime()
     result["wall_s"] = round(time.perf_counter() - start, 1)
-    print(json.dumps(result, indent=2))
+    common.emit_json(result)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,7 @@ stderr. Run it directly, not under a launcher.
 
 from __future__ import annotations
 
-import argparse
-import datetime
+import functools
 import json
 import os
 import random
@@ -58,21 +57,18 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import _device_description, _git, _median_slowest_rank, _ratio
-
 import shardwise
-from shardwise.models import GPT, GPTConfig
 from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, GPTConfig
 
 HOSTS = ("mmengine", "lightning")
 TARGET = 1.01
@@ -130,21 +126,21 @@ def _tokens(cfg: Config, rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _orders(seed: int, n_variants: int, n: int) -> list[list[int]]:
+def _orders(seed: int, variants: Sequence[str], n: int) -> list[list[str]]:
     """A seeded random order of the variants for each step (or round): every rank agrees."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        order = list(range(n_variants))
+        order = list(variants)
         rng.shuffle(order)
         out.append(order)
     return out
 
 
 def _pair_report(times: dict[str, list[float]], a: str, b: str) -> dict[str, Any]:
-    paired = [x / y for x, y in zip(times[a], times[b], strict=True)]
+    paired = common.paired_ratios(times[a], times[b])
     ma, mb = statistics.median(times[a]), statistics.median(times[b])
-    ratio = _ratio(ma, mb)
+    ratio = common.ratio(ma, mb)
     return {
         "ratio_of_medians": ratio,
         "paired_ratio_median": statistics.median(paired),
@@ -232,18 +228,16 @@ def _mm_rank(cfg: Config) -> dict[str, Any]:
     times: dict[str, list[float]] = {}
     final_loss: dict[str, float] = {}
     for g, group in enumerate(MM_GROUPS):
-        steps = {name: _mm_variant(name, cfg) for name in group}
-        for name in group:
-            times[name] = []
-        for step, order in enumerate(_orders(cfg.seed + g, len(group), cfg.warmup + cfg.steps)):
-            for i in order:
-                name = group[i]
-                dist.barrier()  # every rank starts together, whichever variant ran before
-                start = time.perf_counter()
-                final_loss[name] = steps[name](data)
-                seconds = time.perf_counter() - start
-                if step >= cfg.warmup:
-                    times[name].append(seconds)
+        steps = {name: functools.partial(_mm_variant(name, cfg), data) for name in group}
+        # Each step after a barrier: every rank starts together, whichever variant ran before.
+        group_times, group_loss = common.timed_rounds(
+            steps,
+            _orders(cfg.seed + g, group, cfg.warmup + cfg.steps),
+            warmup=cfg.warmup,
+            barrier=True,
+        )
+        times.update(group_times)
+        final_loss.update(group_loss)
         del steps
     return {"step_times_s": times, "final_loss": final_loss}
 
@@ -254,7 +248,9 @@ def _run_mmengine(cfg: Config) -> dict[str, Any]:
     slowest: dict[str, list[float]] = {}
     median: dict[str, float] = {}
     for name in names:
-        median[name], slowest[name] = _median_slowest_rank([r["step_times_s"][name] for r in ranks])
+        median[name], slowest[name] = common.median_slowest_rank(
+            [r["step_times_s"][name] for r in ranks]
+        )
     return {
         "median_step_ms": {n: round(1e3 * median[n], 3) for n in names},
         "ratios": {f"{a}/{b}": _pair_report(slowest, a, b) for a, b in MM_RATIOS},
@@ -350,17 +346,20 @@ def _lt_worker(cfg: Config, out: Path) -> None:
         model = shardwise.wrap(LitGPT(), shardwise.ParallelConfig(strategy=strategy))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model.train()
-        times, loss = [], torch.tensor(float("nan"))
-        for i, (x, y) in enumerate(loader(dist.get_rank())):
-            if i >= steps:
-                break
-            dist.barrier()
-            start = time.perf_counter()
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
             loss = model(x, y)
             loss.backward()
             optimizer.step()
-            times.append(time.perf_counter() - start)
+            return loss
+
+        times, loss = [], torch.tensor(float("nan"))
+        for i, (x, y) in enumerate(loader(dist.get_rank())):
+            if i >= steps:
+                break
+            seconds, loss = common.timed(functools.partial(step, x, y), barrier=True)
+            times.append(seconds)
         return times, float(loss.detach())
 
     def run(variant: str, steps: int) -> tuple[list[float], float]:
@@ -374,9 +373,8 @@ def _lt_worker(cfg: Config, out: Path) -> None:
         run(variant, min(2, total))
     times: dict[str, list[list[float]]] = {v: [] for v in LT_VARIANTS}
     losses: dict[str, float] = {}
-    for order in _orders(cfg.seed, len(LT_VARIANTS), cfg.rounds):
-        for i in order:
-            variant = LT_VARIANTS[i]
+    for order in _orders(cfg.seed, LT_VARIANTS, cfg.rounds):
+        for variant in order:
             mine, losses[variant] = run(variant, total)
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine[cfg.warmup :])
@@ -389,8 +387,9 @@ def _lt_worker(cfg: Config, out: Path) -> None:
 def _run_lightning(cfg: Config) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="shardwise-bench-lt-") as tmp:
         out = Path(tmp) / "lightning.json"
-        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK")}
-        env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env = common.child_env(
+            {"PYTHONWARNINGS": "ignore"}, drop=("LOCAL_RANK", "WORLD_SIZE", "RANK")
+        )
         proc = subprocess.run(
             [
                 sys.executable,
@@ -424,39 +423,20 @@ def _run_lightning(cfg: Config) -> dict[str, Any]:
 
 # --- command line -----------------------------------------------------------------------
 
-_SMOKE = {
-    "d_model": 32,
-    "n_layers": 2,
-    "n_heads": 4,
-    "seq_len": 16,
-    "batch": 2,
-    "vocab": 64,
-    "steps": 3,
-    "warmup": 1,
-    "rounds": 1,
-}
+_SMOKE = {**common.SMOKE_GPT, "steps": 3, "warmup": 1, "rounds": 1}
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.arg_parser(__doc__)
     p.add_argument("--hosts", default=",".join(HOSTS), help="comma-separated")
     p.add_argument("--steps", type=int, default=40, help="timed steps per variant (per fit)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (per fit)")
     p.add_argument("--rounds", type=int, default=4, help="Lightning: fits per variant")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    common.add_gpt_args(p)
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per host")
     p.add_argument("--smoke", action="store_true", help=f"tiny sizes, seconds: {_SMOKE}")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    a = p.parse_args(argv)
-    if a.smoke:  # smoke sizes replace the defaults; flags given explicitly still win
-        p.set_defaults(**_SMOKE)
-        a = p.parse_args(argv)
+    a = common.parse_with_smoke(p, argv, _SMOKE)
     hosts = tuple(h.strip() for h in a.hosts.split(",") if h.strip())
     if not hosts or set(hosts) - set(HOSTS):
         p.error(f"--hosts={a.hosts!r}: choose from {', '.join(HOSTS)}.")
@@ -467,13 +447,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Config, Path | None]:
         steps=a.steps,
         warmup=a.warmup,
         rounds=a.rounds,
-        d_model=a.d_model,
-        n_layers=a.n_layers,
-        n_heads=a.n_heads,
-        seq_len=a.seq_len,
-        batch=a.batch,
-        vocab=a.vocab,
-        seed=a.seed,
+        **common.gpt_args(a),
         timeout_s=a.timeout_s,
     )
     if min(cfg.steps, cfg.rounds) < 1 or cfg.warmup < 0:
@@ -495,12 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, out = _parse_args(args)
     start = time.perf_counter()
     report: dict[str, Any] = {
-        "benchmark": "integrations",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *args]),
-        "device": _device_description(types.SimpleNamespace(device="cpu", world=WORLD)),
-        "torch": torch.__version__,
-        "shardwise_commit": _git("rev-parse", "--short", "HEAD"),
+        **common.dated_header(
+            "integrations", common.command_line(argv=args), common.device_description("cpu", WORLD)
+        ),
         "world_size": WORLD,
         "backend": "gloo",
         "config": asdict(cfg),
@@ -519,10 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "lightning" in cfg.hosts:
         report["lightning"] = _run_lightning(cfg)
     report["wall_s"] = round(time.perf_counter() - start, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if out is not None:
-        out.write_text(text + "\n")
+    common.emit_json(report, out)
     for host in HOSTS:
         if host in report:
             ms = report[host]["median_step_ms"]

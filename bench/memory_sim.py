@@ -34,17 +34,16 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+import common
 import torch
 
 from shardwise import ParallelConfig
-from shardwise.memory import format_bytes
-from shardwise.mesh import resolve_mesh
-from shardwise.models import GPT, GPTConfig
-from shardwise.simulate import real_step, simulate_step
+from shardwise.distributed import resolve_mesh
+from shardwise.memory import format_bytes, real_step, simulate_step
 from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, GPTConfig
 
 STRATEGIES = ("ddp", "no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
 CONFIGS = [(ac, precision) for ac in ("none", "full") for precision in ("fp32", "bf16")]
@@ -67,16 +66,6 @@ TORCHTITAN = [
         "reserved_gib": 47.65,
     },
 ]
-
-
-def _git() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # --------------------------------------------------------------------------- sim vs real
@@ -212,7 +201,7 @@ _LLAMA_CHILD = """
 import json, resource, sys, time
 import transformers
 from shardwise import ParallelConfig
-from shardwise.simulate import simulate_step
+from shardwise.memory import simulate_step
 
 spec = json.loads(sys.argv[1])
 cfg = transformers.LlamaConfig(
@@ -345,7 +334,7 @@ def torchtitan_lines(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = common.arg_parser(__doc__)
     parser.add_argument("--smoke", action="store_true", help="world 2, full_shard, no Llama")
     parser.add_argument("--worlds", default="2,4", help="comma-separated gloo world sizes")
     parser.add_argument("--batch", type=int, default=4)
@@ -377,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "memory_sim",
         "device": f"{platform.processor() or platform.machine()} CPU, torch {torch.__version__}",
         "date": time.strftime("%Y-%m-%d"),
-        "commit": _git(),
-        "command": " ".join(["python", "bench/memory_sim.py", *(argv or sys.argv[1:])]),
+        "commit": common.git_commit() or "unknown",
+        "command": common.command_line("python bench/memory_sim.py", argv or None),
         "gpt": str(cfg),
         "worlds": worlds,
         "batch": batch,
@@ -393,10 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(torchtitan_lines(big["torchtitan"])))
     report["bench_wall_s"] = round(time.perf_counter() - t_start, 1)
     report["bench_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps(report, indent=2))
+    common.emit_json(report)
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     raise SystemExit(main())

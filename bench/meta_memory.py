@@ -24,30 +24,18 @@ Target (meta-device issue): the meta build stays near a quarter of the model plu
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import sys
 import tempfile
 import threading
-from pathlib import Path
 from typing import Any
 
+import common
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import (
-    _git,
-    _pin_malloc_thresholds,
-    _proc_status_bytes,
-    _reset_rss_peak,
-    _rss_peak_bytes,
-)
-
 import shardwise
-from shardwise.models import GPT, GPTConfig
 from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, GPTConfig
 
 MODES = ("eager", "meta", "meta_load", "meta_load_rank0")
 
@@ -62,7 +50,7 @@ class _AnonPeak:
 
     def _run(self) -> None:
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _proc_status_bytes("RssAnon") or 0)
+            self.peak = max(self.peak, common.proc_status_bytes("RssAnon") or 0)
 
     def __enter__(self) -> _AnonPeak:
         self._thread.start()
@@ -74,10 +62,10 @@ class _AnonPeak:
 
 
 def _rank(cfg: GPTConfig, mode: str, weights: str | None) -> dict[str, Any]:
-    _pin_malloc_thresholds()
-    before = _proc_status_bytes("VmRSS") or 0
-    anon_before = _proc_status_bytes("RssAnon") or 0
-    _reset_rss_peak()
+    common.pin_malloc_thresholds()
+    before = common.proc_status_bytes("VmRSS") or 0
+    anon_before = common.proc_status_bytes("RssAnon") or 0
+    common.reset_rss_peak()
     build = functools.partial(GPT, cfg)
     with _AnonPeak() as anon:
         if mode == "eager":
@@ -93,7 +81,7 @@ def _rank(cfg: GPTConfig, mode: str, weights: str | None) -> dict[str, Any]:
             broadcast_from_rank0=mode == "meta_load_rank0",
         )
         dist.barrier()
-    peak = _rss_peak_bytes() - before
+    peak = common.rss_peak_bytes() - before
     plan = shardwise.wrap_info(model).plan
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     largest = max(sum(u.bytes_by_dtype.values()) for u in plan.units)
@@ -106,7 +94,7 @@ def _rank(cfg: GPTConfig, mode: str, weights: str | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.arg_parser(__doc__)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=2048)
     parser.add_argument("--n-layers", type=int, default=10)
@@ -126,13 +114,10 @@ def main() -> None:
         params = GPT(cfg).num_params()
     model_bytes = params * 4
     result: dict[str, Any] = {
-        "benchmark": "meta_memory",
-        "command": " ".join(["bench/meta_memory.py", *sys.argv[1:]]),
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "torch": torch.__version__,
+        **common.report_header("meta_memory", common.command_line("bench/meta_memory.py")),
         "world": args.world,
         "params": params,
-        "model_MiB": round(model_bytes / 2**20, 1),
+        "model_MiB": common.mib(model_bytes),
     }
     with tempfile.TemporaryDirectory(prefix="shardwise-meta-memory-") as tmp:
         weights = None
@@ -141,13 +126,10 @@ def main() -> None:
             weights = str(shardwise.export_weights(GPT(cfg), tmp).parent)
         for mode in modes:
             ranks = run_distributed(_rank, args.world, args=(cfg, mode, weights), timeout_s=1200)
-            mib = [round(r["peak"] / 2**20, 1) for r in ranks]
-            result[f"{mode}_peak_MiB_per_rank"] = mib
-            result[f"{mode}_anon_peak_MiB_per_rank"] = [
-                round(r["anon_peak"] / 2**20, 1) for r in ranks
-            ]
-            result["quarter_plus_unit_MiB"] = round(
-                (model_bytes / args.world + ranks[0]["largest_unit_bytes"]) / 2**20, 1
+            result[f"{mode}_peak_MiB_per_rank"] = [common.mib(r["peak"]) for r in ranks]
+            result[f"{mode}_anon_peak_MiB_per_rank"] = [common.mib(r["anon_peak"]) for r in ranks]
+            result["quarter_plus_unit_MiB"] = common.mib(
+                model_bytes / args.world + ranks[0]["largest_unit_bytes"]
             )
     for mode in modes:
         if mode != "eager":
@@ -155,7 +137,7 @@ def main() -> None:
             result[f"{mode}_anon_peak_over_quarter_plus_unit"] = round(
                 worst / result["quarter_plus_unit_MiB"], 2
             )
-    print(json.dumps(result, indent=2))
+    common.emit_json(result)
 
 
 if __name__ == "__main__":

@@ -21,21 +21,16 @@ name (H100/H200: 989 TFLOP/s dense bf16) or given with --peak-tflops.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import statistics
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
+import common
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import _git
-
 import shardwise
-from shardwise.models import GPT, GPTConfig
+from shardwise.testing.models import GPT, GPTConfig
 
 SIZES = {
     "125m": dict(d_model=768, n_layers=12, n_heads=12),
@@ -93,11 +88,6 @@ def step(model: nn.Module, state: Any, x: torch.Tensor, y: torch.Tensor) -> floa
     return float(loss.detach())
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(
     args: argparse.Namespace, size: str, compile_backend: str | None, device: torch.device
 ) -> dict[str, Any]:
@@ -115,12 +105,9 @@ def measure(
         for kind, (model, state) in variants.items():
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            _sync(device)
-            start = time.perf_counter()
-            step(model, state, x, y)
-            _sync(device)
+            seconds, _ = common.timed(functools.partial(step, model, state, x, y), device=device)
             if i >= args.warmup:
-                times[kind].append(time.perf_counter() - start)
+                times[kind].append(seconds)
                 if device.type == "cuda":
                     peaks[kind] = max(
                         peaks.get(kind, 0.0), torch.cuda.max_memory_allocated(device) / 2**30
@@ -146,7 +133,7 @@ def _meta_params(cfg: GPTConfig) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.arg_parser(__doc__)
     parser.add_argument("--sizes", default="125m,1.3b")
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--compile-backend", default="inductor")
@@ -169,15 +156,8 @@ def main() -> None:
             backend = args.compile_backend if mode == "compiled" else None
             results.append(measure(args, size, backend, device))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    report = {
-        "benchmark": "mfu",
-        "device": name,
-        "torch": torch.__version__,
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "command": " ".join(["bench/mfu.py", *sys.argv[1:]]),
-        "results": results,
-    }
-    print(json.dumps(report, indent=2))
+    header = common.report_header("mfu", common.command_line("bench/mfu.py"))
+    common.emit_json({**header, "device": name, "results": results})
     shardwise.shutdown()
 
 

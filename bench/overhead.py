@@ -38,16 +38,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import datetime
+import functools
 import gc
-import json
 import os
-import platform
 import random
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import common
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -64,14 +60,13 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import shardwise
-from shardwise.models import GPT, Block, GPTConfig
 from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, Block, GPTConfig
 
 Kind = Literal["shardwise", "handwritten"]
 KINDS: tuple[Kind, Kind] = ("shardwise", "handwritten")
 STRATEGIES = ("ddp", "full_shard")
 TARGETS = {"step_time_ratio": 1.01, "memory_ratio": 1.005}
-_REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,98 +202,34 @@ def _train_step(v: _Variant, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return loss.detach()
 
 
-def _timed_step(
-    v: _Variant, batch: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[float, torch.Tensor]:
-    cuda = batch[0].device.type == "cuda"
-    dist.barrier()  # every rank starts the step together, whichever variant ran before
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    loss = _train_step(v, batch)
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, loss
-
-
-def _pair_orders(seed: int, pairs: int) -> list[tuple[int, int]]:
+def _pair_orders(seed: int, pairs: int) -> list[tuple[Kind, ...]]:
     """Which variant goes first in each pair; seeded, so every rank agrees."""
     rng = random.Random(seed)
-    return [(0, 1) if rng.random() < 0.5 else (1, 0) for _ in range(pairs)]
+    return [KINDS if rng.random() < 0.5 else KINDS[::-1] for _ in range(pairs)]
 
 
 def _time_strategy(strategy: str, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     """Both variants stepped alternately; this rank's per-step times for each."""
     params = _build_model(cfg).num_params()
-    variants = [_make_variant(kind, strategy, cfg, device) for kind in KINDS]
+    variants = {kind: _make_variant(kind, strategy, cfg, device) for kind in KINDS}
     batch = _batch(cfg, device)
-    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    last_loss: dict[str, torch.Tensor] = {}
-    orders = _pair_orders(cfg.seed, cfg.warmup + cfg.steps)
-    for step, order in enumerate(orders):
-        for i in order:
-            seconds, loss = _timed_step(variants[i], batch)
-            if step >= cfg.warmup:
-                times[variants[i].kind].append(seconds)
-            last_loss[variants[i].kind] = loss
+    # Each step after a barrier: every rank starts it together, whichever variant ran before.
+    times, last_loss = common.timed_rounds(
+        {kind: functools.partial(_train_step, v, batch) for kind, v in variants.items()},
+        _pair_orders(cfg.seed, cfg.warmup + cfg.steps),
+        warmup=cfg.warmup,
+        barrier=True,
+        device=device,
+    )
     return {
         "params": params,
-        "local_params": {v.kind: _local_numel(v.model) for v in variants},
+        "local_params": {kind: _local_numel(v.model) for kind, v in variants.items()},
         "final_loss": {kind: float(last_loss[kind]) for kind in KINDS},
         "step_times_s": times,
     }
 
 
 # --- peak memory ------------------------------------------------------------------------
-
-
-def _pin_malloc_thresholds() -> bool:
-    """Make RSS follow live memory: fixed glibc mmap/trim thresholds (False if not glibc).
-
-    glibc raises its mmap threshold as large blocks are freed, after which freed tensor
-    memory stays in the heap and peak RSS depends on allocation history (a few percent,
-    run to run). With a fixed threshold every large tensor is mmapped and returned on free.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from malloc.h
-    return bool(libc.mallopt(m_mmap_threshold, 64 * 1024)) and bool(
-        libc.mallopt(m_trim_threshold, 128 * 1024)
-    )
-
-
-def _proc_status_bytes(field: str) -> int | None:
-    """A `VmRSS`/`VmHWM`-style line of /proc/self/status in bytes (None off Linux)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    except OSError:
-        pass
-    return None
-
-
-def _reset_rss_peak() -> bool:
-    """Restart this process's peak-RSS count from its current RSS (Linux >= 4.0)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def _rss_peak_bytes() -> int:
-    # VmHWM covers this process image only; ru_maxrss may also carry the RSS the spawning
-    # parent had when it forked us, which can exceed everything this rank does.
-    hwm = _proc_status_bytes("VmHWM")
-    if hwm is not None:
-        return hwm
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # KiB on Linux
 
 
 def _measure_peak(
@@ -313,8 +244,8 @@ def _measure_peak(
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
     else:
-        extra["peak_reset_at_baseline"] = int(_reset_rss_peak())
-        baseline = _proc_status_bytes("VmRSS") or _rss_peak_bytes()
+        extra["peak_reset_at_baseline"] = int(common.reset_rss_peak())
+        baseline = common.proc_status_bytes("VmRSS") or common.rss_peak_bytes()
     variant = _make_variant(kind, strategy, cfg, device)
     batch = _batch(cfg, device)
     for _ in range(cfg.mem_steps):
@@ -323,7 +254,7 @@ def _measure_peak(
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = _rss_peak_bytes()
+        peak = common.rss_peak_bytes()
     del variant, batch
     gc.collect()
     return {"baseline_bytes": baseline, "peak_bytes": peak, "delta_bytes": peak - baseline, **extra}
@@ -361,8 +292,8 @@ def _timing_rank(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def _memory_rank(cfg: BenchConfig, strategy: str, kind: Kind) -> dict[str, int]:
-    """CPU only, in fresh ranks: peak RSS of one variant (see `_pin_malloc_thresholds`)."""
-    pinned = _pin_malloc_thresholds()
+    """CPU only, in fresh ranks: peak RSS of one variant (see `common.pin_malloc_thresholds`)."""
+    pinned = common.pin_malloc_thresholds()
     result = _in_process_group(cfg, lambda device: _measure_peak(kind, strategy, cfg, device))
     return {**result, "malloc_thresholds_pinned": int(pinned)}
 
@@ -384,29 +315,20 @@ def _launch(fn: Callable[..., Any], cfg: BenchConfig, *args: Any, fresh: bool) -
 # --- report -----------------------------------------------------------------------------
 
 
-def _median_slowest_rank(per_rank: Sequence[list[float]]) -> tuple[float, list[float]]:
-    slowest = [max(step) for step in zip(*per_rank, strict=True)]
-    return statistics.median(slowest), slowest
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
-
-
 def _strategy_report(
     strategy: str, ranks: list[dict[str, Any]], memory: dict[str, list[dict[str, int]]]
 ) -> dict[str, Any]:
     median: dict[str, float] = {}
     steps: dict[str, list[float]] = {}
     for kind in KINDS:
-        median[kind], steps[kind] = _median_slowest_rank(
+        median[kind], steps[kind] = common.median_slowest_rank(
             [r[strategy]["step_times_s"][kind] for r in ranks]
         )
-    paired = [a / b for a, b in zip(steps["shardwise"], steps["handwritten"], strict=True)]
+    paired = common.paired_ratios(steps["shardwise"], steps["handwritten"])
     peak = {k: max(memory[k], key=lambda m: m["peak_bytes"]) for k in KINDS}
     delta = {k: max(m["delta_bytes"] for m in memory[k]) for k in KINDS}
-    step_ratio = _ratio(median["shardwise"], median["handwritten"])
-    memory_ratio = _ratio(delta["shardwise"], delta["handwritten"])
+    step_ratio = common.ratio(median["shardwise"], median["handwritten"])
+    memory_ratio = common.ratio(delta["shardwise"], delta["handwritten"])
     rank0 = ranks[0][strategy]
     return {
         "params": rank0["params"],
@@ -420,7 +342,7 @@ def _strategy_report(
             "per_rank": memory,
         },
         "memory_ratio": memory_ratio,
-        "raw_peak_ratio": _ratio(
+        "raw_peak_ratio": common.ratio(
             peak["shardwise"]["peak_bytes"], peak["handwritten"]["peak_bytes"]
         ),
         "final_loss_rank0": rank0["final_loss"],
@@ -430,28 +352,6 @@ def _strategy_report(
         },
         "step_times_s": {k: [round(t, 6) for t in steps[k]] for k in KINDS},
     }
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10, check=True
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip()
-
-
-def _device_description(cfg: BenchConfig) -> str:
-    if cfg.device == "cuda":
-        return f"{cfg.world} x {torch.cuda.get_device_name(0)}"
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"CPU: {model}, {os.cpu_count()} logical cores, {platform.system()}"
 
 
 def _methods(cfg: BenchConfig) -> dict[str, str]:
@@ -480,14 +380,11 @@ def _report(
     memory: dict[str, dict[str, list[dict[str, int]]]],
     wall_s: float,
 ) -> dict[str, Any]:
-    src_status = _git("status", "--porcelain", "--", "src")
+    src_status = common.git("status", "--porcelain", "--", "src")
     return {
-        "benchmark": "overhead",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "device": _device_description(cfg),
-        "torch": torch.__version__,
-        "shardwise_commit": _git("rev-parse", "--short", "HEAD"),
+        **common.dated_header(
+            "overhead", common.command_line(), common.device_description(cfg.device, cfg.world)
+        ),
         "shardwise_src_dirty": None if src_status is None else bool(src_status),
         "world_size": cfg.world,
         "backend": "nccl" if cfg.device == "cuda" else "gloo",
@@ -517,17 +414,7 @@ def _summary_line(strategy: str, r: dict[str, Any]) -> str:
 
 # --- command line -----------------------------------------------------------------------
 
-_SMOKE = {
-    "d_model": 32,
-    "n_layers": 2,
-    "n_heads": 4,
-    "seq_len": 16,
-    "batch": 2,
-    "vocab": 64,
-    "steps": 4,
-    "warmup": 1,
-    "mem_steps": 2,
-}
+_SMOKE = {**common.SMOKE_GPT, "steps": 4, "warmup": 1, "mem_steps": 2}
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path | None]:
@@ -554,22 +441,13 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path | None]:
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
     p.add_argument("--mem-steps", type=int, default=3, help="steps per peak-memory run")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    common.add_gpt_args(p)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per spawned run")
     p.add_argument(
         "--smoke", action="store_true", help=f"tiny model and few steps, runs in seconds: {_SMOKE}"
     )
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    a = p.parse_args(argv)
-    if a.smoke:  # smoke sizes replace the defaults; flags given explicitly still win
-        p.set_defaults(**_SMOKE)
-        a = p.parse_args(argv)
+    a = common.parse_with_smoke(p, argv, _SMOKE)
     return _to_config(p, a), a.out
 
 
@@ -596,13 +474,7 @@ def _to_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> BenchConfig
         steps=a.steps,
         warmup=a.warmup,
         mem_steps=a.mem_steps,
-        d_model=a.d_model,
-        n_layers=a.n_layers,
-        n_heads=a.n_heads,
-        seq_len=a.seq_len,
-        batch=a.batch,
-        vocab=a.vocab,
-        seed=a.seed,
+        **common.gpt_args(a),
         timeout_s=a.timeout_s,
     )
     for name in ("steps", "mem_steps", "world"):
@@ -630,10 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 k: _launch(_memory_rank, cfg, strategy, k, fresh=True) for k in KINDS
             }
     report = _report(cfg, ranks, memory, time.perf_counter() - start)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if out is not None:
-        out.write_text(text + "\n")
+    common.emit_json(report, out)
     for strategy, r in report["strategies"].items():
         print(_summary_line(strategy, r), file=sys.stderr)
     return 0

@@ -12,66 +12,45 @@ Prints one JSON object: model size, build time on meta, and planning time (media
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import statistics
-import subprocess
-import sys
-import time
 import warnings
-from pathlib import Path
 
+import common
 import torch
 
 import shardwise
-from shardwise.models import GPT, GPTConfig
-
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.stdout.strip()
+from shardwise.testing.models import GPT, GPTConfig
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.arg_parser(__doc__)
     parser.add_argument("--blocks", type=int, default=1000)
     parser.add_argument("--d-model", type=int, default=4096)
     parser.add_argument("--policy", default="auto", help="auto, size, transformer_blocks, ...")
-    parser.add_argument("--min-num-params", type=int, default=100_000_000)
+    parser.add_argument(
+        "--min-num-params", type=int, default=None, help="with --policy size (default 1e8)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
     cfg = GPTConfig(
         vocab_size=32_000, seq_len=4096, d_model=args.d_model, n_heads=32, n_layers=args.blocks
     )
-    start = time.perf_counter()
     with torch.device("meta"):
-        model = GPT(cfg)
-    build_s = time.perf_counter() - start
-    config = shardwise.ParallelConfig(
-        auto_wrap_policy=args.policy, min_num_params=args.min_num_params, mixed_precision="bf16"
-    )
+        build_s, model = common.timed(functools.partial(GPT, cfg))
+    size = {"min_num_params": args.min_num_params or 100_000_000} if args.policy == "size" else {}
+    if args.min_num_params is not None and args.policy != "size":
+        parser.error(f"--min-num-params applies to --policy size only, not {args.policy!r}")
+    config = shardwise.ParallelConfig(auto_wrap_policy=args.policy, mixed_precision="bf16", **size)
     times = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", shardwise.PlanNotice)
         for _ in range(args.repeats):
-            start = time.perf_counter()
-            plan = shardwise.plan_wrap(model, config)
-            times.append(time.perf_counter() - start)
+            seconds, plan = common.timed(functools.partial(shardwise.plan_wrap, model, config))
+            times.append(seconds)
     result = {
-        "benchmark": "plan_speed",
-        "command": " ".join(["bench/plan_speed.py", *sys.argv[1:]]),
-        "commit": _commit(),
-        "torch": torch.__version__,
+        **common.report_header("plan_speed", common.command_line("bench/plan_speed.py")),
         "blocks": args.blocks,
         "params": plan.total_params,
         "units": len(plan),
@@ -82,7 +61,7 @@ def main() -> None:
         "target_s": 1.0,
         "meets_target": statistics.median(times) < 1.0,
     }
-    print(json.dumps(result, indent=2))
+    common.emit_json(result)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ trial and `K of N <kind>` at the end; exit status 1 when any trial failed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -37,6 +36,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import common
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -69,7 +70,7 @@ def job(out: Path, steps: int) -> None:
 
     import shardwise
     from shardwise.checkpoint import list_checkpoints
-    from shardwise.models import GPT, Block, GPTConfig
+    from shardwise.testing.models import GPT, Block, GPTConfig
 
     info = shardwise.init_distributed()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -122,10 +123,9 @@ def launch(
         sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", *extra,
         str(Path(__file__).resolve()), "job", "--dir", str(out), "--steps", str(steps),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with open(out / f"{log}.out", "w") as log_file:  # the child keeps its own descriptor
         return subprocess.Popen(
-            cmd, cwd=ROOT, env=env, text=True, start_new_session=True,
+            cmd, cwd=ROOT, env=common.child_env(env), text=True, start_new_session=True,
             stdout=log_file, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -380,7 +380,7 @@ def drive(kinds: list[str], trials: int, seed: int, timeout_s: float, as_json: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.arg_parser(__doc__)
     sub = parser.add_subparsers(dest="command")
     j = sub.add_parser("job", help="the training job (run by the driver via shardwise run)")
     j.add_argument("--dir", required=True, type=Path)
