@@ -1,4 +1,9 @@
-"""Wrap planning: policies decide units, the plan records them, strategies apply them."""
+"""The wrap plan as data, safe on the meta device: what will be sharded, before anything is.
+
+detect.py finds a model's repeated blocks; policies.py is the registry of wrap policies;
+units.py assigns every parameter to one unit (ties, frozen splits, keep_fp32); planner.py
+builds the printable `WrapPlan` (`plan_wrap`). parallelize/ applies it.
+"""
 
 from shardwise.plan.detect import DetectedBlocks, detect_blocks
 from shardwise.plan.planner import MixedUnit, PlanNotice, WrapPlan, WrapUnit, plan_wrap
