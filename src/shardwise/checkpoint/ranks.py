@@ -24,6 +24,7 @@ from shardwise.checkpoint.trust import (
 from shardwise.distributed.process_group import (
     get_dist_info,
     rank_and_world,
+    serves_cpu,
 )
 
 
@@ -40,7 +41,7 @@ def _agree(error: BaseException | None, what: str) -> None:
     _, world = rank_and_world()
     if world > 1:
         flag = torch.tensor([1.0 if error is not None else 0.0])
-        if dist.get_backend() == "nccl":
+        if not serves_cpu(dist.get_backend()):  # a nccl-only group
             flag = flag.cuda()
         dist.all_reduce(flag)
         failed = int(flag.item())

@@ -31,6 +31,36 @@ def nproc_arg(value: str) -> int:
     return n
 
 
+def visible_gpus() -> int:
+    """GPUs this machine shows to its processes (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def fit_nproc(nproc: int | None, gpus: int, *, default: int, command: str) -> tuple[int, str]:
+    """(processes per node, a line to print or ''), checked before anything spawns.
+
+    Each rank of a CUDA job needs a GPU of its own: NCCL stops at init with "Duplicate GPU
+    detected" when two share one. `nproc=None` takes `default`, capped at the GPUs.
+    """
+    if nproc is None:
+        if gpus and gpus < default:
+            return gpus, (
+                f"shardwise {command}: {gpus} GPU(s) visible, so {gpus} process(es) instead "
+                f"of {default} (one per GPU; two ranks cannot share a GPU under NCCL)."
+            )
+        return default, ""
+    if gpus and nproc > gpus:
+        raise ValueError(
+            f"shardwise {command}: --nproc {nproc} but this machine has {gpus} GPU(s) "
+            f"visible, and each rank needs its own (NCCL stops with 'Duplicate GPU "
+            f"detected'). Use --nproc {gpus} (or fewer), or run on CPU with the GPUs hidden: "
+            f"CUDA_VISIBLE_DEVICES='' shardwise {command} ..."
+        )
+    return nproc, ""
+
+
 def nnodes_arg(value: str) -> str:
     """--nnodes: N, or MIN:MAX for an elastic job (torchrun's syntax)."""
     lo, sep, hi = value.partition(":")
@@ -140,6 +170,7 @@ def launch_torchrun(torchrun_args: list[str], *, timeout_s: float | None = None)
 
 
 def run_command(args: argparse.Namespace) -> int:
+    fit_nproc(args.nproc, visible_gpus(), default=args.nproc, command="run")
     target = ["-m", args.script] if args.module else [args.script]
     return launch_torchrun(
         [*launcher_args(args), *target, *args.script_args], timeout_s=args.timeout
@@ -150,9 +181,12 @@ def demo_command(args: argparse.Namespace) -> int:
     passthrough = (["--short"] if args.short else []) + (
         ["--config", args.config] if args.config else []
     )
-    if args.nproc == 1:
+    nproc, note = fit_nproc(args.nproc, visible_gpus(), default=2, command="demo")
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    if nproc == 1:
         from shardwise.cli.demo import main as demo_main
 
         return demo_main([*passthrough, *args.overrides])
-    torchrun = ["--nproc_per_node", str(args.nproc), "--standalone"]
+    torchrun = ["--nproc_per_node", str(nproc), "--standalone"]
     return launch_torchrun([*torchrun, "-m", "shardwise.cli.demo", *passthrough, *args.overrides])

@@ -200,7 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="train a small GPT on Python's own source with FSDP (about a minute)"
     )
-    demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    demo.add_argument(
+        "--nproc",
+        type=nproc_arg,
+        default=None,
+        help="processes (default 2, or 1 on a machine with one GPU)",
+    )
     demo.add_argument("--short", action="store_true", help="a few steps only")
     demo.add_argument("--config", default=None, help="a YAML file with the demo's sections")
     demo.add_argument("overrides", nargs="*", help="section.key=value, e.g. runner.max_steps=50")

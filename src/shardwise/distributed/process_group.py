@@ -45,7 +45,9 @@ class DistInfo:
     rank: int
     world_size: int
     local_rank: int
-    local_world_size: int
+    local_world_size: int | None
+    """Ranks on this node; None when the launcher did not say (no LOCAL_WORLD_SIZE, as
+    under Lightning's launcher, which sets only LOCAL_RANK)."""
     backend: str | None
     device: torch.device
     timeout_s: float
@@ -57,7 +59,7 @@ class DistInfo:
     def __str__(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size} (local {self.local_rank}/"
-            f"{self.local_world_size}) backend={self.backend} device={self.device}"
+            f"{self.local_world_size or '?'}) backend={self.backend} device={self.device}"
         )
 
 
@@ -97,7 +99,7 @@ class JobEnv:
     rank: int
     world_size: int
     local_rank: int
-    local_world_size: int
+    local_world_size: int | None
     master_addr: str | None
     master_port: int | None
     source: str
@@ -208,7 +210,7 @@ def _read_env(env: Mapping[str, str]) -> JobEnv:
             rank,
             world,
             _env_int(env, "LOCAL_RANK", rank if world > 1 else 0),
-            _env_int(env, "LOCAL_WORLD_SIZE", world),
+            _local_world(env, world),
             env.get("MASTER_ADDR") or None,
             _env_int(env, "MASTER_PORT", 0) or None,
             "torchrun" if "RANK" in env or "WORLD_SIZE" in env else "none",
@@ -229,6 +231,46 @@ def _read_env(env: Mapping[str, str]) -> JobEnv:
     return job
 
 
+def _local_world(env: Mapping[str, str], world: int) -> int | None:
+    """LOCAL_WORLD_SIZE, or None when a multi-rank launcher did not set it: guessing the
+    whole world would put hybrid_shard's shard groups across nodes."""
+    if "LOCAL_WORLD_SIZE" in env or world == 1:
+        return _env_int(env, "LOCAL_WORLD_SIZE", 1)
+    return None
+
+
+def default_backend(device_type: str) -> str:
+    """The backend `init_distributed` asks for: gloo on CPU; for a CUDA job torch's own
+    default pair, gloo for CPU tensors and nccl for CUDA ones. A nccl-only group refuses
+    CPU tensors ("No backend type associated with device type cpu"), which CPU offload,
+    exports and small host-side agreements use."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def serves_cpu(backend: str | None) -> bool:
+    """Whether a group with this backend runs collectives on CPU tensors: not a nccl-only
+    group, nor a per-device list without a 'cpu:' entry (torch's default 'undefined'
+    pairs gloo with nccl)."""
+    name = str(backend)
+    if ":" in name:
+        return any(part.split(":")[0].strip() == "cpu" for part in name.split(","))
+    return name != "nccl"
+
+
+def device_for_group(
+    backend: str | None, env: Mapping[str, str], cuda_devices: int, current: int
+) -> torch.device:
+    """The device of a rank whose group someone else made: CUDA when the group serves CUDA
+    tensors (nccl, a 'cuda:nccl' pair, or torch's default 'undefined' on a CUDA machine),
+    at LOCAL_RANK when that names a visible GPU, else the current device."""
+    name = str(backend)
+    cuda = "nccl" in name or (name in ("undefined", "None", "") and cuda_devices > 0)
+    if not cuda or cuda_devices == 0:
+        return torch.device("cpu")
+    local_rank = _env_int(env, "LOCAL_RANK", -1)
+    return torch.device("cuda", local_rank if 0 <= local_rank < cuda_devices else current)
+
+
 def _timeout_from_env(env: Mapping[str, str]) -> float:
     raw = env.get(TIMEOUT_ENV)
     if not raw:
@@ -245,11 +287,21 @@ def _timeout_from_env(env: Mapping[str, str]) -> float:
     return value
 
 
-def _gpu_index(local_rank: int, visible: int) -> int:
-    """This rank's GPU: its local rank, or the only one it can see (srun --gpus-per-task=1,
-    or a CUDA_VISIBLE_DEVICES per rank)."""
-    if visible == 1:
+def _gpu_index(
+    local_rank: int, visible: int, local_world: int | None = None, per_task: bool = False
+) -> int:
+    """This rank's GPU: its local rank, or the only one it can see when each task is given
+    its own (srun --gpus-per-task=1: `per_task`). Several ranks of a node that all see the
+    same single GPU are refused: NCCL stops at init with "Duplicate GPU detected"."""
+    if visible == 1 and (per_task or not local_world or local_world == 1):
         return 0
+    if visible == 1:
+        raise ValueError(
+            f"{local_world} processes run on this node but it has 1 GPU visible, and NCCL "
+            "cannot put two ranks on one GPU (it stops with 'Duplicate GPU detected'). Start "
+            "one process per GPU (--nproc 1 here), or run on CPU with the GPUs hidden "
+            "(CUDA_VISIBLE_DEVICES='')."
+        )
     if not 0 <= local_rank < visible:
         raise ValueError(
             f"Local rank {local_rank} has no GPU of its own: this process sees {visible} "
@@ -296,10 +348,11 @@ def init_distributed(
     Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT; without them,
     in a task started by srun, SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
     SLURM_TASKS_PER_NODE and the first host of SLURM_JOB_NODELIST (port: MASTER_PORT, or
-    20000 + SLURM_JOB_ID % 10000). Picks nccl when CUDA is available (device from the
-    local rank) and gloo otherwise. Every collective on the default group then times out
-    after `timeout_s` (default: SHARDWISE_TIMEOUT_S, else 300 s) instead of hanging; wrap
-    a step in `shardwise.distributed.guard` to have the timeout name the stuck rank.
+    20000 + SLURM_JOB_ID % 10000). Picks torch's gloo+nccl pair when CUDA is available
+    (`default_backend`; the device from the local rank) and gloo otherwise. Every
+    collective on the default group then times out after `timeout_s` (default:
+    SHARDWISE_TIMEOUT_S, else 300 s) instead of hanging; wrap a step in
+    `shardwise.distributed.guard` to have the timeout name the stuck rank.
     Idempotent: a second call returns the first call's result.
     """
     global _info
@@ -324,10 +377,12 @@ def init_distributed(
     dev = torch.device(device)
     if dev.type == "cuda":
         if dev.index is None:
-            dev = torch.device("cuda", _gpu_index(local_rank, torch.cuda.device_count()))
+            per_task = job.source == "slurm"  # srun binds a GPU per task; torchrun does not
+            index = _gpu_index(local_rank, torch.cuda.device_count(), local_world, per_task)
+            dev = torch.device("cuda", index)
         torch.cuda.set_device(dev)
     if backend is None:
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+        backend = default_backend(dev.type)
 
     timeout = timedelta(seconds=timeout_s)
     if dist.is_initialized():  # someone else (user code, a framework) set it up: adopt it
@@ -349,18 +404,25 @@ def init_distributed(
             timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
         )
-    _make_monitor_group(timeout_s)
+    _make_monitor_group(timeout_s, backend)
     _info = DistInfo(rank, world, local_rank, local_world, backend, dev, timeout_s)
     return _info
 
 
-def _make_monitor_group(timeout_s: float) -> None:
+def _make_monitor_group(timeout_s: float, backend: str) -> None:
     """The small gloo group the stall watchdog checks ranks on (distributed/watchdog.py):
-    separate from the default group, so it works after a collective there failed, and on
-    nccl jobs too. Every rank makes it in init_distributed (a collective)."""
+    separate from the default group, so it works after a collective there failed. Every
+    rank makes it in init_distributed (a collective). Only for gloo jobs: on nccl, torch's
+    own watchdog aborts a timed-out collective before any exception reaches `guard`, and a
+    gloo mesh across nodes needs a routable interface (GLOO_SOCKET_IFNAME) for nothing."""
     global _monitor
-    if dist.get_world_size() > 1:
+    if wants_monitor(str(backend), dist.get_world_size()):
         _monitor = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def wants_monitor(backend: str, world: int) -> bool:
+    """Whether init_distributed makes the watchdog's gloo group: multi-rank gloo jobs only."""
+    return world > 1 and "nccl" not in backend
 
 
 def monitor_group() -> dist.ProcessGroup | None:
@@ -403,16 +465,14 @@ def get_dist_info() -> DistInfo:
         world = dist.get_world_size()
         backend = str(dist.get_backend())
         local_rank = _env_int(os.environ, "LOCAL_RANK", dist.get_rank() if world > 1 else 0)
-        dev = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        current = torch.cuda.current_device() if count else 0
+        dev = device_for_group(backend, os.environ, count, current)
         return DistInfo(
             dist.get_rank(),
             world,
             local_rank,
-            _env_int(os.environ, "LOCAL_WORLD_SIZE", world),
+            _local_world(os.environ, world),
             backend,
             dev,
             DEFAULT_TIMEOUT_S,

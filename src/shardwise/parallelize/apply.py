@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -20,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import from_user_mesh, resolve_mesh
-from shardwise.distributed.process_group import DistInfo, env_world_size, get_dist_info
+from shardwise.distributed.process_group import DistInfo, env_world_size, get_dist_info, serves_cpu
 from shardwise.parallelize.autocast import apply_autocast
 from shardwise.parallelize.ddp import apply_ddp
 from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, sync_module_states
@@ -90,6 +91,36 @@ def _prepare_blocks(model: nn.Module, plan: WrapPlan, config: ParallelConfig) ->
                     modules[fqn].compile(backend=backend)  # in place: names are unchanged
 
 
+def materialize_device(config: ParallelConfig, info: DistInfo) -> torch.device:
+    """Where a meta-built model's shards are allocated: the rank's device, or the CPU under
+    CPU offload (FSDP2 refuses offloaded parameters materialised on the GPU: "FSDP
+    parameters should be materialized on CPU when enabling CPU offloading")."""
+    return torch.device("cpu") if config.offload_policy is not None else info.device
+
+
+def _check_job(config: ParallelConfig, info: DistInfo) -> None:
+    """What the config asks of the process group and the launcher, checked before any mesh
+    or collective, identically on every rank."""
+    if config.offload_policy is not None and not serves_cpu(info.backend):
+        raise ValueError(
+            f"ParallelConfig.cpu_offload on a process group whose backend is "
+            f"{info.backend!r}, which refuses CPU tensors: offloaded parameters, gradients "
+            "and optimizer state are reduced and broadcast on CPU. Use a group with a CPU "
+            "backend: shardwise.init_distributed() makes one, or "
+            "torch.distributed.init_process_group('cpu:gloo,cuda:nccl')."
+        )
+    hybrid = config.strategy in ("hybrid_shard", "hybrid_shard_zero2")
+    if hybrid and config.dp_shard == -1 and config.device_mesh is None:
+        if info.local_world_size is None:
+            raise ValueError(
+                f"ParallelConfig.strategy={config.strategy!r} with dp_shard=-1 shards within "
+                "a node, but this job's launcher did not set LOCAL_WORLD_SIZE (Lightning's "
+                "sets only LOCAL_RANK), so the ranks per node are unknown and a guess could "
+                "put shard groups across nodes. Set ParallelConfig.dp_shard to the number of "
+                "ranks per node (e.g. 8), or launch with torchrun / shardwise run."
+            )
+
+
 def _check_placement(placement: dict[str, Any], info: DistInfo) -> None:
     """DDP's device_ids/output_device and FSDP1's device_id, accepted when they name this
     rank's own device: shardwise puts rank r on its LOCAL_RANK device itself."""
@@ -154,7 +185,7 @@ def wrap(
         if on_meta:
             materialize(
                 target,
-                info.device,
+                materialize_device(config, info),
                 mesh=mesh,
                 weights=weights,
                 param_init_fn=config.param_init_fn,
@@ -165,6 +196,8 @@ def wrap(
             load_weights(target, weights, broadcast_from_rank0=broadcast_from_rank0)
 
     _check_placement(config._placement, info)
+    if info.world_size > 1 or config.force_wrap:
+        _check_job(config, info)
     if info.world_size == 1 and not config.force_wrap:
         plan = plan_wrap(model, config, sharded=False)
         _prepare_blocks(model, plan, config)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from shardwise.distributed.process_group import serves_cpu
 from shardwise.parallelize.weights import load_weights
 
 
@@ -151,7 +152,7 @@ def _untouched(model: nn.Module) -> list[str]:
         flags.append(bool(local.is_floating_point() and local.numel() and torch.isnan(local).any()))
     found = torch.tensor(flags or [False], dtype=torch.float32)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
+        if not serves_cpu(dist.get_backend()):  # a nccl-only group
             found = found.cuda()
         dist.all_reduce(found)
     return [n for n, f in zip(names, found.cpu().tolist(), strict=False) if f]

@@ -1,0 +1,83 @@
+"""Decisions a GPU job depends on, tested on CPU with the device counts injected: the
+backend a CUDA job asks for, each rank's GPU (and the duplicate-GPU refusal), the device
+of a group someone else made, the local world size when the launcher did not say, and
+when the watchdog's gloo group is made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.distributed.process_group import (
+    _gpu_index,
+    _read_env,
+    default_backend,
+    device_for_group,
+    serves_cpu,
+    wants_monitor,
+)
+
+
+def test_a_cuda_job_asks_for_gloo_beside_nccl():
+    # A nccl-only group refuses CPU tensors, which CPU offload and exports reduce.
+    assert default_backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert default_backend("cpu") == "gloo"
+    assert serves_cpu("cpu:gloo,cuda:nccl") and serves_cpu("gloo") and serves_cpu("undefined")
+    assert not serves_cpu("nccl") and not serves_cpu("cuda:gloo")
+
+
+def test_each_rank_gets_its_own_gpu():
+    assert [_gpu_index(r, 8, 8) for r in range(8)] == list(range(8))
+    assert _gpu_index(0, 1, 1) == 0  # one process, one GPU
+    assert _gpu_index(3, 1, 4, per_task=True) == 0  # srun --gpus-per-task=1
+    with pytest.raises(
+        ValueError, match=r"Local rank 2 has no GPU of its own: this process sees 2"
+    ):
+        _gpu_index(2, 2, 4)
+
+
+def test_two_ranks_on_one_gpu_are_refused_naming_nproc():
+    # Before: every rank got cuda:0 and NCCL stopped at init ("Duplicate GPU detected").
+    with pytest.raises(
+        ValueError, match=r"2 processes run on this node but it has 1 GPU visible.*--nproc 1 here"
+    ):
+        _gpu_index(1, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("backend", "env", "gpus", "current", "want"),
+    [
+        ("nccl", {"LOCAL_RANK": "3"}, 8, 0, "cuda:3"),
+        ("cpu:gloo,cuda:nccl", {"LOCAL_RANK": "1"}, 2, 0, "cuda:1"),
+        # a bare init_process_group(): torch pairs gloo with nccl, get_backend says 'undefined'
+        ("undefined", {"LOCAL_RANK": "1"}, 2, 0, "cuda:1"),
+        ("undefined", {}, 2, 1, "cuda:1"),  # no LOCAL_RANK: the device the user set
+        ("undefined", {}, 0, 0, "cpu"),
+        ("gloo", {"LOCAL_RANK": "1"}, 2, 0, "cpu"),
+    ],
+)
+def test_the_device_of_a_group_made_elsewhere(backend, env, gpus, current, want):
+    # Before: CUDA only when get_backend() == 'nccl', at current_device() (0 unless set).
+    assert device_for_group(backend, env, gpus, current) == torch.device(want)
+
+
+def test_local_world_size_unknown_when_the_launcher_does_not_say():
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "24",
+        "LOCAL_RANK": "5",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+    }
+    assert _read_env(env).local_world_size is None  # before: 24, the whole world
+    assert _read_env({**env, "LOCAL_WORLD_SIZE": "8"}).local_world_size == 8
+    assert _read_env({}).local_world_size == 1
+
+
+def test_the_watchdog_group_only_for_gloo_jobs():
+    # On nccl torch's own watchdog aborts first; a gloo mesh across nodes would need
+    # GLOO_SOCKET_IFNAME for nothing.
+    assert wants_monitor("gloo", 2)
+    assert not wants_monitor("gloo", 1)
+    assert not wants_monitor("cpu:gloo,cuda:nccl", 16)
+    assert not wants_monitor("nccl", 16)
