@@ -109,16 +109,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "clip_scales_up",
         "src/shardwise/train/engine.py",
-        "        coef = min(1.0, max_norm / (float(norm) + 1e-6))\n        if coef < 1.0:",
-        "        coef = max_norm / (float(norm) + 1e-6)\n        if coef != 1.0:",
+        "    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)\n",
+        "    coef = max_norm / (norm + 1e-6)\n",
         ("tests/distributed/test_engine.py::test_clipping_above_the_norm_changes_nothing",),
     ),
     Mutant(
         "clip_applied_twice",
         "src/shardwise/train/engine.py",
-        "        _clip_to(params, norm, tc.max_grad_norm)\n",
-        "        _clip_to(params, norm, tc.max_grad_norm)\n"
-        "        clip_grad_norm_(params, tc.max_grad_norm)\n",
+        "            scale_grads_(params, clip_coefficient(norm, tc.max_grad_norm))\n",
+        "            scale_grads_(params, clip_coefficient(norm, tc.max_grad_norm))\n"
+        "            clip_grad_norm_(params, tc.max_grad_norm)\n",
         ("tests/distributed/test_engine.py::test_clipped_update_equals_one_process",),
     ),
 )

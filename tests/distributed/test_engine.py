@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise import Engine, ParallelConfig, TrainConfig, unwrap, wrap
-from shardwise.testing import count_collectives, run_distributed
+from shardwise.testing import count_collectives, count_host_syncs, run_distributed
 from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 
 CFG = GPTConfig()
@@ -298,6 +298,35 @@ def _grads_rel(got, want) -> float:
     )
 
 
+SYNC_K = 4
+
+
+def host_syncs(data, strategy):
+    """Host syncs of each train_step outside optimizer.step: accumulation 4, clipping on."""
+    torch.manual_seed(0)
+    engine = Engine(
+        build(),
+        adamw,
+        ParallelConfig(strategy=strategy),
+        train=TrainConfig(accumulate_steps=SYNC_K, max_grad_norm=CLIP),
+    )
+    per_call = []
+    with count_host_syncs() as syncs:
+        engine.optimizer.register_step_pre_hook(lambda *_: setattr(syncs, "paused", True))
+        engine.optimizer.register_step_post_hook(lambda *_: setattr(syncs, "paused", False))
+        for batch in data[:2]:
+            for micro in _micro_batches(batch, SYNC_K):
+                before = dict(syncs)
+                logs = engine.train_step(micro)
+                per_call.append(
+                    (
+                        "grad_norm" in logs,
+                        {k: v - before.get(k, 0) for k, v in syncs.items() if v - before.get(k, 0)},
+                    )
+                )
+    return {"per_call": per_call, "steps": engine.step}
+
+
 def mmengine_own_update(data):
     """mmengine's own OptimWrapper.update_params on a sharded model: its clip_grad_norm_
     call is what shardwise replaces."""
@@ -338,6 +367,8 @@ def world2_cases(data):
         )
         out[f"clip_grads_{s}"] = clipped_grads(data, s)
     out["wrong_local_clip"] = local_norm_clipping(data)
+    for s in ("ddp", "full_shard"):
+        out[f"syncs_{s}"] = host_syncs(data, s)
     out["mmengine_own_update"] = mmengine_own_update(data)
     out["accum_sync_each"] = engine_run(
         data,
@@ -449,6 +480,32 @@ def test_clipped_update_equals_one_process(world2, data, strategy):
         assert rel <= RTOL, f"{strategy} rank {rank}: clipped gradients rel {rel:.2e}"
     # The same check catches clipping applied twice, by far more than its tolerance.
     assert _grads_rel(reference_clipped_grads(data, clips=2), once) > 50 * RTOL
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
+def test_one_host_sync_per_update_none_per_micro_step(world2, strategy):
+    # Before: float() of every log on each micro-step, and 8 syncs per update (the norm,
+    # the non-finite check, the reduced means, clipping's coefficient).
+    for rank, r in enumerate(world2):
+        got = r[f"syncs_{strategy}"]
+        assert got["steps"] == 2
+        micro = [calls for updated, calls in got["per_call"] if not updated]
+        updates = [calls for updated, calls in got["per_call"] if updated]
+        assert len(micro) == 2 * (SYNC_K - 1) and len(updates) == 2
+        assert all(calls == {} for calls in micro), (rank, micro)
+        assert all(sum(calls.values()) <= 1 for calls in updates), (rank, updates)
+
+
+def test_the_sync_counter_sees_a_sync():
+    x = torch.ones(3)
+    with count_host_syncs() as syncs:
+        float(x.sum())
+        x.tolist()
+        x.cpu()
+        x.to("cpu", non_blocking=True)  # does not wait
+        syncs.paused = True
+        x[0].item()  # not counted
+    assert dict(syncs) == {"__float__": 1, "tolist": 1, "cpu": 1}
 
 
 def test_clipping_check_catches_local_norm_clipping(world2, data):

@@ -7,18 +7,22 @@ check users run on their own model (`shardwise.testing.parity`).
 
 from shardwise.testing.spawn import (
     COUNTED_COLLECTIVES,
+    HostSyncs,
     RankError,
     assert_same_distribution,
     count_collectives,
+    count_host_syncs,
     free_port,
     run_distributed,
 )
 
 __all__ = [
     "COUNTED_COLLECTIVES",
+    "HostSyncs",
     "RankError",
     "assert_same_distribution",
     "count_collectives",
+    "count_host_syncs",
     "free_port",
     "run_distributed",
 ]

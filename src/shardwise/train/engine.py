@@ -17,6 +17,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,7 +63,8 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
-    """L2 norm of all gradients over every shard and replica (a plain tensor).
+    """L2 norm of all gradients over every shard and replica: a 0-dim fp32 tensor on the
+    gradients' device, computed without waiting for it on the host.
 
     Sharded gradients are DTensors, whose norm torch reduces across their mesh (both
     dimensions under HSDP); unmanaged (ignored) gradients count with their local norm.
@@ -79,25 +81,37 @@ def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
             squares.append(norm.float() ** 2)
     if not squares:
         return torch.zeros(())
-    return torch.stack([s.cpu() for s in squares]).sum().sqrt()
+    device = squares[0].device
+    return torch.stack([s.to(device) for s in squares]).sum().sqrt()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ rule on the device: min(1, max_norm / (norm + 1e-6)), and 1
+    (clip nothing) for a non-finite norm (fp16 scaling skips that step anyway)."""
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+
+
+def scale_grads_(parameters: list[nn.Parameter], coef: torch.Tensor) -> None:
+    """Multiply every gradient by `coef` in place: one foreach kernel per device and dtype
+    over the local shards (a DTensor `mul_` per parameter costs a dispatch each)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), grads in groups.items():
+        torch._foreach_mul_(grads, coef.to(device))
 
 
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Scale gradients so their global norm (`total_grad_norm`) is at most `max_norm`, by
-    torch's `clip_grad_norm_` rule; returns the norm before clipping. A non-finite norm
-    clips nothing (fp16 scaling skips that step anyway). `max_norm=None` only measures."""
+    torch's `clip_grad_norm_` rule; returns the norm before clipping (a device tensor). A
+    non-finite norm clips nothing. `max_norm=None` only measures. No host sync."""
     norm = total_grad_norm(parameters)
-    _clip_to(parameters, norm, max_norm)
+    if max_norm is not None:
+        scale_grads_(parameters, clip_coefficient(norm, max_norm))
     return norm
-
-
-def _clip_to(parameters: list[nn.Parameter], norm: torch.Tensor, max_norm: float | None) -> None:
-    if max_norm is not None and math.isfinite(float(norm)):
-        coef = min(1.0, max_norm / (float(norm) + 1e-6))
-        if coef < 1.0:
-            for p in parameters:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
 
 
 class Engine:
@@ -147,7 +161,6 @@ class Engine:
         self.micro_step = 0
         self.step = 0
         self.skipped_steps = 0
-        self.last_outputs: Any = None
         self._stop_requested = False
         self._nonfinite_ranks = 0
         self._window: list[dict[str, torch.Tensor]] = []
@@ -213,9 +226,10 @@ class Engine:
     def train_step(self, batch: Any, *, force_update: bool = False) -> dict[str, Any]:
         """Forward + backward one micro-batch; update on the last of the window.
 
-        Returns the micro-batch's loss values. On the micro-batch that updates (or with
-        `force_update`, e.g. at the end of an epoch), returns instead the window's mean
-        values averaged across ranks, plus `grad_norm`, `lr`, `loss_scale`, `skipped`
+        Returns the micro-batch's loss values as 0-dim device tensors (reading them waits
+        for the device; the Engine itself does not). On the micro-batch that updates (or
+        with `force_update`, e.g. at the end of an epoch), returns instead the window's mean
+        values averaged across ranks as floats, plus `grad_norm`, `lr`, `loss_scale`, `skipped`
         (1.0 when the update was dropped: fp16 scaling found inf/nan gradients, or
         `on_nonfinite='skip'` found a non-finite loss or norm) and `stop` (1.0 when any
         rank called `request_stop`). A non-finite loss or norm with `on_nonfinite='stop'`
@@ -233,46 +247,15 @@ class Engine:
             loss, logs = model_parse_losses(unwrap(self.model), losses)
             scaled = loss / tc.accumulate_steps
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        self.last_outputs = outputs
         self._window.append(logs)
         self.micro_step += 1
         result: dict[str, Any]
         if not update:
-            result = {k: float(v) for k, v in logs.items()}
+            result = dict(logs)  # device tensors: a float() here would wait for the GPU
         else:
             result = self._update()
         result.update(passed)  # predictions for visualisation: as returned, never averaged
         return result
-
-    def _reduce_window(
-        self, norm: torch.Tensor
-    ) -> tuple[dict[str, float], list[str], list[str], bool]:
-        """(window means averaged over ranks, the keys, this rank's non-finite keys, whether
-        any rank asked to stop), with the one all-reduce each update makes: it also carries
-        each rank's non-finite and stop flags, so the guard and preemption cost nothing."""
-        keys = sorted(self._window[0])
-        means = torch.stack(
-            [torch.stack([w[k].float().cpu() for w in self._window]).mean() for k in keys]
-        )
-        self._window = []
-        bad = [k for k, v in zip(keys, means, strict=True) if "loss" in k and not v.isfinite()]
-        if not math.isfinite(float(norm)):
-            # With fp16 scaling, inf/nan gradients (from an overflow, or from an inf loss)
-            # are the grad scaler's to skip, as in any AMP loop; without it they are ours.
-            bad = [] if self.scaler is not None else [*bad, "grad_norm"]
-        asked = self._stop_requested
-        flags = torch.tensor([float(bool(bad)), float(asked)])
-        values = torch.cat([means, flags])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            values = values.to(self.device)
-            dist.all_reduce(values)  # SUM (gloo has no AVG)
-            values = values.cpu()
-            values[: len(keys)] /= dist.get_world_size()
-        self._nonfinite_ranks = int(values[-2])
-        stop = bool(values[-1] > 0)
-        if asked:  # sent: a request that arrives from here on rides on the next update
-            self._stop_requested = False
-        return {k: float(v) for k, v in zip(keys, values, strict=False)}, keys, bad, stop
 
     def _update(self) -> dict[str, Any]:
         tc = self.train_config
@@ -283,16 +266,24 @@ class Engine:
                 self.scaler.unscale_(self.optimizer)
         anomalous = anomalous_params(self.model) if tc.detect_anomalous_params else []
         norm = total_grad_norm(params)
-        result, keys, bad, stop = self._reduce_window(norm)
+        asked = self._stop_requested
+        reduced = _reduce_window(self._window, norm, self.device, self.scaler is None, asked)
+        self._window = []
+        if asked:  # sent: a request that arrives from here on rides on the next update
+            self._stop_requested = False
+        result: dict[str, Any] = dict(reduced.means)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the lr this update uses
         self.micro_step = 0
-        if self._nonfinite_ranks:
-            self._drop_update(nonfinite_report(bad, keys, self.device))
-            result.update(grad_norm=float(norm), lr=lr, skipped=1.0, stop=float(stop))
+        self._nonfinite_ranks = reduced.nonfinite_ranks
+        if reduced.nonfinite_ranks:  # rare: the report may sync again
+            bad = _nonfinite_keys(reduced, self.scaler is None)
+            self._drop_update(nonfinite_report(bad, reduced.keys, self.device))
+            result.update(grad_norm=reduced.norm, lr=lr, skipped=1.0, stop=float(reduced.stop))
             return result
-        _clip_to(params, norm, tc.max_grad_norm)
+        if tc.max_grad_norm is not None:
+            scale_grads_(params, clip_coefficient(norm, tc.max_grad_norm))
         skipped = False
-        if self.scaler is not None:
+        if self.scaler is not None:  # the scaler's own inf check and new scale sync twice
             scale = self.scaler.get_scale()
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*scalar.*")
@@ -308,7 +299,9 @@ class Engine:
             self.step += 1
             if self.scheduler is not None:
                 self.scheduler.step()
-        result.update(grad_norm=float(norm), lr=lr, skipped=float(skipped), stop=float(stop))
+        result.update(
+            grad_norm=reduced.norm, lr=lr, skipped=float(skipped), stop=float(reduced.stop)
+        )
         if self.scaler is not None:
             result["loss_scale"] = float(self.scaler.get_scale())
         if tc.detect_anomalous_params:
@@ -370,3 +363,65 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_to_device(v, device) for v in batch)
     return batch
+
+
+def _reduce_window(
+    window: list[dict[str, torch.Tensor]],
+    norm: torch.Tensor,
+    device: torch.device,
+    norm_is_ours: bool,
+    asked: bool,
+) -> _Reduced:
+    """The update's one host sync. One all-reduce carries the window's mean values, each
+    rank's non-finite flag and stop request; one copy to the host then brings them back
+    with the gradient norm. Everything before it is queued on the device. With fp16
+    scaling (`norm_is_ours=False`), inf/nan gradients are the grad scaler's to skip, as in
+    any AMP loop; without it they are ours."""
+    keys = sorted(window[0])
+    means = torch.stack([torch.stack([w[k].float() for w in window]).mean() for k in keys])
+    means = means.to(device)
+    norm = norm.float().reshape(1).to(device)
+    losses = [i for i, k in enumerate(keys) if "loss" in k]
+    bad = ~torch.isfinite(means[losses]).all() if losses else torch.zeros((), dtype=torch.bool)
+    bad = bad.to(device)
+    finite_norm = torch.isfinite(norm[0])
+    bad = bad | ~finite_norm if norm_is_ours else bad & finite_norm
+    flags = torch.stack([bad.float(), torch.full((), float(asked), device=device)])
+    values = torch.cat([means, flags])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.all_reduce(values)  # SUM (gloo has no AVG)
+    host = torch.cat([values, norm]).tolist()  # the one sync of the update
+    n = len(keys)
+    return _Reduced(
+        means={k: v / world for k, v in zip(keys, host[:n], strict=True)},
+        keys=keys,
+        nonfinite_ranks=int(host[n]),
+        stop=host[n + 1] > 0,
+        norm=host[n + 2],
+        local_means=means,
+    )
+
+
+@dataclass(frozen=True)
+class _Reduced:
+    """What the update's one host sync brought back."""
+
+    means: dict[str, float]
+    """The window's mean of each logged value, averaged over ranks."""
+    keys: list[str]
+    nonfinite_ranks: int
+    stop: bool
+    norm: float
+    local_means: torch.Tensor
+    """This rank's means, still on the device (read only to report a non-finite value)."""
+
+
+def _nonfinite_keys(reduced: _Reduced, norm_is_ours: bool) -> list[str]:
+    """This rank's non-finite names: losses among the window's keys, and the gradient norm
+    when no grad scaler owns inf/nan gradients."""
+    finite = torch.isfinite(reduced.local_means).tolist()
+    bad = [k for k, ok in zip(reduced.keys, finite, strict=True) if "loss" in k and not ok]
+    if norm_is_ours and not math.isfinite(reduced.norm):
+        bad.append("grad_norm")
+    return bad
