@@ -62,6 +62,7 @@ from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.wrapped import unwrap
 from shardwise.train.engine import clip_grad_norm_
 from shardwise.train.losses import model_parse_losses, split_outputs
+from shardwise.train.optim import sharded_scaler_like
 
 __all__ = ["ShardwiseDataParallel", "full_state_dicts"]
 
@@ -236,8 +237,10 @@ def _global_norm_clip(
 
 def adopt_optim_wrapper(model: ShardwiseDataParallel, optim_wrapper: Any) -> None:
     """Make an mmengine OptimWrapper right for a sharded model (once per wrapper):
-    'norm' clipping by the global norm, and `load_state_dict` accepting the full,
-    name-keyed optimizer states that checkpoints of sharded models hold."""
+    'norm' clipping by the global norm, an AmpOptimWrapper's GradScaler as a
+    ShardedGradScaler with the same settings (so every rank skips the same steps), and
+    `load_state_dict` accepting the full, name-keyed optimizer states that checkpoints of
+    sharded models hold."""
     if not model.sharded:
         return
     for wrapper in _sub_wrappers(optim_wrapper):
@@ -245,6 +248,8 @@ def adopt_optim_wrapper(model: ShardwiseDataParallel, optim_wrapper: Any) -> Non
             continue
         if wrapper.clip_grad_kwargs and wrapper.clip_func is torch.nn.utils.clip_grad_norm_:
             wrapper.clip_func = _global_norm_clip
+        if getattr(wrapper, "loss_scaler", None) is not None:  # AmpOptimWrapper
+            wrapper.loss_scaler = sharded_scaler_like(wrapper.loss_scaler)
         optimizer = wrapper.optimizer
         optimizer.load_state_dict = functools.partial(
             _load_optimizer_state, model.module, optimizer

@@ -151,13 +151,14 @@ class Engine:
             self.config = config or ParallelConfig()
             self.model = wrap(model, self.config)
         self.device = _model_device(self.model)
+        wrapper_scaler = None
         if is_optim_wrapper(optimizer):
-            optimizer, self.train_config = from_optim_wrapper(
+            optimizer, self.train_config, wrapper_scaler = from_optim_wrapper(
                 optimizer, self.train_config, self.config, self.device.type
             )
         self.optimizer = build_optimizer(optimizer, self.model)
         self.scheduler = build_scheduler(scheduler, self.optimizer)
-        self.scaler = self._build_scaler()
+        self.scaler = wrapper_scaler if wrapper_scaler is not None else self._build_scaler()
         self.micro_step = 0
         self.step = 0
         self.skipped_steps = 0

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import TrainConfig
@@ -126,6 +127,10 @@ class WrapperSettings:
     max_grad_norm: float | None
     amp_dtype: torch.dtype | None
     """The dtype an AmpOptimWrapper computes in (None: a plain OptimWrapper)."""
+    loss_scaler: Any = None
+    """An AmpOptimWrapper's GradScaler (None: a plain OptimWrapper)."""
+    static_scale: float | None = None
+    """AmpOptimWrapper(loss_scale=<float>): the scale it restores after every step."""
 
 
 def read_optim_wrapper(wrapper: Any, device_type: str) -> WrapperSettings:
@@ -156,20 +161,43 @@ def read_optim_wrapper(wrapper: Any, device_type: str) -> WrapperSettings:
                 "clip_grad=dict(max_norm=...) (norm_type 2), or remove clip_grad."
             )
         max_norm = float(clip["max_norm"])
-    amp_dtype = None
+    amp_dtype, scaler, static = None, None, None
     if hasattr(wrapper, "loss_scaler") and hasattr(wrapper, "cast_dtype"):  # AmpOptimWrapper
         amp_dtype = wrapper.cast_dtype or (
             torch.float16 if device_type == "cuda" else torch.bfloat16  # autocast's default
         )
-    return WrapperSettings(optimizer, counts, max_norm, amp_dtype)
+        scaler, static = wrapper.loss_scaler, getattr(wrapper, "_scale_update_param", None)
+    return WrapperSettings(optimizer, counts, max_norm, amp_dtype, scaler, static)
+
+
+def sharded_scaler_like(scaler: Any) -> ShardedGradScaler:
+    """A ShardedGradScaler with `scaler`'s settings and state (a torch GradScaler, as
+    mmengine's AmpOptimWrapper makes). Under sharding a plain GradScaler sees inf/nan only
+    in its own rank's shards, so ranks would skip different steps and their loss scales
+    drift apart; the sharded one agrees on every rank."""
+    if isinstance(scaler, ShardedGradScaler):
+        return scaler
+    device = getattr(scaler, "_device", "cuda")
+    if not scaler.is_enabled():  # torch disables it where its device is missing
+        return ShardedGradScaler(device, enabled=False)
+    new = ShardedGradScaler(
+        device,
+        init_scale=scaler.get_scale(),
+        growth_factor=scaler.get_growth_factor(),
+        backoff_factor=scaler.get_backoff_factor(),
+        growth_interval=scaler.get_growth_interval(),
+    )
+    new.load_state_dict(scaler.state_dict())
+    return new
 
 
 def from_optim_wrapper(
     wrapper: Any, train: TrainConfig, config: ParallelConfig, device_type: str
-) -> tuple[torch.optim.Optimizer, TrainConfig]:
-    """Take an mmengine OptimWrapper's optimizer, accumulation and clipping (the Engine then
-    steps them itself, see `read_optim_wrapper`): (its optimizer, `train` with the
-    wrapper's settings). A setting given in both places must agree."""
+) -> tuple[torch.optim.Optimizer, TrainConfig, ShardedGradScaler | None]:
+    """Take an mmengine OptimWrapper's optimizer, accumulation, clipping and loss scaler
+    (the Engine then steps them itself, see `read_optim_wrapper`): (its optimizer, `train`
+    with the wrapper's settings, the scaler as a ShardedGradScaler or None). A setting
+    given in both places must agree."""
     name = type(wrapper).__name__
     settings = read_optim_wrapper(wrapper, device_type)
     tc = train
@@ -195,7 +223,16 @@ def from_optim_wrapper(
             "policy, or autocast for ddp and one process), not from the wrapper's autocast: "
             f"set ParallelConfig.mixed_precision='{_short(settings.amp_dtype)}'."
         )
-    return settings.optimizer, tc
+    if settings.static_scale is not None:
+        raise ValueError(
+            f"Engine: {name}(loss_scale={settings.static_scale}) is a static loss scale, which "
+            "the Engine does not keep (it scales dynamically, every rank agreeing on skipped "
+            "steps). Use loss_scale='dynamic' (or a dict of GradScaler settings), or train "
+            "through mmengine's Runner with ShardwiseDataParallel, which keeps it."
+        )
+    scaler = settings.loss_scaler
+    enabled = scaler is not None and scaler.is_enabled()
+    return settings.optimizer, tc, sharded_scaler_like(scaler) if enabled else None
 
 
 def _short(dtype: torch.dtype) -> str:

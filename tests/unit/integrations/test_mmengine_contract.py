@@ -235,6 +235,62 @@ def test_amp_optim_wrapper_dtype_must_match_the_config():
     assert engine.train_step(batch())["loss"] > 0
 
 
+def real_amp_wrapper(optimizer, monkeypatch, **kwargs):
+    """mmengine's own AmpOptimWrapper construction (its CUDA check patched for this CPU
+    test): its GradScaler is the plain torch one."""
+    import mmengine.optim.optimizer.amp_optimizer_wrapper as amp
+
+    monkeypatch.setattr(amp, "is_cuda_available", lambda: True)
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        return amp.AmpOptimWrapper(optimizer=optimizer, **kwargs)
+
+
+def test_the_amp_wrappers_scaler_becomes_a_sharded_one_with_its_settings(monkeypatch):
+    # Before: a plain GradScaler under FSDP2 saw inf only in its own shards: ranks skipped
+    # different steps and their loss scales drifted apart, silently.
+    from torch.amp import GradScaler
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from shardwise.train.optim import sharded_scaler_like
+
+    plain = GradScaler(
+        "cpu", init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7
+    )
+    sharded = sharded_scaler_like(plain)
+    assert type(sharded) is ShardedGradScaler
+    assert sharded.state_dict() == plain.state_dict() != {}
+    assert sharded.get_scale() == 1024.0 and sharded.get_growth_interval() == 7
+    assert sharded_scaler_like(sharded) is sharded
+
+    wrapper = real_amp_wrapper(
+        sgd(MMToy().parameters()), monkeypatch, loss_scale={"init_scale": 512.0}
+    )
+    assert type(wrapper.loss_scaler) is not ShardedGradScaler  # mmengine's own choice
+    assert type(sharded_scaler_like(wrapper.loss_scaler)) is ShardedGradScaler
+
+
+def test_the_engine_takes_the_amp_wrappers_scaler_and_refuses_a_static_scale(monkeypatch):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from shardwise.train.optim import from_optim_wrapper
+
+    optimizer = sgd(MMToy().parameters())
+    wrapper = real_amp_wrapper(optimizer, monkeypatch, dtype="float16")
+    wrapper.loss_scaler = torch.amp.GradScaler("cpu", init_scale=256.0)  # enabled on CPU
+    config = ParallelConfig(mixed_precision="fp16")
+    got, _, scaler = from_optim_wrapper(wrapper, TrainConfig(), config, "cpu")
+    assert got is optimizer
+    assert type(scaler) is ShardedGradScaler and scaler.get_scale() == 256.0
+    static = real_amp_wrapper(
+        sgd(MMToy().parameters()), monkeypatch, dtype="float16", loss_scale=512.0
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"AmpOptimWrapper\(loss_scale=512\.0\) is a static loss scale, which the Engine does not keep",
+    ):
+        from_optim_wrapper(static, TrainConfig(), config, "cpu")
+
+
 # --- an optimizer built before wrap -----------------------------------------------------------
 
 
