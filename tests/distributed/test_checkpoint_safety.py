@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -226,10 +227,44 @@ def _async_cases(root: Path) -> dict[str, Any]:
     return out
 
 
+def _nobody_waits_for_pruning(root: Path) -> dict[str, Any]:
+    """Rank 0's pruning blocks until rank 1 has returned from the save: if rank 1 waited
+    for it (in a collective, as before), the save would stall until the deadline."""
+    from shardwise.checkpoint import commit
+
+    engine = _engine("full_shard")
+    returned = root / "rank1_returned"
+    _step(engine, 0)
+    save_checkpoint(root, engine, keep_last=1)
+    real = commit._prune
+
+    def prune_after_rank1(path: Path) -> None:
+        deadline = time.monotonic() + 20
+        while not returned.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out["rank1_returned_first"] = returned.exists()
+        real(path)
+
+    out: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        commit._prune = prune_after_rank1
+    _step(engine, 1)
+    try:
+        save_checkpoint(root, engine, keep_last=1)
+    finally:
+        commit._prune = real
+    if dist.get_rank() == 1:
+        returned.touch()
+    dist.barrier()
+    out["left"] = sorted(p.name for p in root.iterdir() if p.name != returned.name)
+    return out
+
+
 def _collective(root: str) -> dict[str, Any]:
     return {
         "rule": _directory_rule(Path(root) / "rule"),
         "async": _async_cases(Path(root) / "async"),
+        "pruning": _nobody_waits_for_pruning(Path(root) / "pruning"),
     }
 
 
@@ -379,6 +414,15 @@ def test_a_fault_inside_finalisation(tmp_path, monkeypatch, point):
     _step(engine, 2)
     assert save_checkpoint(tmp_path, engine, keep_last=1).name == "step_00000003"
     assert resolve_checkpoint(tmp_path).name == "step_00000003"
+
+
+def test_no_rank_waits_for_rank_0s_pruning(collective):
+    # Before: every rank waited in a collective while rank 0 pruned, removed leftovers and
+    # hashed; a large checkpoint on a shared filesystem let NCCL's watchdog abort the job.
+    _, results = collective
+    assert results[0]["pruning"]["rank1_returned_first"] is True
+    for r in results:
+        assert r["pruning"]["left"] == ["latest", "step_00000002"]
 
 
 def test_async_save_is_the_call_time_state_bitwise(collective):

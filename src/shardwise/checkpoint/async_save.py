@@ -130,12 +130,6 @@ class PendingCheckpoint:
         return self._outcome
 
 
-def in_flight_dir() -> Path | None:
-    """The temporary directory of the asynchronous save in flight, if any: a save's
-    clean-up of leftovers must not remove it."""
-    return None if _PENDING is None else _PENDING.tmp
-
-
 def wait_for_checkpoint(timeout_s: float | None = None) -> Path | None:
     """Complete the asynchronous save in flight, if any: its path, or None when there is
     none. Collective (every rank calls it). `save_checkpoint` calls it first; call it at the

@@ -2,7 +2,8 @@
 
 Owns: preparing the temporary directory, hashing each rank's share of the written files,
 rank 0's finalisation (manifest, moving superseded steps aside, the rename that makes the
-checkpoint visible, `latest`, pruning), and the clean-up and message when a save fails.
+checkpoint visible, `latest`), the tidying after it that no rank waits for (pruning,
+removing leftovers), and the clean-up and message when a save fails.
 Synchronous and asynchronous saves both end here.
 
 Must not: write tensors (DCP does, in save.py and async_save.py).
@@ -25,6 +26,7 @@ from shardwise.checkpoint.layout import (
     _checkpoint_dirs,
     _files,
     _listing,
+    _log,
     _move_aside,
     _prune,
     _remove_leftovers,
@@ -40,13 +42,17 @@ from shardwise.distributed.process_group import (
 )
 
 
-def _prepare(root: Path, tmp: Path, final: Path, in_flight: Path | None) -> BaseException | None:
-    """Rank 0: the root, without leftovers, and an empty temporary directory."""
+def _prepare(root: Path, tmp: Path) -> BaseException | None:
+    """Rank 0: the root and an empty temporary directory."""
     try:
         root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root, busy={final} | ({in_flight} if in_flight else set()))
-        if tmp.exists():
+        if tmp.exists():  # this very step's save was killed before: start it afresh
             shutil.rmtree(tmp)
+            _log.warning(
+                "shardwise checkpoint: removed %s, the temporary directory of a save that "
+                "did not finish",
+                tmp,
+            )
         (tmp / STATE_DIR).mkdir(parents=True)
         (tmp / RNG_DIR).mkdir()
     except OSError as exc:
@@ -98,7 +104,26 @@ def _finish(
             shutil.rmtree(tmp, ignore_errors=True)
             error = CheckpointError(_write_failed(root, tmp, exc))
     _agree(error, "finalising the checkpoint")
+    if rank_and_world()[0] == 0:
+        _tidy(root, final, keep_last)
     return final
+
+
+def _tidy(root: Path, final: Path, keep_last: int | None) -> None:
+    """Rank 0, once the checkpoint is visible and the other ranks have gone back to
+    training: prune beyond `keep_last`, and remove what killed saves and prunings left.
+    Slow on a large shared filesystem, so nobody waits for it in a collective (a NCCL
+    watchdog would abort the job); a failure here is logged, the checkpoint stands."""
+    try:
+        if keep_last is not None:
+            complete = [c for c in list_checkpoints(root) if c.complete and c.path != final]
+            for old in complete[: max(0, len(complete) - (keep_last - 1))]:
+                _prune(old.path)
+        _remove_leftovers(root, busy={final})
+    except (OSError, CheckpointError) as exc:
+        _log.warning(
+            "shardwise checkpoint: tidying %s after saving %s failed: %s", root, final, exc
+        )
 
 
 def _write_failed(root: Path, tmp: Path, exc: BaseException | str) -> str:
@@ -123,7 +148,7 @@ def _finalize(
     keep_last: int | None,
     files: dict[str, Any],
 ) -> None:
-    """Rank 0, after every rank wrote and hashed: manifest, rename, `latest`, prune."""
+    """Rank 0, after every rank wrote and hashed: manifest, rename, `latest`."""
     # A file that no rank listed (a slow shared filesystem) is hashed here.
     files.update(_files(tmp, [n for n in _listing(tmp) if n not in files]))
     manifest["files"] = dict(sorted(files.items()))
@@ -133,7 +158,3 @@ def _finalize(
     _move_aside(root, _checkpoint_dirs(root, step - 1), f"superseded by the save at step {step}")
     os.rename(tmp, final)  # the moment the checkpoint becomes visible
     _write_atomic(root / LATEST, final.name + "\n")
-    if keep_last is not None:
-        complete = [c for c in list_checkpoints(root) if c.complete and c.path != final]
-        for old in complete[: max(0, len(complete) - (keep_last - 1))]:
-            _prune(old.path)

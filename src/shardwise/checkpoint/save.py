@@ -63,7 +63,6 @@ from torch.distributed.checkpoint.state_dict import (
 from shardwise.checkpoint.async_save import (
     PendingCheckpoint,
     _start_async,
-    in_flight_dir,
     wait_for_checkpoint,
 )
 from shardwise.checkpoint.commit import (
@@ -142,12 +141,14 @@ def save_checkpoint(
 
     What is already there: checkpoints with a step >= this one (a kill after a rename, a
     resume from an older checkpoint, an older run) are moved to ROOT/superseded/<UTC
-    time>/ just before the rename, never deleted; leftovers of killed saves and prunings
-    are removed first. Each gets a log line (logger "shardwise.checkpoint").
+    time>/ just before the rename, never deleted. Once the checkpoint is visible, rank 0
+    prunes beyond `keep_last` and removes leftovers of killed saves and prunings while the
+    other ranks go back to training (no rank waits for it in a collective). Each gets a log
+    line (logger "shardwise.checkpoint").
 
     With `async_=True` the state is copied to CPU memory now and written by a background
     thread while training goes on; the call returns a `PendingCheckpoint`, and the
-    checkpoint becomes visible (manifest, rename, `latest`, pruning) only in its
+    checkpoint becomes visible (manifest, rename, `latest`) only in its
     `result()`, which every rank must call. The next `save_checkpoint` and
     `wait_for_checkpoint()` call it; call `wait_for_checkpoint()` before exiting, or the
     save is abandoned (its temporary directory is removed by the next save). The CPU copy
@@ -176,8 +177,7 @@ def save_checkpoint(
     root = Path(directory)
     name = checkpoint_name(engine.step)
     final, tmp = root / name, root / f"{TMP_PREFIX}{name}"
-    prepared = _prepare(root, tmp, final, in_flight_dir()) if rank == 0 else None
-    _agree(prepared, "creating the checkpoint directory")
+    _agree(_prepare(root, tmp) if rank == 0 else None, "creating the checkpoint directory")
 
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     # All but the tensors is taken now, so an asynchronous save holds this step's state.
