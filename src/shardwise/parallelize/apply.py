@@ -24,11 +24,11 @@ from shardwise.distributed.mesh import from_user_mesh, resolve_mesh
 from shardwise.distributed.process_group import DistInfo, env_world_size, get_dist_info, serves_cpu
 from shardwise.parallelize.autocast import apply_autocast
 from shardwise.parallelize.ddp import apply_ddp
-from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, sync_module_states
+from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, unit_preparer
 from shardwise.parallelize.materialize import has_meta, materialize
 from shardwise.parallelize.recompute import apply_activation_checkpointing
 from shardwise.parallelize.weights import load_weights
-from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_replaced
+from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding
 from shardwise.plan.planner import WrapPlan, plan_wrap
 
 
@@ -178,8 +178,8 @@ def wrap(
         )
     info = _check_process_group(config)
     on_meta = has_meta(model)
-    if not on_meta and config.offload_policy is None:
-        model.to(info.device)
+    # Under CPU offload parameters stay on the CPU; sharded ones move unit by unit below.
+    move = not on_meta and config.offload_policy is None
 
     def fill(target: nn.Module, mesh: Any = None) -> None:
         if on_meta:
@@ -199,6 +199,8 @@ def wrap(
     if info.world_size > 1 or config.force_wrap:
         _check_job(config, info)
     if info.world_size == 1 and not config.force_wrap:
+        if move:
+            model.to(info.device)
         plan = plan_wrap(model, config, sharded=False)
         _prepare_blocks(model, plan, config)
         fill(model)
@@ -226,18 +228,21 @@ def wrap(
     plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
     _prepare_blocks(model, plan, config)
     if spec.engine == "ddp":
+        if move:
+            model.to(info.device)
         fill(model)  # DDP replicates: every rank holds the full model anyway
         wrapped = apply_ddp(model, config, info, plan, user_mesh)
         setattr(wrapped, INFO_ATTR, WrapInfo(config, info, spec, plan))
         return wrapped
 
-    if config.sync_module_states and not on_meta:  # a meta model has no values to sync
-        sync_module_states(model)
-    originals = list(model.parameters())
-    mesh = apply_fsdp(model, config, info, spec, plan, user_mesh)
+    # An optimizer built from the parameters sharding replaces would train nothing: refuse
+    # it at its first step. Marked now, so no list of them keeps a full copy alive.
+    mark_before_sharding(model, keep={*plan.ignored_params, *plan.replicated_params})
+    # Each unit moves to the device and takes rank 0's values (a meta model has none) just
+    # before it is sharded: no rank ever holds the full model on its device.
+    prepare = unit_preparer(info.device if move else None, config.sync_module_states)
+    mesh = apply_fsdp(model, config, info, spec, plan, user_mesh, prepare=prepare)
     fill(model, mesh)  # after sharding: each rank allocates and fills only its shards
     replicate_scalars(model, plan.replicated_params)
-    # An optimizer built from `originals` would train nothing: refuse it at its first step.
-    mark_replaced(originals, model.parameters())
     setattr(model, INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))
     return model

@@ -11,12 +11,14 @@ hand-write sharding: torch's fully_shard does it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.precision import Precision
@@ -24,32 +26,78 @@ from shardwise.distributed.mesh import MeshSpec
 from shardwise.distributed.process_group import DistInfo
 from shardwise.plan.planner import WrapPlan
 
-_BROADCAST_BUCKET_BYTES = 64 * 2**20
+_BROADCAST_BUCKET_BYTES = 16 * 2**20
+_IN_PLACE_BYTES = 2**20  # larger tensors are broadcast where they are, without a copy
+
+
+def sync_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite every rank's `tensors` with rank `src`'s: each large one broadcast in
+    place, the small ones through flat buckets per dtype and device (one copy of at most
+    16 MiB at a time). Every rank passes the same tensors in the same order."""
+    small: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for t in tensors:
+            if t.is_meta:
+                continue
+            if t.numel() * t.element_size() >= _IN_PLACE_BYTES and t.is_contiguous():
+                dist.broadcast(t.detach(), src=src)
+            else:
+                small.setdefault((t.dtype, t.device), []).append(t)
+        for group in small.values():
+            start = 0
+            while start < len(group):
+                bucket: list[torch.Tensor] = []
+                size = 0
+                while start < len(group) and (not bucket or size < _BROADCAST_BUCKET_BYTES):
+                    bucket.append(group[start])
+                    size += group[start].numel() * group[start].element_size()
+                    start += 1
+                flat = torch.cat([b.detach().reshape(-1) for b in bucket])
+                dist.broadcast(flat, src=src)
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
 
 
 def sync_module_states(model: nn.Module, src: int = 0) -> None:
-    """Overwrite every rank's parameters and buffers with rank `src`'s, bucketed by dtype."""
-    tensors = [t for t in (*model.parameters(), *model.buffers()) if not t.is_meta]
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    buckets: list[list[torch.Tensor]] = []
-    for group in by_dtype.values():
-        size = _BROADCAST_BUCKET_BYTES  # forces a new bucket for each dtype/device
-        for t in group:
-            if size >= _BROADCAST_BUCKET_BYTES:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(t)
-            size += t.numel() * t.element_size()
-    with torch.no_grad():
-        for bucket in buckets:
-            flat = torch.cat([b.detach().reshape(-1) for b in bucket])
-            dist.broadcast(flat, src=src)
-            offset = 0
-            for b in bucket:
-                b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                offset += b.numel()
+    """Overwrite every rank's parameters and buffers with rank `src`'s."""
+    sync_tensors([*model.parameters(), *model.buffers()], src)
+
+
+def unit_preparer(device: torch.device | None, sync: bool) -> Callable[[list[nn.Module]], None]:
+    """What runs just before each unit is sharded: move the unit's own parameters and
+    buffers (not those of units below it, already sharded) to `device` (None: leave them),
+    then make them rank 0's (`sync`). Unit by unit, so no rank holds a full copy of the
+    model on its device, and each unit's originals are freed as soon as it is sharded."""
+    done: set[int] = set()  # ids of tensors already moved and synced (before and after)
+
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        return t if device is None or t.device == device else t.to(device)
+
+    def prepare(targets: list[nn.Module]) -> None:
+        fresh: list[torch.Tensor] = []
+        for target in targets:
+            for module in target.modules():
+                for p in module._parameters.values():
+                    if p is None or isinstance(p, DTensor) or p.is_meta or id(p) in done:
+                        continue
+                    moved = to_device(p.data)
+                    if moved is not p.data:
+                        p.data = moved
+                    done.add(id(p))
+                    fresh.append(p)
+                for name, b in list(module._buffers.items()):
+                    if b is None or b.is_meta or id(b) in done:
+                        continue
+                    moved = to_device(b)
+                    module._buffers[name] = moved
+                    done.update((id(b), id(moved)))
+                    fresh.append(moved)
+        if sync:
+            sync_tensors(fresh)
+
+    return prepare
 
 
 def _wire_prefetch(units: list[FSDPModule], root: FSDPModule, config: ParallelConfig) -> None:
@@ -83,7 +131,9 @@ def apply_fsdp(
     spec: MeshSpec,
     plan: WrapPlan,
     mesh: Any = None,
+    prepare: Callable[[list[nn.Module]], None] | None = None,
 ) -> Any:
+    """fully_shard each planned unit in post-order, `prepare(targets)` just before."""
     mesh = mesh if mesh is not None else spec.build(info.device.type)
     modules = dict(model.named_modules(remove_duplicate=False))
     mp_policy = config.precision.to_fsdp_policy()
@@ -101,6 +151,8 @@ def apply_fsdp(
     # Post-order: children before parents, so each unit owns only what no unit below owns.
     for unit in plan.units:
         targets = list({id(modules[m]): modules[m] for m in unit.modules}.values())
+        if prepare is not None:
+            prepare(targets)
         fully_shard(
             targets[0] if len(targets) == 1 else targets,
             mesh=mesh,

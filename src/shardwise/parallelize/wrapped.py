@@ -87,6 +87,20 @@ def mark_replaced(old: Iterable[nn.Parameter], new: Iterable[nn.Parameter]) -> N
         _hook_handle = register_optimizer_step_pre_hook(_refuse_stale)
 
 
+def mark_before_sharding(model: nn.Module, keep: set[str]) -> None:
+    """Mark every parameter of `model` that sharding is about to replace (all but the names
+    in `keep`, which fully_shard leaves as they are), so an optimizer built from them is
+    refused at its first step. Holds no reference: each unit's original parameters can be
+    freed as soon as that unit is sharded."""
+    global _generation, _hook_handle
+    for name, p in model.named_parameters():
+        if name not in keep:
+            setattr(p, _REPLACED_ATTR, True)
+    _generation += 1
+    if _hook_handle is None:
+        _hook_handle = register_optimizer_step_pre_hook(_refuse_stale)
+
+
 def stale_parameters(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """(parameters `wrap` replaced, parameters held) for an optimizer."""
     held = [p for g in optimizer.param_groups for p in g["params"]]
