@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.overrides import TorchFunctionMode
 
 from shardwise import Engine, ParallelConfig, shutdown, wrap
 from shardwise.checkpoint import CheckpointError, read_dcp_metadata, save_checkpoint
@@ -194,13 +195,31 @@ def test_an_unreadable_checkpoint_leaves_no_partial_export(tmp_path):
 # --- distributed ------------------------------------------------------------------------------
 
 
+class _HostCopies(TorchFunctionMode):
+    """Counts `.to("cpu", copy=True)`: each gathered tensor copied into host memory."""
+
+    copies = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (
+            getattr(func, "__name__", "") == "to"
+            and kwargs.get("copy")
+            and "cpu" in map(str, args[1:])
+        ):
+            self.copies += 1
+        return func(*args, **kwargs)
+
+
 def export_and_load(out: str) -> dict:
     result = {}
     for strategy in ("ddp", "full_shard", "hybrid_shard"):
         if strategy == "hybrid_shard" and dist.get_world_size() != 4:
             continue
         engine = trained_engine(strategy)
-        path = export_weights(engine.model, f"{out}/{strategy}")
+        with _HostCopies() as copies:
+            path = export_weights(engine.model, f"{out}/{strategy}")
+        result[f"host_copies_{strategy}"] = copies.copies
         result[f"export_{strategy}"] = str(path) if path else None
         result[f"params_{strategy}"] = full_parameters(engine.model)
         fresh = wrap(GPT(GPTConfig()), ParallelConfig(strategy=strategy))  # a different init
@@ -229,6 +248,11 @@ def test_sharded_export_and_load_match_single_process(tmp_path, world):
         assert (
             results[0][f"export_{strategy}"] and results[1][f"export_{strategy}"] is None
         )  # rank 0 writes
+        # ...and only rank 0 copies the gathered tensors to host memory (before: every rank)
+        assert results[0][f"host_copies_{strategy}"] == len(
+            load_file(results[0][f"export_{strategy}"])
+        )
+        assert all(r[f"host_copies_{strategy}"] == 0 for r in results[1:])
         exported = load_file(f"{tmp_path}/{strategy}/model.safetensors")
         assert "module.tok_emb.weight" not in exported and "tok_emb.weight" in exported
         for name, value in want.items():

@@ -80,12 +80,14 @@ def _checked_checkpoint(directory: str | Path, out: Path, verify: bool) -> Path:
     return path
 
 
-def _model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full CPU tensor) per state_dict entry; all ranks must iterate together."""
+def _model_tensors(model: nn.Module, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(name, full CPU tensor) per state_dict entry, one at a time; all ranks must iterate
+    together (the gathers are collectives). Only the rank that writes (`keep`) copies each
+    gathered tensor to host memory; the others yield None and free it at once."""
     for name, value in _model_state(model).items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        yield name, value.detach().to("cpu", copy=True)
+        yield name, value.detach().to("cpu", copy=True) if keep else None
 
 
 def _checkpoint_tensors(
@@ -212,13 +214,13 @@ def _save_hf_configs(model: nn.Module, out: Path) -> None:
 
 
 def _write_all(
-    tensors: Iterator[tuple[str, torch.Tensor]], writer: _ShardWriter, writes: bool
+    tensors: Iterator[tuple[str, torch.Tensor | None]], writer: _ShardWriter, writes: bool
 ) -> Path | None:
     """Drain `tensors` on every rank (a model's gathers are collectives); only the writing
     rank keeps them. A failure midway removes the files already written."""
     try:
         for name, tensor in tensors:
-            if writes:
+            if writes and tensor is not None:
                 writer.add(name, tensor)
         return writer.close() if writes else None
     except BaseException:
@@ -258,7 +260,7 @@ def export_weights(
     writes = rank_and_world()[0] == 0
     if isinstance(source, nn.Module):
         staging = _prepare_out_on_rank0(out)  # every rank learns rank 0's verdict first
-        tensors: Iterator[tuple[str, torch.Tensor]] = _model_tensors(source)
+        tensors: Iterator[tuple[str, torch.Tensor | None]] = _model_tensors(source, writes)
     else:
         if not writes:
             return None
