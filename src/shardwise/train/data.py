@@ -47,10 +47,19 @@ class ResumableSampler(DistributedSampler):
 
 
 def make_loader(
-    data: Any, name: str, shuffle: bool, config: RunnerConfig, rank: int, world: int
+    data: Any,
+    name: str,
+    shuffle: bool,
+    config: RunnerConfig,
+    rank: int,
+    world: int,
+    *,
+    pin_memory: bool = False,
 ) -> DataLoader[Any] | None:
-    """This rank's DataLoader over `data` (a map-style Dataset, or a DataLoader whose
-    dataset, batch size, collate function, workers and drop_last are kept)."""
+    """This rank's DataLoader over `data`: a map-style Dataset (batches in pinned memory
+    when `pin_memory`, as a CUDA job wants), or a DataLoader whose own settings are all
+    kept (batch size, collate function, workers and their init function, prefetching,
+    persistent workers, pinned memory, drop_last); only its sampler is replaced."""
     if data is None:
         return None
     if isinstance(getattr(data, "dataset", data), IterableDataset):
@@ -60,9 +69,18 @@ def make_loader(
             "drive Engine.train_step directly."
         )
     cfg = config
+    kept: dict[str, Any] = {"pin_memory": pin_memory}
     if isinstance(data, DataLoader):
         dataset, batch_size = data.dataset, data.batch_size
         collate, workers, drop_last = data.collate_fn, data.num_workers, data.drop_last
+        kept = {
+            "pin_memory": data.pin_memory,
+            "worker_init_fn": data.worker_init_fn,
+            "persistent_workers": data.persistent_workers,
+            "prefetch_factor": data.prefetch_factor,
+            "timeout": data.timeout,
+            "multiprocessing_context": data.multiprocessing_context,
+        }
     elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         dataset, batch_size, collate, workers, drop_last = (
             data,
@@ -94,6 +112,7 @@ def make_loader(
         # Its own generator: creating an iterator draws a base seed, and drawing it from
         # the global RNG would shift dropout masks after a resume.
         generator=torch.Generator().manual_seed(cfg.seed),
+        **kept,
     )
     if len(loader) == 0:
         raise ValueError(

@@ -84,9 +84,15 @@ class Runner:
         self.rank, self.world = rank_and_world()
         self.evaluate = evaluate
         cfg, rank, world = self.config, self.rank, self.world
-        self.train_loader = make_loader(train_data, "train_data", cfg.shuffle, cfg, rank, world)
-        self.val_loader = make_loader(val_data, "val_data", False, cfg, rank, world)
-        self.test_loader = make_loader(test_data, "test_data", False, cfg, rank, world)
+        # Batches from pinned host memory copy to a GPU asynchronously.
+        pin = engine.device.type == "cuda"
+        self.train_loader = make_loader(
+            train_data, "train_data", cfg.shuffle, cfg, rank, world, pin_memory=pin
+        )
+        self.val_loader = make_loader(val_data, "val_data", False, cfg, rank, world, pin_memory=pin)
+        self.test_loader = make_loader(
+            test_data, "test_data", False, cfg, rank, world, pin_memory=pin
+        )
         self.logger = MetricsLogger(
             self.config.run_dir, enabled=self.rank == 0, tensorboard=self.config.tensorboard
         )

@@ -306,3 +306,31 @@ def test_stop_on_sigterm_false_leaves_the_handler_alone(tmp_path):
         assert runner.fit()["steps"] == 6 and len(calls) == 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _init_worker(worker_id: int) -> None:  # a user's worker_init_fn
+    pass
+
+
+def test_a_users_dataloader_keeps_its_settings():
+    # Before: rebuilt without pin_memory, persistent_workers, prefetch_factor or
+    # worker_init_fn, so batches copied to the GPU from pageable memory.
+    from shardwise.train.data import make_loader
+
+    data = TensorDataset(torch.arange(16.0))
+    given = DataLoader(
+        data,
+        batch_size=2,
+        num_workers=2,
+        pin_memory=True,
+        persistent_workers=True,
+        prefetch_factor=3,
+        worker_init_fn=_init_worker,
+    )
+    got = make_loader(given, "train_data", True, RunnerConfig(), rank=0, world=2)
+    assert got is not None and got is not given
+    assert (got.pin_memory, got.persistent_workers, got.prefetch_factor) == (True, True, 3)
+    assert got.worker_init_fn is _init_worker and got.num_workers == 2
+    assert got.sampler.num_replicas == 2  # only the sampler is ours
+    plain = make_loader(data, "train_data", True, RunnerConfig(), 0, 1, pin_memory=True)
+    assert plain is not None and plain.pin_memory  # a CUDA job's own batches are pinned
