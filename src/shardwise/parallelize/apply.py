@@ -9,6 +9,7 @@ Must not: hand-write collectives or sharding (torch does both), or read config f
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import from_user_mesh, resolve_mesh
 from shardwise.distributed.process_group import DistInfo, env_world_size, get_dist_info, serves_cpu
-from shardwise.parallelize.autocast import apply_autocast
+from shardwise.parallelize.autocast import apply_autocast, tf32_advice
 from shardwise.parallelize.ddp import apply_ddp
 from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, unit_preparer
 from shardwise.parallelize.materialize import has_meta, materialize
@@ -89,6 +90,10 @@ def _prepare_blocks(model: nn.Module, plan: WrapPlan, config: ParallelConfig) ->
             if unit.reason == "policy":
                 for fqn in unit.modules:
                     modules[fqn].compile(backend=backend)  # in place: names are unchanged
+
+
+class PerformanceNotice(UserWarning):
+    """A setting that trains correctly but slower than it could (rank 0 only)."""
 
 
 def materialize_device(config: ParallelConfig, info: DistInfo) -> torch.device:
@@ -196,6 +201,9 @@ def wrap(
             load_weights(target, weights, broadcast_from_rank0=broadcast_from_rank0)
 
     _check_placement(config._placement, info)
+    advice = tf32_advice(info.device.type, config.precision, torch.get_float32_matmul_precision())
+    if advice and info.rank == 0:
+        warnings.warn(advice, PerformanceNotice, stacklevel=2)
     if info.world_size > 1 or config.force_wrap:
         _check_job(config, info)
     if info.world_size == 1 and not config.force_wrap:

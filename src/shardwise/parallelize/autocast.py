@@ -1,7 +1,9 @@
 """Mixed precision where FSDP2 does not cast: an unwrapped model at world size 1, or DDP.
 
-Owns: running a model's forward under torch.autocast for a `Precision`, once per model, and
-casting its floating-point outputs to `output_dtype`.
+Owns: running a model's forward under torch.autocast for a `Precision`, once per model,
+casting its floating-point outputs to `output_dtype`, and the one-line advice when a CUDA
+job trains in full fp32 with TF32 off (shardwise never changes torch's matmul precision:
+that would change the numbers a user's parity checks see).
 
 Must not: decide precisions (config/precision.py reads them) or touch process groups.
 """
@@ -60,3 +62,16 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, dict):
         return {k: _cast_floating(v, dtype) for k, v in value.items()}
     return value
+
+
+def tf32_advice(device_type: str, precision: Precision, matmul_precision: str) -> str | None:
+    """What to say when a CUDA job computes in fp32 with TF32 off (torch's default,
+    float32 matmul precision 'highest'): its matmuls then run without tensor cores."""
+    if device_type != "cuda" or precision.is_mixed or matmul_precision != "highest":
+        return None
+    return (
+        "shardwise: this CUDA job computes in fp32 with TF32 off (torch's default), so its "
+        "matmuls run without tensor cores, several times slower on an H100. For TF32 call "
+        "torch.set_float32_matmul_precision('high') before training (inputs rounded to a "
+        "10-bit mantissa), or train in ParallelConfig(mixed_precision='bf16')."
+    )

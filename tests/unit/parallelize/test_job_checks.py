@@ -57,3 +57,18 @@ def test_hybrid_without_ranks_per_node_is_refused():
         _check_job(hybrid, _info(local_world=None))
     _check_job(hybrid, _info(local_world=8))
     _check_job(ParallelConfig(strategy="hybrid_shard", dp_shard=8), _info(local_world=None))
+
+
+def test_fp32_on_cuda_with_tf32_off_is_said_once():
+    # Before: H100 fp32 matmuls ran without tensor cores and nothing said so. shardwise
+    # does not switch TF32 on itself: that would change the numbers parity checks see.
+    from shardwise import Precision
+    from shardwise.parallelize.autocast import tf32_advice
+
+    fp32, bf16 = Precision(), Precision(param_dtype=torch.bfloat16)
+    advice = tf32_advice("cuda", fp32, "highest")
+    assert advice is not None and "torch.set_float32_matmul_precision('high')" in advice
+    assert "mixed_precision='bf16'" in advice
+    assert tf32_advice("cuda", fp32, "high") is None  # the user chose TF32
+    assert tf32_advice("cuda", bf16, "highest") is None
+    assert tf32_advice("cpu", fp32, "highest") is None
