@@ -85,7 +85,7 @@ def plan_command(args: argparse.Namespace) -> int:
         seq_len = default_seq_len(model)
     if parallel.strategy == "auto" or parallel.activation_checkpointing == "auto":
         return _plan_auto(args, factory, parallel, config.optimizer.name, seq_len)
-    from shardwise.memory.auto import format_rows, resolve_budget
+    from shardwise.memory.auto import ALLOCATED_NOTE, format_rows, resolve_budget
 
     limit, source = resolve_budget(parallel.memory_budget)
     rows = _plan_rows(
@@ -110,6 +110,7 @@ def plan_command(args: argparse.Namespace) -> int:
             f"AC {parallel.activation_checkpointing}; budget {format_bytes(limit)} ({source})"
         )
         print(format_rows([r for r, _ in rows]))
+        print(f"  ({ALLOCATED_NOTE})")
     for _, sim in rows:
         if sim is not None and args.verbose:
             print()

@@ -43,6 +43,16 @@ __all__ = ["AutoPlan", "Candidate", "NoPlanFitsError", "choose_plan", "resolve_b
 COMM_ORDER = ("ddp", "shard_grad_op", "hybrid_shard", "full_shard")
 AC_ORDER = ("none", "every_2", "full")
 DEFAULT_FRACTION = 0.9
+"""Of what is left after GPU_RESERVE: the rest is the caching allocator's slack (its
+reserved memory exceeds the allocated peak the estimate and the simulation measure,
+typically by 5-15%)."""
+GPU_RESERVE = 2 * 2**30
+"""Taken off a GPU's memory before the fraction: the CUDA context (about 0.5 GiB),
+cuBLAS workspaces and NCCL's buffers, none of which the allocated peak counts."""
+ALLOCATED_NOTE = (
+    "estimate and simulated are allocated bytes (torch.cuda.max_memory_allocated); the "
+    "allocator's reserved memory is typically 5-15% more, which the default budget leaves"
+)
 _SKIP_ABOVE = 1.25
 """A candidate whose instant estimate exceeds the budget by this factor is not simulated
 (the estimate is within 10% of the simulation; see BENCHMARKS.md)."""
@@ -140,17 +150,25 @@ class NoPlanFitsError(ValueError):
 
 
 def device_memory(device: torch.device | str | None = None) -> tuple[int, str]:
-    """Total memory of one rank's device, and where the figure came from. A GPU's own
-    memory; on CPU the host's RAM shared by the ranks of this node (LOCAL_WORLD_SIZE)."""
+    """Memory one rank can plan with, and where the figure came from. A GPU's memory less
+    GPU_RESERVE; with no GPU visible, the host's RAM shared by the ranks of this node
+    (LOCAL_WORLD_SIZE), which judges a CPU run only."""
     device = torch.device(device) if device is not None else None
     if (device is None or device.type == "cuda") and torch.cuda.is_available():
         index = device.index if device is not None and device.index is not None else 0
         props = torch.cuda.get_device_properties(index)
-        return int(props.total_memory), f"{props.name}"
+        total = int(props.total_memory)
+        return total - GPU_RESERVE, (
+            f"{props.name}: {format_bytes(total)} less {format_bytes(GPU_RESERVE)} for the "
+            "CUDA context, cuBLAS workspaces and NCCL buffers"
+        )
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     share = f" / {local} local ranks" if local > 1 else ""
-    return ram // local, f"host RAM{share}"
+    return ram // local, (
+        f"host RAM{share}: no GPU is visible, so this judges a CPU run; for a GPU job pass "
+        "its memory, e.g. --memory-budget 80GB"
+    )
 
 
 def resolve_budget(value: object, device: torch.device | str | None = None) -> tuple[int, str]:

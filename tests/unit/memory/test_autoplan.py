@@ -114,3 +114,29 @@ def test_trace_without_a_sequence_length_says_what_to_give() -> None:
         model = MODEL()
     with pytest.raises(ValueError, match="seq_len=None and no example_input"):
         trace_activations(model, batch=1, seq_len=None)
+
+
+def test_a_gpu_budget_leaves_the_context_and_nccl_out(monkeypatch):
+    # Before: 90% of the GPU's total memory against an allocated peak, with the CUDA
+    # context, cuBLAS workspaces and NCCL buffers not counted anywhere.
+    from types import SimpleNamespace
+
+    import torch
+
+    from shardwise.memory.auto import GPU_RESERVE, device_memory, resolve_budget
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    props = SimpleNamespace(total_memory=80 * 2**30, name="NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    total, source = device_memory("cuda")
+    assert total == 80 * 2**30 - GPU_RESERVE == 78 * 2**30
+    assert "less 2.00 GiB for the CUDA context, cuBLAS workspaces and NCCL buffers" in source
+    budget, _ = resolve_budget(None, "cuda")
+    assert budget == int(0.9 * 78 * 2**30)
+
+
+def test_without_a_gpu_the_budget_says_it_judges_a_cpu_run():
+    from shardwise.memory.auto import device_memory
+
+    _, source = device_memory("cpu")
+    assert "no GPU is visible, so this judges a CPU run; for a GPU job pass its memory" in source
