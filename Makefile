@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench lint typecheck unit layout bench soak clean install
+.PHONY: demo test test-models test-integrations test-bench lint typecheck unit layout bench gpu-check soak clean install
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,10 @@ test-bench: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
+
+# Everything one GPU can check, in under ten minutes; on a machine without one it says so.
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py
 
 # Launcher robustness: N trials per kind (a rank SIGKILLed at a random step under
 # --max-restarts 2 must resume and end bitwise equal to an uninterrupted run). Prints "K of N".

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 pytestmark = pytest.mark.bench  # `make test-bench` (and .ci/run), not `make test`
@@ -40,3 +41,18 @@ def test_benchmark_smoke(script):
     start = out.stdout.index("{")
     report = json.loads(out.stdout[start:])
     assert report["benchmark"] in script.replace(".py", "") or script == "overhead.py"
+
+
+def test_gpu_check_without_a_gpu_says_so_and_checks_nothing(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: run `make gpu-check` itself")
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_check.py"), "--out", str(tmp_path / "g.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no CUDA GPU is visible on this machine; nothing was checked" in out.stdout
+    report = json.loads((tmp_path / "g.json").read_text())
+    assert report["gpu"] is None and report["checks"] == {}
