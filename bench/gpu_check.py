@@ -118,7 +118,7 @@ def check_async_save(tmp: Path) -> dict[str, Any]:
     config = shardwise.ParallelConfig(force_wrap=True)
     engine = shardwise.Engine(model, lambda p: torch.optim.AdamW(p, lr=1e-3), config)
     stalls = []
-    for step in range(3):
+    for _ in range(3):
         engine.train_step(_batch(model))
         seconds, _ = common.timed(
             lambda: shardwise.save_checkpoint(tmp / "ckpt", engine, async_=True),
@@ -232,10 +232,8 @@ def main() -> int:
             results[name]["traceback"] = traceback.format_exc()[-3000:]
         results[name]["seconds"] = round(time.perf_counter() - start)
         torch.cuda.empty_cache()
-        print(
-            f"{name:<12} {'ok' if results[name].get('ok') else 'FAILED':<7} {results[name]['seconds']:>4} s",
-            flush=True,
-        )
+        verdict = "ok" if results[name].get("ok") else "FAILED"
+        print(f"{name:<12} {verdict:<7} {results[name]['seconds']:>4} s", flush=True)
     gpu = torch.cuda.get_device_name()
     shardwise.shutdown()
     common.emit_json({**header, "gpu": gpu, "checks": results}, Path(args.out))
