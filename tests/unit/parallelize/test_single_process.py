@@ -103,3 +103,50 @@ def test_activation_checkpointing_at_world_one_changes_memory_not_math():
         assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())  # names kept
     for name, g in grads["none"].items():
         torch.testing.assert_close(grads["full"][name], g, rtol=0, atol=0)
+
+
+def test_wrap_frees_each_units_originals_as_soon_as_it_is_sharded(monkeypatch):
+    """Issue 26: wrap kept every original parameter alive until it returned, so each rank
+    held the full model and all its shards at once (1.53x the model; bench/wrap_memory.py)."""
+    import gc
+    import weakref
+
+    import shardwise.parallelize.fsdp as fsdp
+
+    init_distributed(timeout_s=30)
+    try:
+        model = GPT(GPTConfig())
+        originals = {id(m): [weakref.ref(p) for p in m.parameters()] for m in model.blocks}
+        alive_after: list[int] = []
+        real = fsdp.fully_shard
+
+        def watching(module, **kwargs):
+            out = real(module, **kwargs)
+            gc.collect()
+            if id(module) in originals:  # a block: its own originals must be gone now
+                alive_after.append(sum(r() is not None for r in originals[id(module)]))
+            return out
+
+        monkeypatch.setattr(fsdp, "fully_shard", watching)
+        wrap(model, ParallelConfig(auto_wrap_policy={Block}, force_wrap=True))
+        assert len(alive_after) == len(model.blocks)
+        assert alive_after == [0] * len(model.blocks)
+    finally:
+        shutdown()
+
+
+def test_the_engine_keeps_no_outputs_after_a_step():
+    """Issue 26: `last_outputs` kept the last step's outputs (a language model's B x T x V
+    logits) alive through the next forward and backward."""
+    import gc
+    import weakref
+
+    from shardwise import Engine
+
+    model = GPT(GPTConfig())
+    seen: list[weakref.ref] = []
+    model.register_forward_hook(lambda m, args, out: seen.append(weakref.ref(out)))
+    engine = Engine(model, lambda p: torch.optim.AdamW(p, lr=1e-3))
+    engine.train_step(shardwise.testing.models.random_lm_batches(GPTConfig(), 1, 2)[0])
+    gc.collect()
+    assert len(seen) == 1 and seen[0]() is None
