@@ -56,3 +56,33 @@ def test_gpu_check_without_a_gpu_says_so_and_checks_nothing(tmp_path):
     assert "no CUDA GPU is visible on this machine; nothing was checked" in out.stdout
     report = json.loads((tmp_path / "g.json").read_text())
     assert report["gpu"] is None and report["checks"] == {}
+
+
+def test_mfu_holds_one_variant_at_a_time(monkeypatch):
+    """Issue 26: both compared models (and their AdamW states) were resident at once; at
+    1.3B with batch 8 x 2048 that does not fit an 80 GB GPU."""
+    import argparse
+    import gc
+    import importlib.util
+    import weakref
+
+    spec = importlib.util.spec_from_file_location("mfu_bench", BENCH / "mfu.py")
+    monkeypatch.syspath_prepend(str(BENCH))  # mfu.py imports its sibling `common`
+    mfu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mfu)
+    alive: list[weakref.ref] = []
+    most = []
+    real = mfu.build
+
+    def build(*args, **kwargs):
+        gc.collect()
+        most.append(sum(r() is not None for r in alive))
+        model, state = real(*args, **kwargs)
+        alive.append(weakref.ref(model))
+        return model, state
+
+    monkeypatch.setattr(mfu, "build", build)
+    args = argparse.Namespace(vocab=64, seq_len=8, batch=2, warmup=1, steps=1, peak_tflops=None)
+    out = mfu.measure(args, "tiny", None, torch.device("cpu"))
+    assert out["handwritten"]["tokens_per_s"] > 0 and out["shardwise"]["tokens_per_s"] > 0
+    assert most == [0, 0]  # nothing of the first variant left when the second is built
