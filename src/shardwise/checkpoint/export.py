@@ -157,6 +157,7 @@ class _ShardWriter:
             return
         path = self.out / f".part-{len(self.files):05d}.safetensors"
         save_file(self.pending, str(path), metadata={"format": "pt"})
+        _readable(path)
         self.files.append((path, list(self.pending)))
         self.pending, self.size = {}, 0
 
@@ -352,3 +353,11 @@ def _prepare_out_on_rank0(out: Path) -> Path | None:
     if failure is not None:
         raise failure
     return staging
+
+
+def _readable(path: Path) -> None:
+    """The mode an ordinary file gets under this process's umask: safetensors writes its
+    files 0600, so an export shared with colleagues or a serving job was unreadable."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

@@ -17,6 +17,7 @@ Must not: depend on anything a fresh install lacks.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -219,10 +220,7 @@ def _report(result: dict[str, Any], sample: str, run_dir: Path) -> None:
     print("\n--- sample (prompt + generated) ---")
     print(sample)
     print("--- summary ---")
-    print(
-        f"validation loss   {result['val_loss_start']:.3f} -> {result['val_loss_end']:.3f} "
-        "(nats per byte)"
-    )
+    print(validation_line(result["val_loss_start"], result["val_loss_end"]))
     print(
         f"steps             {result['steps']} in {result['seconds']:.0f} s, "
         f"{result['tokens_per_s']:,.0f} tokens/s"
@@ -261,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         shardwise.shutdown()
     return 0
+
+
+def validation_line(start: float, end: float) -> str:
+    """The summary's validation line; says so when no validation ran (not 'nan')."""
+    if math.isnan(start) or math.isnan(end):
+        return "validation loss   none: no validation ran"
+    return f"validation loss   {start:.3f} -> {end:.3f} (nats per byte)"
 
 
 if __name__ == "__main__":

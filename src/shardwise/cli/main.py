@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shardwise",
         description="Scale a PyTorch model from one process to DDP, ZeRO-2, FSDP or HSDP.",
     )
+    parser.add_argument("--version", action="version", version=f"shardwise {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
@@ -262,10 +264,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:  # `shardwise checkpoint inspect ... | head` closed our stdout
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (FileNotFoundError, ValueError, ImportError, RuntimeError) as exc:
         print(f"shardwise {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardwise")
+    except PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
 
 
 if __name__ == "__main__":

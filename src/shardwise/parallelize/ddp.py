@@ -56,7 +56,7 @@ def apply_ddp(
         process_group=None if mesh is None else mesh.get_group(),
         find_unused_parameters=bool(config.find_unused_parameters),
         bucket_cap_mb=config.bucket_cap_mb,
-        broadcast_buffers=config.broadcast_buffers is not False,
+        **_buffer_words(config),
         gradient_as_bucket_view=bool(config.gradient_as_bucket_view),
         static_graph=bool(config.static_graph),
         init_sync=config.sync_module_states,
@@ -73,3 +73,10 @@ def apply_ddp(
         ddp.register_comm_hook(None, hook)
     _live_ddp.add(ddp)
     return ddp
+
+
+def _buffer_words(config: ParallelConfig) -> dict[str, Any]:
+    """`broadcast_buffers=False` when the user turned it off; nothing otherwise: torch
+    deprecates the word (a FutureWarning on every run), and its default, buffers synced
+    from rank 0 before each forward, is what True meant."""
+    return {"broadcast_buffers": False} if config.broadcast_buffers is False else {}

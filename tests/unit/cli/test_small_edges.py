@@ -1,0 +1,64 @@
+"""The command line's and the library's small edges (issue 22, "Small" and "Errors drowned")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import torch
+
+import shardwise
+from shardwise.cli import main
+from shardwise.cli.demo import validation_line
+
+
+def test_version(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as exit_:
+        assert exit_.code == 0
+    assert capsys.readouterr().out.strip().startswith("shardwise ")
+
+
+def test_a_closed_pipe_ends_quietly():
+    # `shardwise checkpoint inspect ... | head` ended in a BrokenPipeError traceback.
+    code = (
+        "import os, sys\n"
+        "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+        "from shardwise.cli import main\n"
+        "sys.exit(main(['config', 'reference']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr
+
+
+def test_exported_files_are_readable_by_others(tmp_path):
+    # safetensors writes 0600: an export shared with a serving job was unreadable.
+    path = shardwise.export_weights(torch.nn.Linear(2, 2), tmp_path / "w")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_ddp_does_not_warn_about_broadcast_buffers():
+    shardwise.init_distributed(timeout_s=30)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = shardwise.wrap(
+                torch.nn.Linear(2, 2), shardwise.ParallelConfig(strategy="ddp", force_wrap=True)
+            )
+        assert not [w for w in caught if "broadcast_buffers" in str(w.message)]
+        assert model.module.weight.shape == (2, 2)
+    finally:
+        shardwise.shutdown()
+
+
+def test_no_validation_is_said_not_printed_as_nan():
+    assert (
+        validation_line(float("nan"), float("nan")) == "validation loss   none: no validation ran"
+    )
+    assert validation_line(5.348, 2.615) == "validation loss   5.348 -> 2.615 (nats per byte)"
