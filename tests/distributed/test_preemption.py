@@ -76,12 +76,18 @@ def worker(run_dir: str, resume: str | None) -> None:
 # --- the trial ----------------------------------------------------------------------------
 
 
-def _launch(run_dir: Path, resume: str | None = None) -> subprocess.Popen[str]:
+def _launch(
+    run_dir: Path, resume: str | None = None, launcher: str = "torchrun"
+) -> subprocess.Popen[str]:
     from shardwise.testing import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           __file__, str(run_dir), *([resume] if resume else [])]  # fmt: skip
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port())]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2"]
+    cmd += [__file__, str(run_dir), *([resume] if resume else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # Its own session: a timeout kills the launcher and its workers together.
     return subprocess.Popen(
@@ -159,6 +165,23 @@ def test_sigterm_to_torchrun_saves_at_the_step_and_the_next_start_resumes_exactl
     assert got["said"][0][1].endswith(f"step_{s:08d}") and got["latest"] == f"step_{s:08d}"
     assert "exiting with code 75. Start the job again with RunnerConfig.resume='latest'" in err
     assert got["equal"]  # final parameters bitwise equal to the uninterrupted run
+
+
+def test_sigterm_to_shardwise_run_ends_with_75_and_no_traceback(tmp_path):
+    # Before: the workers exited 75, but the launcher exited 1 with torchrun's
+    # SignalException traceback, though the README promised 75.
+    run = tmp_path / "cut"
+    proc = _launch(run, launcher="shardwise")
+    deadline = time.monotonic() + 120
+    while _logged_step(run) < SIGNAL_AFTER_STEP and proc.poll() is None:
+        assert time.monotonic() < deadline, "the run never reached step 2"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    code, err = _finish(proc)
+    assert code == 75, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert "shardwise run: SIGTERM: the workers were stopped" in err
+    assert re.search(r"stopped after optimizer step \d+ and saved \S+;", err), err[-3000:]
 
 
 if __name__ == "__main__":

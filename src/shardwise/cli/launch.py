@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
@@ -150,10 +151,12 @@ _LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 def launch_torchrun(torchrun_args: list[str], *, timeout_s: float | None = None) -> int:
     """Run torch's elastic launcher in this process with `torchrun_args`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     from shardwise.distributed.process_group import LAUNCHER_PID_ENV, TIMEOUT_ENV
+    from shardwise.train.resume import PREEMPTED_EXIT_CODE
 
     # The agent runs in this process and its workers inherit this environment.
     for key, value in _LAUNCH_ENV.items():
@@ -166,10 +169,27 @@ def launch_torchrun(torchrun_args: list[str], *, timeout_s: float | None = None)
     except ChildFailedError as exc:
         print(f"shardwise: a process failed:\n{exc}", file=sys.stderr)
         return 1
+    except SignalException as exc:
+        # A scheduler reclaiming the node: torchrun forwarded the signal to the workers and
+        # waited for them; under the Runner they saved a checkpoint and exited with 75.
+        if exc.sigval == signal.SIGTERM:
+            print(
+                f"shardwise run: SIGTERM: the workers were stopped; a Runner saves a checkpoint "
+                f"and exits with {PREEMPTED_EXIT_CODE} (start again with resume='latest').",
+                file=sys.stderr,
+            )
+            return PREEMPTED_EXIT_CODE
+        print(f"shardwise run: stopped by signal {exc.sigval}", file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 0
 
 
 def run_command(args: argparse.Namespace) -> int:
+    if not args.module and not os.path.isfile(args.script):
+        raise FileNotFoundError(
+            f"{args.script!r} is not a file (from {os.getcwd()}); nothing was started. Give "
+            "the script's path, or -m MODULE for a module."
+        )
     fit_nproc(args.nproc, visible_gpus(), default=args.nproc, command="run")
     target = ["-m", args.script] if args.module else [args.script]
     return launch_torchrun(

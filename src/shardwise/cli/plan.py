@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Any
 
+from shardwise.distributed.mesh import resolve_mesh
 from shardwise.memory.model_states import format_bytes
 
 
@@ -60,6 +61,10 @@ def plan_command(args: argparse.Namespace) -> int:
             "(the total number of ranks, e.g. --world 8 for 8 GPUs)."
         )
     config = load_config(args.config, args.overrides, cls=Config)
+    parallel = config.parallel
+    if parallel.strategy != "auto" and parallel.device_mesh is None:
+        # The layout against the world size, before any model is built: one line.
+        resolve_mesh(parallel.strategy, parallel.dp_shard, args.world)
     factory = _load_factory(args.target)
     with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere
         model = factory()

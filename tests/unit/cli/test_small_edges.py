@@ -62,3 +62,31 @@ def test_no_validation_is_said_not_printed_as_nan():
         validation_line(float("nan"), float("nan")) == "validation loss   none: no validation ran"
     )
     assert validation_line(5.348, 2.615) == "validation loss   5.348 -> 2.615 (nats per byte)"
+
+
+def test_plan_refuses_a_layout_the_world_cannot_have(capsys):
+    # Before: plan exited 0 for these, and `run` then failed in every worker.
+    target = "shardwise.testing.models:GPT"
+    hybrid = ["plan", target, "--world", "3", "parallel.strategy=hybrid_shard"]
+    assert main(hybrid) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "ParallelConfig.strategy='hybrid_shard' needs a 2-D mesh" in err
+    shard = [
+        "plan",
+        target,
+        "--world",
+        "4",
+        "parallel.strategy=hybrid_shard",
+        "parallel.dp_shard=3",
+    ]
+    assert main(shard) == 2
+    assert "ParallelConfig.dp_shard=3 does not divide the world size 4" in capsys.readouterr().err
+
+
+def test_run_refuses_a_missing_script_before_spawning(capsys, tmp_path):
+    # Before: the workers spawned first, and each failed on the missing file.
+    missing = str(tmp_path / "no_such_script.py")
+    assert main(["run", "--nproc", "2", missing]) == 2
+    err = capsys.readouterr().err
+    assert f"'{missing}' is not a file" in err and "nothing was started" in err
