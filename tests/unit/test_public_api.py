@@ -66,6 +66,10 @@ PUBLIC: dict[str, str] = {
     "wait_for_checkpoint": "function",
     "wrap": "function",
     "wrap_info": "function",
+    # added since the snapshot (issue 22: a plain training loop's helpers)
+    "guard": "function",
+    "mean_across_ranks": "function",
+    "print0": "function",
 }
 
 OLD_PATHS: dict[str, list[str]] = {

@@ -15,15 +15,18 @@ import json
 import platform
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from shardwise.checkpoint.layout import FORMAT, FORMAT_VERSION
 from shardwise.checkpoint.trust import (
     CheckpointError,
 )
+from shardwise.parallelize.wrapped import wrap_info
 
 
 def _jsonable(value: Any, what: str) -> Any:
@@ -83,10 +86,74 @@ def _restore_rng(t: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(t["cuda"])
 
 
+@dataclass
+class TrainState:
+    """What a checkpoint holds, taken from an Engine or from a plain loop's own objects."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any = None
+    scaler: Any = None
+    step: int = 0
+    skipped_steps: int = 0
+    micro_step: int = 0
+    config: Any = None
+    train_config: Any = None
+    engine: Any = None
+    """The Engine it came from (its counters are restored on load), or None."""
+
+
+def train_state(
+    target: Any, optimizer: Any, step: int | None, scheduler: Any, scaler: Any, what: str
+) -> TrainState:
+    """A TrainState from what `save_checkpoint`/`load_checkpoint` were given: an Engine,
+    or the model `shardwise.wrap` returned with the loop's own optimizer, step, scheduler
+    and grad scaler."""
+    if isinstance(target, nn.Module):
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(
+                f"{what}(step={step!r}) must be the optimizer steps done, an int >= 0."
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{what}(optimizer=...) got {type(optimizer).__name__}; pass the torch "
+                "optimizer the loop steps, or None to leave the optimizer out."
+            )
+        info = wrap_info(target)
+        return TrainState(
+            target, optimizer, scheduler, scaler, step=step or 0, config=info and info.config
+        )
+    if hasattr(target, "model") and hasattr(target, "optimizer") and hasattr(target, "step"):
+        given = [n for n, v in (("optimizer", optimizer), ("step", step), ("scheduler",
+                 scheduler), ("scaler", scaler)) if v is not None]  # fmt: skip
+        if given:
+            raise TypeError(
+                f"{what}(directory, engine, {'=..., '.join(given)}=...): an Engine carries its "
+                "own optimizer, step, scheduler and scaler. Pass the engine alone, or the "
+                "model with the loop's own objects."
+            )
+        return TrainState(
+            target.model,
+            target.optimizer,
+            target.scheduler,
+            target.scaler,
+            target.step,
+            target.skipped_steps,
+            target.micro_step,
+            getattr(target, "config", None),
+            getattr(target, "train_config", None),
+            engine=target,
+        )
+    raise TypeError(
+        f"{what}(directory, ...) got {type(target).__name__}; pass the model shardwise.wrap "
+        "returned (with optimizer=..., step=...), or a shardwise Engine."
+    )
+
+
 def _manifest(
-    engine: Any, optim_sd: dict[str, Any], world: int, extra: Any, runner_state: Any
+    engine: TrainState, optim_sd: dict[str, Any], world: int, extra: Any, runner_state: Any
 ) -> dict[str, Any]:
-    info = getattr(engine, "config", None)
+    info = engine.config
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -95,11 +162,13 @@ def _manifest(
         "world_size": world,
         "strategy": getattr(info, "strategy", None),
         "parallel_config": _config_dict(info),
-        "train_config": _config_dict(getattr(engine, "train_config", None)),
+        "train_config": _config_dict(engine.train_config),
         "optimizer": {
             "class": type(engine.optimizer).__name__,
             "param_groups": _jsonable(optim_sd["param_groups"], "optimizer param_groups"),
-        },
+        }
+        if engine.optimizer is not None
+        else None,
         "scheduler": _jsonable(engine.scheduler.state_dict(), "scheduler state")
         if engine.scheduler is not None
         else None,

@@ -20,12 +20,13 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
 
-from shardwise.checkpoint.contents import _restore_rng
+from shardwise.checkpoint.contents import _restore_rng, train_state
 from shardwise.checkpoint.layout import (
     RNG_DIR,
     STATE_DIR,
@@ -70,12 +71,18 @@ def _check_keys(model_sd: dict[str, Any], metadata: Metadata, where: Path) -> No
 
 def load_checkpoint(
     directory: str | Path,
-    engine: Any,
+    model: Any,
+    optimizer: torch.optim.Optimizer | None = None,
     *,
+    scheduler: Any = None,
+    scaler: Any = None,
     verify: bool = True,
     load_optimizer: bool = True,
 ) -> dict[str, Any]:
-    """Restore `engine` from a checkpoint (a checkpoint directory, a root, or ROOT/latest).
+    """Restore a training state from a checkpoint (a checkpoint directory, a root, or
+    ROOT/latest) into `model` (what `shardwise.wrap` returned) and the loop's `optimizer`,
+    `scheduler` and grad `scaler` when given, or into a shardwise `Engine`, whose counters
+    are set too. The manifest's `step` is the step to continue from.
 
     Works at any world size and strategy: DCP reshards model and optimizer tensors into
     this engine's layout. RNG states are restored when the world size matches the one
@@ -83,6 +90,8 @@ def load_checkpoint(
     hashes its share of the files).
     Returns the manifest (counters, runner position, `extra`).
     """
+    engine = train_state(model, optimizer, None, scheduler, scaler, "load_checkpoint")
+    load_optimizer = load_optimizer and engine.optimizer is not None
     rank, world = rank_and_world()
     error: BaseException | None = None
     path = Path(directory)
@@ -101,6 +110,11 @@ def load_checkpoint(
                 f"{'; '.join(problems[:5])}. It was not loaded."
             )
     try:
+        if load_optimizer and manifest.get("optimizer") is None:
+            raise CheckpointError(
+                f"checkpoint {path} holds no optimizer state (it was saved with "
+                "optimizer=None). Load the model alone: load_checkpoint(..., optimizer=None)."
+            )
         if load_optimizer and manifest["optimizer"]["class"] != type(engine.optimizer).__name__:
             raise CheckpointError(
                 f"checkpoint {path} holds {manifest['optimizer']['class']} state but the engine "
@@ -108,7 +122,10 @@ def load_checkpoint(
                 "load_checkpoint(..., load_optimizer=False) for the model alone."
             )
         metadata = read_dcp_metadata(path / STATE_DIR)
-        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+        if load_optimizer and engine.optimizer is not None:
+            model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+        else:
+            model_sd, optim_sd = get_model_state_dict(engine.model), {}
         _check_keys(model_sd, metadata, path)
     except CheckpointError as exc:
         error = exc
@@ -127,7 +144,7 @@ def load_checkpoint(
             )
     except (RuntimeError, ValueError, KeyError, DCPException) as exc:
         raise CheckpointError(f"could not read checkpoint {path}: {root_cause(exc)}") from None
-    if load_optimizer:
+    if load_optimizer and engine.optimizer is not None:
         optim_state = {
             "state": state["optim"],
             "param_groups": manifest["optimizer"]["param_groups"],
@@ -144,9 +161,10 @@ def load_checkpoint(
         engine.scheduler.load_state_dict(manifest["scheduler"])
     if load_optimizer and engine.scaler is not None and manifest.get("grad_scaler") is not None:
         engine.scaler.load_state_dict(manifest["grad_scaler"])
-    engine.step = int(manifest["step"])
-    engine.skipped_steps = int(manifest.get("skipped_steps", 0))
-    engine.micro_step = 0
+    if engine.engine is not None:
+        engine.engine.step = int(manifest["step"])
+        engine.engine.skipped_steps = int(manifest.get("skipped_steps", 0))
+        engine.engine.micro_step = 0
     rng_file = path / RNG_DIR / f"rank_{rank}.safetensors"
     manifest["rng_restored"] = manifest["world_size"] == world and rng_file.is_file()
     if manifest["rng_restored"]:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -480,3 +481,23 @@ def get_dist_info() -> DistInfo:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return DistInfo(0, 1, 0, 1, None, dev, DEFAULT_TIMEOUT_S)
+
+
+def mean_across_ranks(value: float | torch.Tensor) -> float:
+    """The mean of a scalar over every rank (a collective: every rank calls it), e.g. a
+    loss each rank computed on its own slice of the batch. The value itself where there
+    is no process group."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    t = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else None
+    if world == 1:
+        return float(t) if t is not None else float(value)
+    device = torch.device("cpu") if serves_cpu(dist.get_backend()) else get_dist_info().device
+    t = (t if t is not None else torch.tensor(float(value))).to(device)
+    dist.all_reduce(t)  # SUM (gloo has no AVG)
+    return float(t) / world
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """`print` on rank 0 only (flushed), so a loop's lines appear once, not once per rank."""
+    if rank_and_world()[0] == 0:
+        print(*args, **{"flush": True, **kwargs})
