@@ -248,7 +248,8 @@ def wrap(
     mark_before_sharding(model, keep={*plan.ignored_params, *plan.replicated_params})
     # Each unit moves to the device and takes rank 0's values (a meta model has none) just
     # before it is sharded: no rank ever holds the full model on its device.
-    prepare = unit_preparer(info.device if move else None, config.sync_module_states)
+    sync = config.sync_module_states and not on_meta  # a meta model has no values yet
+    prepare = unit_preparer(info.device if move else None, sync)
     mesh = apply_fsdp(model, config, info, spec, plan, user_mesh, prepare=prepare)
     fill(model, mesh)  # after sharding: each rank allocates and fills only its shards
     replicate_scalars(model, plan.replicated_params)
