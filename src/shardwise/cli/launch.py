@@ -185,6 +185,7 @@ def launch_torchrun(torchrun_args: list[str], *, timeout_s: float | None = None)
 
 
 def run_command(args: argparse.Namespace) -> int:
+    torchrun = launcher_args(args)  # the launcher's own words first
     if not args.module and not os.path.isfile(args.script):
         raise FileNotFoundError(
             f"{args.script!r} is not a file (from {os.getcwd()}); nothing was started. Give "
@@ -192,9 +193,7 @@ def run_command(args: argparse.Namespace) -> int:
         )
     fit_nproc(args.nproc, visible_gpus(), default=args.nproc, command="run")
     target = ["-m", args.script] if args.module else [args.script]
-    return launch_torchrun(
-        [*launcher_args(args), *target, *args.script_args], timeout_s=args.timeout
-    )
+    return launch_torchrun([*torchrun, *target, *args.script_args], timeout_s=args.timeout)
 
 
 def demo_command(args: argparse.Namespace) -> int:

@@ -40,8 +40,9 @@ class MetricsLogger:
 
     def start(self, keep_until_step: int | None = None) -> None:
         """Open the files, appending to an existing CSV: all its rows are kept, or (resuming)
-        the rows up to a step. Nothing is deleted: refusing a fresh run over an old one is
-        the Runner's decision, made on every rank before anything is written."""
+        the rows up to a step, the whole earlier file then kept beside it as
+        metrics.<n>.csv. Nothing is deleted: refusing a fresh run over an old one is the
+        Runner's decision, made on every rank before anything is written."""
         if self._started or not self.enabled:
             self._started = True
             return
@@ -56,6 +57,8 @@ class MetricsLogger:
             self.rows = [{k: _int_step(k, v) for k, v in r.items()} for r in kept]
             self.columns = list(dict.fromkeys(k for r in self.rows for k in r))
             if keep_until_step is not None:
+                if len(kept) < len(read_metrics(self.run_dir)):
+                    self.path.rename(_free_name(self.path))  # the rows cut stay on disk
                 self._rewrite()
         if self._tensorboard is not False:
             self._tb = _tensorboard_writer(self.run_dir, required=self._tensorboard is True)
@@ -137,3 +140,11 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
                     row[key] = value
             rows.append(row)
     return rows
+
+
+def _free_name(path: Path) -> Path:
+    """metrics.1.csv, metrics.2.csv, ...: the first name not taken beside `path`."""
+    n = 1
+    while (candidate := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    return candidate

@@ -20,6 +20,8 @@ Must not: run the training loop (train/runner.py does).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import signal
 import threading
 import warnings
@@ -32,7 +34,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from shardwise.checkpoint.layout import list_checkpoints, read_manifest, set_aside_newer
+from shardwise.checkpoint.layout import (
+    list_checkpoints,
+    read_manifest,
+    resolve_checkpoint,
+    set_aside_newer,
+)
 from shardwise.checkpoint.load import load_checkpoint
 from shardwise.checkpoint.trust import CheckpointError
 from shardwise.config.training import RunnerConfig
@@ -40,6 +47,7 @@ from shardwise.distributed.process_group import rank_and_world
 from shardwise.train.data import map_position
 from shardwise.train.engine import Engine
 from shardwise.train.metrics import METRICS_FILE
+from shardwise.train.progress import say
 
 PREEMPTED_EXIT_CODE = 75
 """os.EX_TEMPFAIL ("temporary failure, retry"): a checkpoint was saved on SIGTERM. torchrun
@@ -218,7 +226,16 @@ def resume(
     target = resume_target(config)
     if target is None:
         return 0, 0
+    fresh = [dict(g) for g in engine.optimizer.param_groups]  # before the load replaces them
     manifest = load_checkpoint(target, engine)
+    say(f"resumed from step {engine.step} of {resolve_checkpoint(target)}")
+    changed = config_changes(manifest, engine.train_config, fresh)
+    if changed and rank_and_world()[0] == 0:
+        warnings.warn(
+            "Runner: resuming with a config that differs from the checkpoint's: "
+            + "; ".join(changed),
+            stacklevel=3,
+        )
     position = manifest.get("runner") or {}
     if not position:
         raise CheckpointError(
@@ -228,3 +245,46 @@ def resume(
     set_aside_newer(checkpoint_dir(config), engine.step)
     saved_world = int(manifest.get("world_size", world))
     return map_position(position, saved_world, loader, world, config.resume)
+
+
+_HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps", "momentum")
+
+
+def config_changes(
+    manifest: dict[str, Any], train: Any, fresh_groups: list[dict[str, Any]]
+) -> list[str]:
+    """'field: checkpoint A, now B (which is used)' for each optimizer hyperparameter and
+    TrainConfig field that differs between the checkpoint and this run. The optimizer's
+    come back from the checkpoint (so a new lr is ignored); the TrainConfig is this run's."""
+    out = []
+    saved_groups = (manifest.get("optimizer") or {}).get("param_groups") or []
+    for i, (saved, fresh) in enumerate(zip(saved_groups, fresh_groups, strict=False)):
+        for key in _HYPERPARAMETERS:
+            # A scheduler moves lr; its starting value (initial_lr) is what a config sets.
+            name = "initial_lr" if key == "lr" and "initial_lr" in saved else key
+            then, now = saved.get(name), fresh.get(name, fresh.get(key))
+            if key in fresh and _differs(then, now):
+                where = (
+                    f"optimizer param_groups[{i}].{key}"
+                    if len(fresh_groups) > 1
+                    else (f"optimizer.{key}")
+                )
+                out.append(f"{where}: checkpoint {then!r}, now {now!r} (the checkpoint's is used)")
+    saved_train = manifest.get("train_config") or {}
+    for field in dataclasses.fields(train) if dataclasses.is_dataclass(train) else ():
+        if field.name in saved_train and _differs(
+            saved_train[field.name], getattr(train, field.name)
+        ):
+            out.append(
+                f"train.{field.name}: checkpoint {saved_train[field.name]!r}, now "
+                f"{getattr(train, field.name)!r} (now's is used)"
+            )
+    return out
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return not math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+    return a != b

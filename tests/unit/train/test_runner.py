@@ -334,3 +334,61 @@ def test_a_users_dataloader_keeps_its_settings():
     assert got.sampler.num_replicas == 2  # only the sampler is ours
     plain = make_loader(data, "train_data", True, RunnerConfig(), 0, 1, pin_memory=True)
     assert plain is not None and plain.pin_memory  # a CUDA job's own batches are pinned
+
+
+def test_a_resume_says_where_from_and_names_what_changed(tmp_path, capsys):
+    # Before: nothing said the run resumed, and a new optimizer.lr was silently ignored
+    # (the checkpoint's optimizer state wins).
+    make_runner(tmp_path, batch_size=4, max_steps=3, max_epochs=None, save_at_end=True).fit()
+    capsys.readouterr()
+    torch.manual_seed(0)
+    engine = Engine(
+        GPT(CFG),
+        lambda p: torch.optim.AdamW(p, lr=1e-2),
+        train=TrainConfig(max_grad_norm=2.0),
+    )
+    config = RunnerConfig(
+        run_dir=str(tmp_path / "run"), progress=False, batch_size=4, max_steps=5,
+        max_epochs=None, resume="latest",
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"resuming with a config that differs") as caught:
+        Runner(engine, lm_dataset(), config=config).fit()
+    said = str(caught[0].message)
+    assert "optimizer.lr: checkpoint 0.003, now 0.01 (the checkpoint's is used)" in said
+    assert "train.max_grad_norm: checkpoint None, now 2.0 (now's is used)" in said
+    err = capsys.readouterr().err
+    assert f"resumed from step 3 of {tmp_path / 'run' / 'checkpoints' / 'step_00000003'}" in err
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3)
+
+
+def test_an_unchanged_resume_warns_nothing_even_with_a_scheduler():
+    from shardwise.train.resume import config_changes
+
+    saved = {
+        "optimizer": {"param_groups": [{"lr": 1.25e-4, "initial_lr": 1e-3, "betas": [0.9, 0.99]}]}
+    }
+    fresh = [{"lr": 1e-3, "initial_lr": 1e-3, "betas": (0.9, 0.99)}]
+    assert config_changes(saved, TrainConfig(), fresh) == []  # the schedule moved lr, not you
+    fresh[0]["initial_lr"] = 2e-3
+    assert config_changes(saved, TrainConfig(), fresh) == [
+        "optimizer.lr: checkpoint 0.001, now 0.002 (the checkpoint's is used)"
+    ]
+
+
+def test_resuming_before_a_checkpoint_keeps_the_earlier_metrics(tmp_path):
+    # Before: resume='latest' with no checkpoint yet cut metrics.csv to step 0, losing an
+    # earlier run's rows.
+    from shardwise.train.metrics import MetricsLogger, read_metrics
+
+    first = MetricsLogger(tmp_path, enabled=True, tensorboard=False)
+    first.start()
+    for step in (1, 2, 3):
+        first.log({"step": step, "split": "train", "loss": 1.0 / step})
+    first.close()
+    again = MetricsLogger(tmp_path, enabled=True, tensorboard=False)
+    again.start(keep_until_step=0)
+    again.log({"step": 1, "split": "train", "loss": 0.5})
+    again.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    kept = (tmp_path / "metrics.1.csv").read_text().splitlines()
+    assert len(kept) == 4 and kept[0].startswith("step")  # header + the 3 earlier rows
