@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -251,3 +252,62 @@ def test_plan_marks_rows_and_resolves_auto():
     assert nothing.returncode == 2
     assert "No plan fits: the smallest per-rank peak is" in nothing.stderr
     assert "cpu_offload=True" in nothing.stderr
+
+
+CNN_MODULE = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x)) + x
+
+
+class Net(nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.blocks = nn.Sequential(*[Block(16) for _ in range(2)])
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x, y):
+        logits = self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+        return nn.functional.cross_entropy(logits, y)
+
+
+def build():
+    return Net()
+
+
+def batch():
+    return torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+"""
+
+
+def test_plan_any_model_from_the_current_directory_with_its_own_input(tmp_path):
+    # Before: the current directory was not importable, --simulate and --batch were silently
+    # ignored for a model without a sequence length, and strategy=auto asked for an
+    # example_input the CLI could not pass.
+    (tmp_path / "mycnn.py").write_text(CNN_MODULE)
+    run = functools.partial(
+        subprocess.run, capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    shardwise_cli = [sys.executable, "-m", "shardwise.cli", "plan", "mycnn:build"]
+    auto = run([*shardwise_cli, "--input", "mycnn:batch", "--world", "2", "--simulate",
+                "--memory-budget", "1GiB", "parallel.strategy=auto"])  # fmt: skip
+    assert auto.returncode == 0, auto.stderr
+    assert "strategy='auto' at world 2, the example batch" in auto.stdout
+    assert re.search(r"ddp\s+none\s+[\d.]+ [KM]iB\s+[\d.]+ [KM]iB\s+yes\s+<- chosen", auto.stdout)
+    ignored = run([*shardwise_cli, "--world", "2", "--simulate"])
+    assert ignored.returncode == 2
+    assert "--simulate needs the batch the model trains on" in ignored.stderr
+    assert "--input MODULE:FUNCTION" in ignored.stderr
+    both = run([*shardwise_cli, "--input", "mycnn:batch", "--batch", "8", "--world", "2"])
+    assert both.returncode == 2 and "--batch describes the default token input" in both.stderr

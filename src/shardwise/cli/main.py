@@ -179,7 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
         "group of --world ranks (CPU, no real memory): each rank's peak, activations included",
     )
     plan.add_argument(
-        "--batch", type=int, default=1, help="micro-batch per rank for the peak with activations"
+        "--batch",
+        type=int,
+        default=None,
+        help="micro-batch per rank of the default token input (default 1)",
+    )
+    plan.add_argument(
+        "--input",
+        default=None,
+        help="MODULE:FUNCTION returning one rank's example batch (a tensor, tuple or dict of "
+        "the model's arguments): the input for any model, instead of --batch/--seq-len",
     )
     plan.add_argument(
         "--memory-budget",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -27,6 +28,8 @@ def _load_factory(target: str) -> Any:
         )
     import importlib
 
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the current directory imports, as with python -m
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -83,19 +86,24 @@ def plan_command(args: argparse.Namespace) -> int:
     parallel = config.parallel
     if args.memory_budget is not None:
         parallel = dataclasses.replace(parallel, memory_budget=args.memory_budget)
+    example = _example_input(args)
     seq_len = args.seq_len
-    if seq_len is None:
+    if seq_len is None and example is None:
         from shardwise.memory.fake import default_seq_len
 
         seq_len = default_seq_len(model)
     if parallel.strategy == "auto" or parallel.activation_checkpointing == "auto":
-        return _plan_auto(args, factory, parallel, config.optimizer.name, seq_len)
+        if seq_len is None and example is None:
+            raise ValueError(_NO_INPUT.format(what="strategy=auto needs"))
+        return _plan_auto(args, factory, parallel, config.optimizer.name, seq_len, example)
     from shardwise.memory.auto import ALLOCATED_NOTE, format_rows, resolve_budget
 
     limit, source = resolve_budget(parallel.memory_budget)
     rows = _plan_rows(
-        args, factory, model, parallel, estimates, config.optimizer.name, seq_len, limit
+        args, factory, model, parallel, estimates, config.optimizer.name, seq_len, limit, example
     )
+    if not rows and args.simulate:
+        raise ValueError(_NO_INPUT.format(what="--simulate needs"))
     if args.json:
         out = {"plan": plan.to_dict(), "memory": json.loads(memory_json(estimates))}
         out["peaks"] = [dataclasses.asdict(r) for r, _ in rows]
@@ -108,11 +116,19 @@ def plan_command(args: argparse.Namespace) -> int:
     print()
     print(f"world size {args.world}, optimizer {config.optimizer.name}, precision {precision}")
     print(format_memory(estimates))
+    if not rows:
+        print()
+        print(_NO_INPUT.format(what="the peak with activations needs"))
     if rows:
         print()
+        shape = (
+            f"the batch of {args.input}"
+            if example is not None
+            else f"micro-batch {args.batch or 1} x seq {seq_len}"
+        )
         print(
-            f"per-rank peak with activations, micro-batch {args.batch} x seq {seq_len}, "
-            f"AC {parallel.activation_checkpointing}; budget {format_bytes(limit)} ({source})"
+            f"per-rank peak with activations, {shape}, AC {parallel.activation_checkpointing}; "
+            f"budget {format_bytes(limit)} ({source})"
         )
         print(format_rows([r for r, _ in rows]))
         print(f"  ({ALLOCATED_NOTE})")
@@ -132,15 +148,17 @@ def _plan_rows(
     optimizer: str,
     seq_len: int | None,
     limit: int,
+    example: Any = None,
 ) -> list[tuple[Any, Any]]:
     """A row per strategy: the instant peak with activations, the simulated one with
     --simulate, and whether it fits the budget. Empty when the sequence length is unknown."""
     from shardwise.memory.auto import Candidate, InstantPeak
     from shardwise.memory.simulate import simulate_step
 
-    if seq_len is None:
+    if seq_len is None and example is None:
         return []
-    instant = InstantPeak(model, args.world, args.batch, seq_len, optimizer)
+    batch = args.batch or 1
+    instant = InstantPeak(model, args.world, batch, seq_len, optimizer, example_input=example)
     rows = []
     for e in estimates:
         cfg = dataclasses.replace(parallel, strategy=e.strategy)
@@ -151,8 +169,9 @@ def _plan_rows(
                 factory,
                 cfg,
                 world=args.world,
-                batch=args.batch,
+                batch=batch,
                 seq_len=seq_len,
+                example_input=example,
                 optimizer=optimizer,
             )
         peak = sim.peak if sim is not None else estimate
@@ -168,7 +187,12 @@ def _plan_rows(
 
 
 def _plan_auto(
-    args: argparse.Namespace, factory: Any, parallel: Any, optimizer: str, seq_len: int | None
+    args: argparse.Namespace,
+    factory: Any,
+    parallel: Any,
+    optimizer: str,
+    seq_len: int | None,
+    example: Any = None,
 ) -> int:
     from shardwise.memory.auto import NoPlanFitsError, choose_plan
 
@@ -177,8 +201,9 @@ def _plan_auto(
             factory,
             parallel,
             world=args.world,
-            batch=args.batch,
+            batch=args.batch or 1,
             seq_len=seq_len,
+            example_input=example,
             optimizer=optimizer,
             simulate=args.simulate,
         )
@@ -189,3 +214,25 @@ def _plan_auto(
         return 2
     print(json.dumps(auto.to_dict(), indent=2) if args.json else auto)
     return 0
+
+
+_NO_INPUT = (
+    "{what} the batch the model trains on, and this model's sequence length is unknown: "
+    "pass --seq-len N (with --batch B) for a model of token ids, or --input MODULE:FUNCTION "
+    "returning one rank's example batch for any model."
+)
+
+
+def _example_input(args: argparse.Namespace) -> Any:
+    """The --input function, refusing the flags it replaces (they would be ignored)."""
+    if args.input is None:
+        return None
+    given = [flag for flag, v in (("--batch", args.batch), ("--seq-len", args.seq_len)) if v]
+    if given:
+        verb = "describes" if len(given) == 1 else "describe"
+        raise ValueError(
+            f"{' and '.join(given)} {verb} the default token input, but --input "
+            f"{args.input} gives the batch itself (its size is what the function returns). "
+            f"Drop {' and '.join(given)}, or --input."
+        )
+    return _load_factory(args.input)

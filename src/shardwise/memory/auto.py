@@ -117,9 +117,14 @@ class AutoPlan:
         }
 
     def __str__(self) -> str:
+        shape = (
+            f"micro-batch {self.batch} x seq {self.seq_len}"
+            if self.seq_len is not None
+            else "the example batch"
+        )
         head = (
-            f"strategy='auto' at world {self.world_size}, micro-batch {self.batch} x seq "
-            f"{self.seq_len}: budget {format_bytes(self.budget)} per rank ({self.budget_source})"
+            f"strategy='auto' at world {self.world_size}, {shape}: budget "
+            f"{format_bytes(self.budget)} per rank ({self.budget_source})"
         )
         lines = [head, format_rows(self.rows, chosen=self.chosen), self.reason]
         return "\n".join(lines)
