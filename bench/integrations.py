@@ -465,6 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raw = json.loads(args[1])
         cfg = Config(**{**raw, "hosts": tuple(raw["hosts"])})
         _lt_worker(cfg, Path(args[2]))
+        # Leave with no live process group: gloo's threads, still holding tensors while
+        # Python shuts down, otherwise abort the exit now and then ("terminate called").
+        shardwise.shutdown()
         return 0
     cfg, out = _parse_args(args)
     start = time.perf_counter()

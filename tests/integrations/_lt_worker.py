@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import shardwise
 from shardwise.integrations.lightning import ShardwiseStrategy
 from shardwise.testing.parity import full_parameters
 
@@ -275,6 +276,9 @@ def main() -> None:
         record("resumed_world1", lit)
     if dist.is_initialized():
         dist.barrier()
+    # Leave with no live process group: gloo's threads, still holding tensors while Python
+    # shuts down, otherwise abort the exit now and then ("terminate called").
+    shardwise.shutdown()
 
 
 if __name__ == "__main__":
