@@ -90,3 +90,24 @@ def test_run_refuses_a_missing_script_before_spawning(capsys, tmp_path):
     assert main(["run", "--nproc", "2", missing]) == 2
     err = capsys.readouterr().err
     assert f"'{missing}' is not a file" in err and "nothing was started" in err
+
+
+def test_plan_auto_without_a_known_input_names_the_flags(capsys):
+    model = ["plan", "shardwise.testing.models:ConvNet", "--world", "2", "parallel.strategy=auto"]
+    assert main(model) == 2
+    err = capsys.readouterr().err
+    assert "strategy=auto needs the batch the model trains on" in err
+    assert "--input MODULE:FUNCTION" in err
+
+
+def test_checkpoint_targets_are_checked(tmp_path):
+    import pytest
+
+    with pytest.raises(
+        TypeError, match=r"save_checkpoint\(directory, \.\.\.\) got str; pass the model"
+    ):
+        shardwise.save_checkpoint(tmp_path, "model", step=1)
+    with pytest.raises(
+        TypeError, match=r"save_checkpoint\(optimizer=\.\.\.\) got dict; pass the torch optimizer"
+    ):
+        shardwise.save_checkpoint(tmp_path, torch.nn.Linear(2, 2), {"lr": 1.0}, step=1)
