@@ -1,48 +1,13 @@
-"""Checkpoints: sharded, atomic, exact to resume, loadable at any world size or strategy.
+"""Saving a checkpoint: `save_checkpoint`, from an Engine or from a plain loop's own objects.
 
-Owns: `save_checkpoint`/`load_checkpoint` (every rank writes and reads its own part
-through torch.distributed.checkpoint), the checkpoint directory layout, the manifest,
-`latest`, pruning, and the rule that a checkpoint is visible only once complete.
+Owns: checking what is saved (no half-done accumulation window, a step for a plain loop),
+writing each rank's RNG states and its tensors through torch.distributed.checkpoint into
+the temporary directory, and handing over to commit.py (synchronous) or async_save.py
+(`async_=True`). The package docstring (checkpoint/__init__.py) has the layout, the trust
+rules and the directory rule.
 
-Layout of ROOT/step_00000100/:
-    state/        DCP files: model and optimizer tensors only (resharded on load)
-    rng/          rank_<r>.safetensors: each rank's RNG states
-    shardwise.json  the manifest: counters, configs, optimizer hyperparameters, scheduler
-                  and grad-scaler state, runner position, versions, SHA-256 of every file
-ROOT/latest       name of the newest complete checkpoint
-
-Safety: nothing here unpickles with code execution. Only tensors go through DCP (so its
-byte-object path, torch.load(weights_only=False), is never used, and a load planner
-refuses it), DCP's pickled `.metadata` is read with an allow-list unpickler, RNG states are
-safetensors, and everything else is JSON.
-
-Paths stay inside: DCP's `.metadata` names, per stored chunk, the file that holds it
-(`relative_path`); an entry that is absolute, contains `..` or resolves (through a link)
-outside the checkpoint's state/ directory is refused before anything is read.
-
-The directory rule (what a save does to what is already under ROOT):
-- A save at step N supersedes every checkpoint under ROOT with a step >= N: they are
-  moved, never deleted, to ROOT/superseded/<UTC time>/ (one log line each) just before the
-  new one is renamed into place. So `latest`, `keep_last` and the newest-complete fallback
-  always see one linear history, whether the step existed because a kill came between the
-  rename and the `latest` update, because training resumed from an older checkpoint, or
-  because the directory holds an older run. `set_aside_newer(root, step)` applies the same
-  rule right after resuming, before any save.
-- Leftovers of killed saves and prunings (`.tmp-step_*`, `.deleting-step_*`, and `step_*`
-  without a manifest) are removed by rank 0 at the next save, one log line each. Pruning
-  renames a directory to `.deleting-step_*` before removing it, so a half-deleted one is
-  never mistaken for a checkpoint.
-
-Asynchronous saves (`save_checkpoint(..., async_=True)`) use DCP's `async_save`: the state
-is copied to CPU memory during the call (later steps cannot leak into it), files are
-written by a background thread, and the manifest, rename, `latest` and pruning happen in
-`PendingCheckpoint.result()`, which every rank calls (the next save, and
-`wait_for_checkpoint()`, call it). The background thread's collectives run on a separate
-gloo group: on the default group they interleave with training's own collectives, and gloo
-aborts the process ("Received data size doesn't match expected size", measured at torch
-2.13); DCP also requires a CPU backend for async saves, which a NCCL job lacks.
-
-Must not: hand-write sharding or the tensor format (DCP owns both).
+Must not: make a checkpoint visible itself (commit.py does), or hand-write sharding or the
+tensor format (DCP owns both).
 """
 
 from __future__ import annotations
