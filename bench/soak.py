@@ -216,8 +216,21 @@ def trial_restart(
     elif done.get("restart", 0) < 1:
         problem = "finished without a restart"
     else:
-        problem = same_bits(final_weights(out), want)
+        problem = same_bits(final_weights(out), want) or _restart_told(out)
     return _verdict(result, problem, out)
+
+
+def _restart_told(out: Path) -> str | None:
+    """None when the launcher's log names the dead rank, the restart and the resumed step."""
+    log = (out / "launcher.out").read_text()
+    wanted = ["rank 1 (pid", "was killed by signal 9 (SIGKILL)", "restart 1 of 2",
+              "restart 1: resumed from step"]  # fmt: skip
+    missing = [w for w in wanted if w not in log]
+    if missing:
+        return f"the log does not say {missing}"
+    if "StallError" in log:
+        return "the dead peer was reported as a stall"
+    return None
 
 
 def _wait_for_step(out: Path, proc: subprocess.Popen[str], step: int, timeout_s: float) -> bool:

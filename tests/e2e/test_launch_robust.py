@@ -334,3 +334,48 @@ def test_soak_restart_trial_resumes_bitwise():
         [sys.executable, "bench/soak.py", "--kind", "restart", "--trials", "1"], timeout_s=300
     )
     assert out.returncode == 0 and "1 of 1 restart" in out.stdout, out.stdout + out.stderr
+
+
+def test_an_error_raised_in_every_rank_is_printed_once(tmp_path):
+    """A config typo raises in both ranks: its message once, then the ranks that raised it."""
+    cmd = [*SHARDWISE, "run", "--nproc", "2", "examples/train_lm.py", "train.max_stepz=2"]
+    out = run_in_session(cmd, timeout_s=120)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.count("unknown key 'train.max_stepz'") == 1, out.stderr
+    assert "Traceback" not in out.stderr  # the user's input, not our code
+    assert "shardwise run: 2 rank(s) failed:\n  ranks 0, 1: ConfigError (shown above)" in out.stderr
+
+
+KILLED_PEER = """
+import signal
+info = shardwise.init_distributed()
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(6):
+    with shardwise.guard(f"step {step}"):
+        dist.all_reduce(torch.ones(1))
+    if step == 2 and info.rank == 1 and restart == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+    time.sleep(0.1)
+shardwise.print0(f"finished after restart {restart}")
+shardwise.shutdown()
+"""
+
+
+def test_a_dead_peer_is_named_as_dead_and_a_restart_says_its_attempt(tmp_path):
+    """Before: the survivor waited for a 'stall' and advised raising the timeout."""
+    script = _script(tmp_path, KILLED_PEER)
+    start = time.monotonic()
+    out = run_in_session([*SHARDWISE, "run", "--nproc", "2", str(script), str(tmp_path)], 90)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "  rank 1: was killed by signal 9 (SIGKILL)" in out.stderr, out.stderr
+    assert "  rank 0: stopped by the launcher (SIGTERM) after rank 1 ended" in out.stderr
+    assert "stalled" not in out.stderr and "raise the timeout" not in out.stderr
+    assert elapsed < 30, f"{elapsed:.0f} s to name the dead rank"
+
+    cmd = [*SHARDWISE, "run", "--nproc", "2", "--max-restarts", "1", str(script), str(tmp_path)]
+    out = run_in_session(cmd, 90)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "shardwise run: rank 1 (pid " in out.stderr and ") was killed by signal 9" in out.stderr
+    assert "restarting the workers: restart 1 of 1 (0 left)" in out.stderr
+    assert "finished after restart 1" in out.stdout

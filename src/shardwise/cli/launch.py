@@ -13,6 +13,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -149,12 +150,21 @@ def launcher_args(args: argparse.Namespace) -> list[str]:
 _LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def launch_torchrun(torchrun_args: list[str], *, timeout_s: float | None = None) -> int:
-    """Run torch's elastic launcher in this process with `torchrun_args`."""
+def launch_torchrun(
+    torchrun_args: list[str], *, timeout_s: float | None = None, single_node: bool = True
+) -> int:
+    """Run torch's elastic launcher in this process with `torchrun_args`.
+
+    Failures are reported by cli/report.py: each worker error once with its ranks, a rank
+    that ended by a signal named with it, and each restart with its attempt number.
+    """
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from shardwise.cli.report import AgentLogReader, failures_from_torch, summary
     from shardwise.distributed.process_group import LAUNCHER_PID_ENV, TIMEOUT_ENV
     from shardwise.train.resume import PREEMPTED_EXIT_CODE
 
@@ -164,23 +174,28 @@ def launch_torchrun(torchrun_args: list[str], *, timeout_s: float | None = None)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers die with us (init_distributed)
     if timeout_s is not None:
         os.environ[TIMEOUT_ENV] = repr(timeout_s)
-    try:
-        run(get_args_parser().parse_args(torchrun_args))
-    except ChildFailedError as exc:
-        print(f"shardwise: a process failed:\n{exc}", file=sys.stderr)
-        return 1
-    except SignalException as exc:
-        # A scheduler reclaiming the node: torchrun forwarded the signal to the workers and
-        # waited for them; under the Runner they saved a checkpoint and exited with 75.
-        if exc.sigval == signal.SIGTERM:
-            print(
-                f"shardwise run: SIGTERM: the workers were stopped; a Runner saves a checkpoint "
-                f"and exits with {PREEMPTED_EXIT_CODE} (start again with resume='latest').",
-                file=sys.stderr,
-            )
-            return PREEMPTED_EXIT_CODE
-        print(f"shardwise run: stopped by signal {exc.sigval}", file=sys.stderr)
-        return 128 + int(exc.sigval)
+    with tempfile.TemporaryDirectory(prefix="shardwise-run-") as log_dir:
+        # The workers' error files land here (attempt_N/LOCAL_RANK/error.json).
+        args = get_args_parser().parse_args(["--log-dir", log_dir, *torchrun_args])
+        try:
+            with AgentLogReader(Path(log_dir), single_node=single_node):
+                run(args)
+        except ChildFailedError as exc:
+            print(summary(failures_from_torch(exc.failures)), file=sys.stderr, flush=True)
+            return 1
+        except SignalException as exc:
+            # A scheduler reclaiming the node: torchrun forwarded the signal to the workers
+            # and waited for them; under the Runner they saved a checkpoint and exited 75.
+            if exc.sigval == signal.SIGTERM:
+                print(
+                    f"shardwise run: SIGTERM: the workers were stopped; a Runner saves a "
+                    f"checkpoint and exits with {PREEMPTED_EXIT_CODE} (start again with "
+                    "resume='latest').",
+                    file=sys.stderr,
+                )
+                return PREEMPTED_EXIT_CODE
+            print(f"shardwise run: stopped by signal {exc.sigval}", file=sys.stderr)
+            return 128 + int(exc.sigval)
     return 0
 
 
@@ -193,7 +208,11 @@ def run_command(args: argparse.Namespace) -> int:
         )
     fit_nproc(args.nproc, visible_gpus(), default=args.nproc, command="run")
     target = ["-m", args.script] if args.module else [args.script]
-    return launch_torchrun([*torchrun, *target, *args.script_args], timeout_s=args.timeout)
+    return launch_torchrun(
+        [*torchrun, *target, *args.script_args],
+        timeout_s=args.timeout,
+        single_node=_max_nodes(args.nnodes) == 1,
+    )
 
 
 def demo_command(args: argparse.Namespace) -> int:

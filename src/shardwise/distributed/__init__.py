@@ -2,7 +2,8 @@
 
 process_group.py reads the launcher's environment (the only place that does) and owns
 init/shutdown; mesh.py turns a strategy and the world into the named DeviceMesh;
-watchdog.py names the rank a timed-out collective waited for.
+watchdog.py names the rank a timed-out collective waited for; worker_errors.py reports a
+worker's uncaught error to `shardwise run` (installed here, in its workers only).
 """
 
 from shardwise.distributed.mesh import (
@@ -31,7 +32,10 @@ from shardwise.distributed.process_group import (
     rank_and_world,
     shutdown,
 )
-from shardwise.distributed.watchdog import MAX_CHECK_S, StallError, guard
+from shardwise.distributed.watchdog import MAX_CHECK_S, PeerExitedError, StallError, guard
+from shardwise.distributed.worker_errors import install_if_launched
+
+install_if_launched()  # a no-op outside a worker of `shardwise run`
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -44,6 +48,7 @@ __all__ = [
     "DistInfo",
     "JobEnv",
     "MeshSpec",
+    "PeerExitedError",
     "StallError",
     "divisors",
     "env_world_size",

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from shardwise.distributed.process_group import get_dist_info, monitor_group
 
-__all__ = ["StallError", "guard"]
+__all__ = ["PeerExitedError", "StallError", "guard"]
 
 MAX_CHECK_S = 30.0
 """The barrier that finds the missing rank waits at most this long (less for short timeouts)."""
@@ -40,6 +40,10 @@ _COMM_FAILURE = re.compile(
     r"timed out|timeout|connection (closed|reset|refused)|broken pipe|gloo|nccl|"
     r"monitoredbarrier|socket",
     re.IGNORECASE,
+)
+# A peer whose process ended: its sockets close at once, long before any timeout.
+_PEER_GONE = re.compile(
+    r"connection (closed|reset) by peer|broken pipe|econnreset|remote worker crash", re.IGNORECASE
 )
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
@@ -53,6 +57,14 @@ class StallError(RuntimeError):
         self.rank = rank
         self.missing = missing
         """Ranks that did not reach the check; None when this rank could not tell."""
+
+
+class PeerExitedError(StallError):
+    """A collective inside `guard(what)` broke because another rank's process ended.
+
+    Not a stall: the peer is gone (crashed, killed, out of memory), so a longer timeout does
+    not help. `shardwise run` names the rank and its exit code or signal.
+    """
 
 
 def _is_comm_failure(exc: BaseException) -> bool:
@@ -85,8 +97,21 @@ def _timeout_s() -> float:
     return get_dist_info().timeout_s
 
 
+def _peer_exited(what: str, exc: BaseException) -> PeerExitedError:
+    rank = dist.get_rank()
+    message = (
+        f"rank {rank}: during {what} the connection to another rank closed: that rank's "
+        "process ended (it crashed, was killed, or ran out of memory). Its own error, or "
+        "the launcher's line naming its exit code or signal, says why; this is not a stall, "
+        f"so a longer timeout will not help.\nCollective error: {str(exc).strip()[:300]}"
+    )
+    return PeerExitedError(message, what=what, rank=rank, missing=None)
+
+
 def _stall_error(what: str, exc: BaseException) -> StallError:
     rank = dist.get_rank()
+    if _PEER_GONE.search(str(exc)):
+        return _peer_exited(what, exc)
     timeout_s = _timeout_s()
     check_s = min(MAX_CHECK_S, max(2.0, timeout_s))
     missing, how = _find_missing(check_s)

@@ -1,0 +1,79 @@
+"""An uncaught error in a worker of `shardwise run`: written for the launcher, shown once.
+
+Owns: the `sys.excepthook` that workers started by `shardwise run` use (installed when
+`shardwise` is imported in such a worker, known by SHARDWISE_LAUNCHER_PID), and the error
+file it writes. The same mistake (a config typo, a bad mesh) raises in every rank; printed
+by each it would fill the screen once per rank. So each worker writes its error into the
+file torch's elastic agent gives it (TORCHELASTIC_ERROR_FILE, torch's own JSON format, read
+back as `ProcessFailure.message`), local rank 0 prints its own error as it happens, and the
+launcher prints the others once, grouped by message, with the ranks that raised each
+(cli/report.py).
+
+Errors that are the user's input, not the code's (`ConfigError`), and a lost peer or stall
+(`StallError`, whose message already says where and what to do) print one line without a
+traceback; the traceback stays in the error file. Must not: change anything outside a worker
+of `shardwise run` (plain `python` and `torchrun` keep Python's own hook).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from types import TracebackType
+
+__all__ = ["install_if_launched", "record_error", "short_error"]
+
+from shardwise.distributed.process_group import LAUNCHER_PID_ENV
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+# Exception classes (by name, so this module imports nothing) shown as one line.
+_ONE_LINE = {"ConfigError", "StallError", "PeerExitedError"}
+
+
+def short_error(exc: BaseException) -> bool:
+    """Whether `exc` is shown as its message alone (input errors, stalls, lost peers)."""
+    return any(cls.__name__ in _ONE_LINE for cls in type(exc).__mro__)
+
+
+def record_error(exc: BaseException, path: str) -> None:
+    """Write `exc` into `path` in the format of torch's elastic `ErrorHandler`."""
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc)),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    try:
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    except OSError:
+        pass  # the launcher then reports the exit code alone; the hook still prints
+
+
+def _hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    path = os.environ.get(ERROR_FILE_ENV)
+    if exc_type is KeyboardInterrupt or not path:
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    record_error(exc.with_traceback(tb), path)
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return  # the launcher prints it once, with every rank that raised it
+    if short_error(exc):  # (torch prefixes "[rankN]: " once the process group exists)
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    else:
+        sys.__excepthook__(exc_type, exc, tb)
+
+
+def install_if_launched() -> bool:
+    """Use the worker hook when this process is a worker of `shardwise run`."""
+    if LAUNCHER_PID_ENV not in os.environ or ERROR_FILE_ENV not in os.environ:
+        return False
+    if sys.excepthook is sys.__excepthook__:  # never replace a user's own hook
+        sys.excepthook = _hook
+    return True

@@ -1,0 +1,114 @@
+"""What `shardwise run` prints when workers fail: each error once, with its ranks."""
+
+from __future__ import annotations
+
+import logging
+
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from shardwise.cli.report import (
+    AgentLogReader,
+    Failure,
+    describe_exit,
+    failures_from_torch,
+    summary,
+)
+from shardwise.distributed.worker_errors import record_error
+
+
+def test_describe_exit():
+    assert describe_exit(3) == "exited with code 3"
+    assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)"
+
+
+def test_the_same_error_in_every_rank_is_one_line_naming_them():
+    message = "ConfigError: unknown key 'train.max_stepz'"
+    out = summary([Failure(r, r, 1, message, "Traceback ...", True) for r in range(4)])
+    assert out.splitlines() == [
+        "shardwise run: 4 rank(s) failed:",
+        "  ranks 0, 1, 2, 3: ConfigError (shown above)",  # local rank 0 printed it live
+    ]
+    assert out.count("unknown key") == 0
+
+
+def test_an_error_that_local_rank_0_did_not_print_is_printed_whole_once():
+    tb = 'Traceback (most recent call last):\n  File "x.py", line 4\nValueError: boom on 1\n'
+    out = summary(
+        [
+            Failure(0, 0, 1, "ValueError: boom on 0", "tb0", False),
+            Failure(1, 1, 1, "ValueError: boom on 1", tb, False),
+            Failure(3, 1, 1, "ValueError: boom on 1", tb, False),
+        ]
+    )
+    assert "  rank 0: ValueError (shown above)" in out
+    assert "  ranks 1, 3 raised:" in out and out.count("boom on 1") == 1
+
+
+def test_a_killed_rank_is_named_with_its_signal_and_the_stopped_rest_as_such():
+    out = summary([Failure(0, 0, -15), Failure(1, 1, -9)])
+    assert out.splitlines()[1:] == [
+        "  rank 1: was killed by signal 9 (SIGKILL)",
+        "  rank 0: stopped by the launcher (SIGTERM) after rank 1 ended",
+    ]
+    # Only SIGTERMs (a preempted node): nothing else to blame, so they are named plainly.
+    assert "rank 0: was killed by signal 15 (SIGTERM)" in summary([Failure(0, 0, -15)])
+
+
+def test_torch_reads_the_error_file_the_worker_hook_writes(tmp_path):
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        record_error(exc, str(tmp_path / "error.json"))
+    torch_failure = ProcessFailure(
+        local_rank=1, pid=7, exitcode=1, error_file=str(tmp_path / "error.json")
+    )
+    missing = ProcessFailure(
+        local_rank=0, pid=8, exitcode=-9, error_file=str(tmp_path / "none.json")
+    )
+    ours = failures_from_torch({4: torch_failure, 3: missing})
+    assert [(f.rank, f.local_rank, f.exitcode) for f in ours] == [(3, 0, -9), (4, 1, 1)]
+    assert ours[0].message == ""  # torch's "<NONE>" placeholder is no message
+    assert ours[1].message == "ValueError: boom" and 'raise ValueError("boom")' in ours[1].traceback
+
+
+def _record(name: str, level: int, msg: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, msg, args, None)
+
+
+def test_a_restart_is_announced_with_the_rank_that_ended_and_its_error(tmp_path, capsys):
+    attempt = tmp_path / "run_x" / "attempt_0" / "1"
+    attempt.mkdir(parents=True)
+    try:
+        raise RuntimeError("CUDA error: an illegal memory access")
+    except RuntimeError as exc:
+        record_error(exc, str(attempt / "error.json"))
+    mp = "torch.distributed.elastic.multiprocessing.api"
+    agent = "torch.distributed.elastic.agent.server.api"
+    with AgentLogReader(tmp_path, single_node=True) as reader:
+        failed = _record(
+            mp,
+            logging.ERROR,
+            "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+            1,
+            1,
+            99,
+            "python",
+        )
+        assert not reader.filter(failed)  # torch's line is replaced by ours
+        restart = _record(
+            agent,
+            logging.INFO,
+            "[%s] Worker group %s. %s/%s attempts left; will restart worker group",
+            "default",
+            "FAILED",
+            2,
+            2,
+        )
+        assert not reader.filter(restart)
+        assert not reader.filter(_record(agent, logging.INFO, "[default] Starting worker group"))
+        assert reader.filter(_record(agent, logging.WARNING, "Received 15 death signal"))
+    err = capsys.readouterr().err
+    assert "shardwise run: rank 1 (pid 99) exited with code 1" in err
+    assert "rank 1 raised:" in err and "an illegal memory access" in err
+    assert "restarting the workers: restart 1 of 2 (1 left)" in err
+    assert logging.getLogger(agent).filters == []  # put back as it was
