@@ -53,3 +53,20 @@ def test_same_seed_same_losses_from_step_one(tmp_path):
         rows = read_metrics(tmp_path / name)
         losses.append([r["loss"] for r in rows if r["split"] == "train"])
     assert len(losses[0]) == 2 and losses[0] == losses[1]
+
+
+def test_a_resume_with_a_changed_lr_says_its_step_and_names_the_change(tmp_path):
+    """`shardwise run` again with a new optimizer.lr and max_steps: one line says where from,
+    one warning names each changed field with both values (the new lr is not used)."""
+    run_dir = f"runner.run_dir={tmp_path / 'run'}"
+    base = [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", str(EXAMPLE), run_dir,
+            "runner.val_every=null", "runner.save_every=2"]  # fmt: skip
+    first = run_in_session([*base, "runner.max_steps=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_in_session([*base, "runner.max_steps=3", "optimizer.lr=0.01"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert again.stderr.count(f"resumed from step 2 of {checkpoint}") == 1, again.stderr
+    assert again.stderr.count("resuming with a config that differs") == 1
+    assert "optimizer.lr: checkpoint 0.003, now 0.01 (the checkpoint's is used)" in again.stderr
+    assert "runner.max_steps: checkpoint 2, now 3 (now's is used)" in again.stderr

@@ -58,7 +58,7 @@ class MetricsLogger:
             self.columns = list(dict.fromkeys(k for r in self.rows for k in r))
             if keep_until_step is not None:
                 if len(kept) < len(read_metrics(self.run_dir)):
-                    self.path.rename(_free_name(self.path))  # the rows cut stay on disk
+                    self.path.rename(free_name(self.path))  # the rows cut stay on disk
                 self._rewrite()
         if self._tensorboard is not False:
             self._tb = _tensorboard_writer(self.run_dir, required=self._tensorboard is True)
@@ -142,8 +142,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _free_name(path: Path) -> Path:
-    """metrics.1.csv, metrics.2.csv, ...: the first name not taken beside `path`."""
+def free_name(path: Path) -> Path:
+    """metrics.1.csv, metrics.2.csv (export.1, ...): the first name not taken beside `path`."""
     n = 1
     while (candidate := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
         n += 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import threading
 import warnings
@@ -46,7 +47,7 @@ from shardwise.config.training import RunnerConfig
 from shardwise.distributed.process_group import rank_and_world
 from shardwise.train.data import map_position
 from shardwise.train.engine import Engine
-from shardwise.train.metrics import METRICS_FILE
+from shardwise.train.metrics import METRICS_FILE, free_name
 from shardwise.train.progress import say
 
 PREEMPTED_EXIT_CODE = 75
@@ -197,6 +198,22 @@ def earlier_run(config: RunnerConfig) -> str:
     )
 
 
+EXPORT_DIR = "export"
+"""RUN_DIR/export: where the examples and the demo export the final weights."""
+
+
+def keep_earlier_export(config: RunnerConfig) -> Path | None:
+    """Move an earlier run's RUN_DIR/export aside to export.<n> (returned), so a resumed
+    run's export at its end does not replace it. Rank 0 only; None when there is none."""
+    export = Path(config.run_dir) / EXPORT_DIR
+    if not export.is_dir() or not any(export.iterdir()):
+        return None
+    kept = free_name(export)
+    export.rename(kept)
+    say(f"the earlier run's {export} was kept as {kept}; this run exports to {export}")
+    return kept
+
+
 def resume_target(config: RunnerConfig) -> str | None:
     """The checkpoint (or root) `config.resume` continues from; None: a fresh start."""
     if config.resume != "latest":
@@ -224,12 +241,18 @@ def resume(
     Checkpoints newer than the resumed step belong to a future this run abandons: they are
     moved aside (never deleted), so saves do not collide with them."""
     target = resume_target(config)
+    # Under `shardwise run --max-restarts`, torch's agent counts the restarts for us.
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    attempt = f"restart {restart}: " if restart else ""
     if target is None:
+        if attempt:
+            say(f"{attempt}no complete checkpoint yet, so training starts again from step 0")
         return 0, 0
     fresh = [dict(g) for g in engine.optimizer.param_groups]  # before the load replaces them
     manifest = load_checkpoint(target, engine)
-    say(f"resumed from step {engine.step} of {resolve_checkpoint(target)}")
+    say(f"{attempt}resumed from step {engine.step} of {resolve_checkpoint(target)}")
     changed = config_changes(manifest, engine.train_config, fresh)
+    changed += runner_changes(manifest.get("runner") or {}, config)
     if changed and rank_and_world()[0] == 0:
         warnings.warn(
             "Runner: resuming with a config that differs from the checkpoint's: "
@@ -245,6 +268,26 @@ def resume(
     set_aside_newer(checkpoint_dir(config), engine.step)
     saved_world = int(manifest.get("world_size", world))
     return map_position(position, saved_world, loader, world, config.resume)
+
+
+_RUNNER_FIELDS = ("max_steps", "max_epochs", "batch_size", "seed")
+
+
+def saved_runner_fields(config: RunnerConfig) -> dict[str, Any]:
+    """The RunnerConfig fields that shape training, kept in a checkpoint to compare on resume."""
+    return {name: getattr(config, name) for name in _RUNNER_FIELDS}
+
+
+def runner_changes(position: dict[str, Any], config: RunnerConfig) -> list[str]:
+    """'runner.field: checkpoint A, now B (now's is used)' for each changed field. A new
+    max_steps or max_epochs moves the end of training and reshapes the rest of a schedule
+    built from it (a cosine to max_steps); a new batch_size changes what a step is."""
+    saved = position.get("config") or {}
+    return [
+        f"runner.{name}: checkpoint {saved[name]!r}, now {getattr(config, name)!r} (now's is used)"
+        for name in _RUNNER_FIELDS
+        if name in saved and _differs(saved[name], getattr(config, name))
+    ]
 
 
 _HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps", "momentum")

@@ -49,8 +49,10 @@ from shardwise.train.progress import Progress, Window, count_batch, say
 from shardwise.train.resume import (
     Preempted,
     any_rank,
+    keep_earlier_export,
     preflight,
     resume,
+    saved_runner_fields,
     sigterm_requests_stop,
     step_to_resume,
 )
@@ -125,6 +127,8 @@ class Runner:
         step_limit = cfg.max_steps or math.inf
         self._resumed = True
         epoch, skip = resume(cfg, engine, self.train_loader, self.world)
+        if cfg.resume is not None and self.rank == 0:
+            keep_earlier_export(cfg)  # a resumed or restarted run exports anew at its end
         self._start_logger()
         progress = Progress(total, enabled=cfg.progress and self.rank == 0)
         sampler = self.train_loader.sampler
@@ -236,7 +240,7 @@ class Runner:
         the files are written in the background (DCP's async_save) and the checkpoint is
         complete only once `wait_for_checkpoint()` (or the next save) has finished it."""
 
-        state = {**position, "seed": self.config.seed}
+        state = {**position, "seed": self.config.seed, "config": saved_runner_fields(self.config)}
         where, keep = self.checkpoint_dir, self.config.keep_last
         if async_:
             pending = save_checkpoint(

@@ -356,6 +356,7 @@ def test_a_resume_says_where_from_and_names_what_changed(tmp_path, capsys):
     said = str(caught[0].message)
     assert "optimizer.lr: checkpoint 0.003, now 0.01 (the checkpoint's is used)" in said
     assert "train.max_grad_norm: checkpoint None, now 2.0 (now's is used)" in said
+    assert "runner.max_steps: checkpoint 3, now 5 (now's is used)" in said
     err = capsys.readouterr().err
     assert f"resumed from step 3 of {tmp_path / 'run' / 'checkpoints' / 'step_00000003'}" in err
     assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3)
@@ -392,3 +393,21 @@ def test_resuming_before_a_checkpoint_keeps_the_earlier_metrics(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
     kept = (tmp_path / "metrics.1.csv").read_text().splitlines()
     assert len(kept) == 4 and kept[0].startswith("step")  # header + the 3 earlier rows
+
+
+def test_a_resumed_run_keeps_the_earlier_export(tmp_path, capsys):
+    # Before: the resumed run's export at its end replaced the earlier run's export.
+    make_runner(tmp_path, batch_size=4, max_steps=2, max_epochs=None, save_at_end=True).fit()
+    export = tmp_path / "run" / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"the first run's weights")
+    config = RunnerConfig(
+        run_dir=str(tmp_path / "run"), progress=False, batch_size=4, max_steps=3,
+        max_epochs=None, resume="latest",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    engine = Engine(GPT(CFG), lambda p: torch.optim.AdamW(p, lr=3e-3))
+    Runner(engine, lm_dataset(), config=config).fit()
+    kept = tmp_path / "run" / "export.1" / "model.safetensors"
+    assert kept.read_bytes() == b"the first run's weights" and not export.exists()
+    assert f"the earlier run's {export} was kept as {kept.parent}" in capsys.readouterr().err
