@@ -27,6 +27,7 @@ from shardwise.cli.launch import (
     seconds_arg,
 )
 from shardwise.cli.plan import plan_command
+from shardwise.config.run_file import REFERENCE_PAGE
 from shardwise.memory.model_states import format_bytes
 
 
@@ -231,7 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", help="section.key=value")
     reference = config_actions.add_parser("reference", help="the Markdown reference of every key")
     reference.add_argument(
-        "--update", default=None, help="rewrite the generated block in this file"
+        "--update",
+        nargs="?",
+        const=REFERENCE_PAGE,
+        default=None,
+        metavar="FILE",
+        help=f"rewrite the generated block in FILE (default: {REFERENCE_PAGE})",
     )
     config.set_defaults(func=_config)
 

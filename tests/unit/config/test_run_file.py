@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise import ParallelConfig, RunnerConfig
+from shardwise.cli import main
 from shardwise.cli.demo import DemoConfig
 from shardwise.config.run_file import (
     REFERENCE_BEGIN,
@@ -24,9 +25,11 @@ from shardwise.config.run_file import (
     parse_override,
     reference_markdown,
     to_dict,
+    update_reference,
 )
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+ROOT = Path(__file__).resolve().parents[3]
+CONFIG_PAGE = ROOT / "docs" / "configuration.md"
 
 
 def test_defaults_round_trip():
@@ -233,15 +236,40 @@ def test_overrides_build_valid_configs(steps, lr, strategy):
     )
 
 
-# --- the README's reference is generated, so it cannot drift ---------------------------------
+# --- the docs' reference is generated, so it cannot drift ----------------------------------
 
 
-def test_readme_reference_matches_the_schema():
-    text = README.read_text()
+def test_docs_reference_matches_the_schema():
+    text = CONFIG_PAGE.read_text()
     block = text.split(REFERENCE_BEGIN, 1)[1].split(REFERENCE_END, 1)[0]
     assert block.strip() == reference_markdown().strip(), (
-        "README's config reference is out of date: run `shardwise config reference --update README.md`"
+        "docs/configuration.md's config reference is out of date: run "
+        "`shardwise config reference --update docs/configuration.md`"
     )
+
+
+def test_reference_command_as_documented_leaves_the_page_as_it_is(tmp_path, monkeypatch, capsys):
+    # The page's own command, run from a copy of the repository's docs/ so nothing is written.
+    (tmp_path / "docs").mkdir()
+    copy = tmp_path / "docs" / "configuration.md"
+    copy.write_text(CONFIG_PAGE.read_text())
+    monkeypatch.chdir(tmp_path)
+    assert "`shardwise config reference --update docs/configuration.md`" in CONFIG_PAGE.read_text()
+    assert main(["config", "reference", "--update", "docs/configuration.md"]) == 0
+    assert capsys.readouterr().out == "docs/configuration.md: already up to date\n"
+    assert main(["config", "reference", "--update"]) == 0  # the page is the default
+    assert capsys.readouterr().out == "docs/configuration.md: already up to date\n"
+    copy.write_text(copy.read_text().replace("Peak learning rate.", "stale"))
+    assert main(["config", "reference", "--update"]) == 0
+    assert capsys.readouterr().out == "docs/configuration.md: updated\n"
+    assert copy.read_text() == CONFIG_PAGE.read_text()
+
+
+def test_update_reference_needs_the_markers(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# no markers\n")
+    with pytest.raises(ConfigError, match=r"page.md has no generated-reference markers"):
+        update_reference(page)
 
 
 def test_reference_lists_every_key_with_its_doc():
