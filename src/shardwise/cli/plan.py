@@ -34,6 +34,8 @@ def _load_factory(target: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:  # the user's module failed while importing
+        raise UserCodeError(_user_error(f"importing {module_name!r}", exc)) from exc
     factory = module
     for part in attr.split("."):
         if not hasattr(factory, part):
@@ -41,7 +43,39 @@ def _load_factory(target: str) -> Any:
         factory = getattr(factory, part)
     if not callable(factory):
         raise ValueError(f"{target} is not callable")
-    return factory
+    return _reported(factory, target)
+
+
+class UserCodeError(RuntimeError):
+    """The user's factory, input function or module raised; says which and where."""
+
+
+def _user_error(what: str, exc: BaseException) -> str:
+    import traceback
+
+    # The innermost frame outside this file: the user's line (none when the call itself
+    # failed, e.g. a factory that needs arguments).
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return (
+        f"{what} raised {type(exc).__name__}: {str(exc).rstrip('.')}{where}. shardwise "
+        "plan calls it with no arguments, under the meta device (nothing is allocated): "
+        "give a function that builds with defaults, e.g. def build(): return MyModel(MyConfig())."
+    )
+
+
+def _reported(fn: Any, target: str) -> Any:
+    """`fn` whose errors name `target` (it is called deep inside the planner and simulator)."""
+    import functools
+
+    @functools.wraps(fn)
+    def call() -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            raise UserCodeError(_user_error(f"{target}()", exc)) from exc
+
+    return call
 
 
 def plan_command(args: argparse.Namespace) -> int:

@@ -151,12 +151,49 @@ def default_input(model: nn.Module, batch: int, seq_len: int) -> Any:
     return (tokens, labels)
 
 
-def call_model(model: nn.Module, inputs: Any) -> Any:
+class ForwardError(RuntimeError):
+    """The model's forward raised on the example input while being measured."""
+
+
+def describe_input(inputs: Any) -> str:
+    """'(tensor float32[2, 5], tensor int64[2])' and the like: what the model was given."""
+    if isinstance(inputs, torch.Tensor):
+        return f"tensor {str(inputs.dtype).removeprefix('torch.')}{list(inputs.shape)}"
     if isinstance(inputs, dict):
-        return model(**inputs)
+        return "{" + ", ".join(f"{k!r}: {describe_input(v)}" for k, v in inputs.items()) + "}"
     if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
+        return "(" + ", ".join(describe_input(v) for v in inputs) + ")"
+    return type(inputs).__name__
+
+
+@contextlib.contextmanager
+def _no_fake_tensor_log() -> Iterator[None]:
+    """torch logs a failed fake op's traceback at ERROR before raising it; we report it."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    try:
+        with _no_fake_tensor_log():
+            if isinstance(inputs, dict):
+                return model(**inputs)
+            if isinstance(inputs, (tuple, list)):
+                return model(*inputs)
+            return model(inputs)
+    except Exception as exc:
+        raise ForwardError(
+            f"the model's forward raised {type(exc).__name__} on the example input "
+            f"{describe_input(inputs)}: {str(exc).rstrip('.')}. The input is one rank's "
+            "batch, passed as model(**dict), model(*tuple) or model(tensor): check that "
+            "it is what the model takes."
+        ) from exc
 
 
 def loss_of(out: Any) -> torch.Tensor:

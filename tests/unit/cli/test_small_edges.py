@@ -111,3 +111,31 @@ def test_checkpoint_targets_are_checked(tmp_path):
         TypeError, match=r"save_checkpoint\(optimizer=\.\.\.\) got dict; pass the torch optimizer"
     ):
         shardwise.save_checkpoint(tmp_path, torch.nn.Linear(2, 2), {"lr": 1.0}, step=1)
+
+
+def test_plan_names_the_users_function_that_raised(tmp_path, monkeypatch, capsys):
+    # Before: a factory that raised (or needed arguments) ended in a traceback, and a model
+    # whose forward refused --input's batch printed torch's fake-tensor log, then the error.
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n"
+        "def needs_size(hidden):\n    return torch.nn.Linear(hidden, hidden)\n"
+        "def broken():\n    raise KeyError('vocab_size')\n"
+        "def small():\n    return torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+        "def wrong_batch():\n    return torch.randn(2, 5)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["plan", "mymodels:needs_size", "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardwise plan: error: mymodels:needs_size() raised TypeError: ")
+    assert "calls it with no arguments" in err and "Traceback" not in err
+    assert main(["plan", "mymodels:broken", "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"raised KeyError: 'vocab_size' at {tmp_path / 'mymodels.py'}:5." in err
+    argv = ["plan", "mymodels:small", "--world", "2", "--input", "mymodels:wrong_batch"]
+    assert main([*argv, "--simulate"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line: no fake-tensor log before it
+    assert (
+        "the model's forward raised RuntimeError on the example input tensor float32[2, 5]" in err
+    )
