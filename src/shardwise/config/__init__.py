@@ -3,12 +3,25 @@
 `ParallelConfig` (parallel.py) with the foreign vocabulary it accepts (vocabulary.py) and
 shardwise's own strategy names (names.py); `Precision` (precision.py); `TrainConfig` and
 `RunnerConfig` (training.py); and the run file that holds them all (run_file.py).
+The fields' types are exported too: each closed set is a `Literal` (`StrategySetting`,
+`PrecisionName`, `FrozenPolicy`, `NonFinitePolicy`, `OptimizerName`, ...).
 """
 
-from shardwise.config.names import STRATEGIES, StrategyName, closest, normalize_strategy
+from shardwise.config.names import (
+    STRATEGIES,
+    StrategyName,
+    StrategySetting,
+    closest,
+    normalize_strategy,
+)
 from shardwise.config.parallel import (
     FROZEN_POLICIES,
+    ActivationCheckpointing,
+    BackwardPrefetchName,
+    FrozenPolicy,
+    MemoryBudget,
     ParallelConfig,
+    UserMesh,
     WrapPolicy,
     parse_memory_budget,
     resolve_activation_checkpointing,
@@ -17,12 +30,21 @@ from shardwise.config.parallel import (
     resolve_forward_prefetch,
     validate_parallel_config,
 )
-from shardwise.config.precision import PRESETS, Precision, parse_dtype, resolve_precision
+from shardwise.config.precision import (
+    PRESETS,
+    Precision,
+    PrecisionName,
+    PrecisionSetting,
+    parse_dtype,
+    resolve_precision,
+)
 from shardwise.config.run_file import (
     Config,
     ConfigError,
     OptimizerConfig,
+    OptimizerName,
     SchedulerConfig,
+    SchedulerName,
     apply_overrides,
     dump_config,
     load_config,
@@ -30,7 +52,7 @@ from shardwise.config.run_file import (
     reference_markdown,
     update_reference,
 )
-from shardwise.config.training import RunnerConfig, TrainConfig
+from shardwise.config.training import NonFinitePolicy, RunnerConfig, TrainConfig
 from shardwise.config.vocabulary import FOREIGN_WORDS, PLACEMENT_WORDS, translate
 
 __all__ = [
@@ -39,15 +61,26 @@ __all__ = [
     "PLACEMENT_WORDS",
     "PRESETS",
     "STRATEGIES",
+    "ActivationCheckpointing",
+    "BackwardPrefetchName",
     "Config",
     "ConfigError",
+    "FrozenPolicy",
+    "MemoryBudget",
+    "NonFinitePolicy",
     "OptimizerConfig",
+    "OptimizerName",
     "ParallelConfig",
     "Precision",
+    "PrecisionName",
+    "PrecisionSetting",
     "RunnerConfig",
     "SchedulerConfig",
+    "SchedulerName",
     "StrategyName",
+    "StrategySetting",
     "TrainConfig",
+    "UserMesh",
     "WrapPolicy",
     "apply_overrides",
     "closest",

@@ -16,16 +16,39 @@ import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NoReturn, get_args
 
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
-from shardwise.config.names import closest, normalize_strategy
-from shardwise.config.precision import Precision, resolve_precision
+from shardwise.config.names import StrategySetting, closest, normalize_strategy
+from shardwise.config.precision import Precision, PrecisionSetting, resolve_precision
 from shardwise.config.vocabulary import FOREIGN_WORDS, integral, policy_from_dict, translate
 
-WrapPolicy = Iterable[type[nn.Module]] | Callable[..., bool] | str | None
+# The fields' types name shardwise's own words and torch's current objects. Other systems'
+# spellings and FSDP1's objects (ShardingStrategy, BackwardPrefetch, CPUOffload,
+# MixedPrecision, 'FULL_SHARD', 'bf16-mixed', ...) are translated at run time (see
+# vocabulary.py) but not typed: typed code is steered to the one spelling the checker knows.
+# The str arms come first: run_file.py tries them in order when it reads a file, and the
+# field's own validation parses strings.
+WrapPolicy = (
+    str | Iterable[type[nn.Module] | str] | Callable[..., bool] | Mapping[str, object] | None
+)
+"""`auto_wrap_policy`: a registered policy's name or 're:<regex>', module classes or class
+names, a callable, or mmengine's `dict(type=..., ...)` form (the form config files use)."""
+BackwardPrefetchName = Literal["pre", "post"]
+"""`backward_prefetch` by name: FSDP2 prefetches before each unit's gradients ('post' warns)."""
+FrozenPolicy = Literal["split", "warn", "error"]
+"""What `frozen_policy` does with a unit mixing frozen and trainable parameters."""
+ActivationCheckpointing = str | bool | int | None
+"""'none', 'full', 'every_<k>' or 'auto'; an int k (every k-th block); True (every block),
+False or None (none)."""
+MemoryBudget = str | int | float | None
+"""Bytes (int), a size ('70GiB'), a percentage ('85%'), a fraction in (0, 1], or None."""
+UserMesh = DeviceMesh | ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None
+"""`device_mesh`: your own mesh, one process group, or (shard group, replicate group)."""
 
 
 def resolve_cpu_offload(value: object) -> CPUOffloadPolicy | None:
@@ -96,7 +119,7 @@ def resolve_forward_prefetch(value: object) -> int:
     )
 
 
-FROZEN_POLICIES = ("split", "warn", "error")
+FROZEN_POLICIES: tuple[FrozenPolicy, ...] = get_args(FrozenPolicy)
 _SIZE_UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -131,7 +154,7 @@ def parse_memory_budget(value: object) -> int | float | None:
     return _bad_budget(value)
 
 
-def _bad_budget(value: object) -> Any:
+def _bad_budget(value: object) -> NoReturn:
     raise ValueError(
         f"ParallelConfig.memory_budget={value!r} is not valid. Give bytes per rank as an int, "
         "a size such as '70GiB' or '80GB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), a "
@@ -165,7 +188,7 @@ def resolve_activation_checkpointing(value: object) -> int:
 class ParallelConfig:
     """How `shardwise.wrap` parallelises a model. Defaults do the right thing on one CPU."""
 
-    strategy: str = "full_shard"
+    strategy: StrategySetting = "full_shard"
     """One of ddp, no_shard, shard_grad_op, full_shard, hybrid_shard, hybrid_shard_zero2
     (torch's ShardingStrategy members and names are accepted and normalised), or 'auto':
     the least communication whose simulated peak fits memory_budget (resolved by
@@ -174,10 +197,10 @@ class ParallelConfig:
     """Ranks each shard group spans. -1: all ranks for full_shard/shard_grad_op; for
     hybrid strategies the ranks of one node when that gives a 2-D mesh, else the most
     balanced split. Replication across groups is world_size // dp_shard."""
-    mixed_precision: Any = "fp32"
+    mixed_precision: PrecisionSetting = "fp32"
     """'fp32', 'bf16', 'fp16', a mapping of param/reduce/output dtypes, shardwise.Precision,
     torch's MixedPrecisionPolicy, or FSDP1's MixedPrecision."""
-    cpu_offload: Any = False
+    cpu_offload: bool | OffloadPolicy = False
     """Keep sharded parameters, gradients and optimizer state on CPU: bool,
     CPUOffloadPolicy or FSDP1's CPUOffload. Not available with ddp."""
     sync_module_states: bool = True
@@ -186,11 +209,11 @@ class ParallelConfig:
     reshard_after_forward: bool | int | None = None
     """Override the strategy's choice for non-root units (True frees gathered parameters
     after forward; an int reshards to that many ranks). None: from the strategy."""
-    backward_prefetch: Any = "pre"
+    backward_prefetch: BackwardPrefetchName | int | None = "pre"
     """'pre', 'post', None, a depth >= 1, or FSDP1's BackwardPrefetch."""
     forward_prefetch: bool | int = False
     """Prefetch the next unit(s) in forward: bool or a depth."""
-    auto_wrap_policy: Any = "auto"
+    auto_wrap_policy: WrapPolicy = "auto"
     """Which submodules become their own shard units: 'auto' (the model's repeated blocks),
     a registered name ('transformer_blocks', 'size', 'none', or your own), module classes
     or class names, 're:<regex>' on module FQNs, or a callable (fqn, module) -> bool
@@ -198,23 +221,23 @@ class ParallelConfig:
     min_num_params: int | None = None
     """For the 'size' policy only (an error with any other): a module becomes a unit once
     this many parameters below it are in no unit yet. None: 100,000,000 (FSDP1's default)."""
-    frozen_policy: str = "warn"
+    frozen_policy: FrozenPolicy = "warn"
     """Units mixing frozen and trainable parameters: 'split' (frozen parts get units of
     their own where the module structure allows), 'warn', or 'error'."""
-    keep_fp32: Any = None
+    keep_fp32: Iterable[type[nn.Module] | str] | None = None
     """Module classes or class names computed in fp32 under a bf16/fp16 policy, each in
     its own unit. None: normalisation layers with running statistics (BatchNorm)."""
-    ignored_modules: Any = ()
+    ignored_modules: Iterable[nn.Module | type[nn.Module] | str] = ()
     """Modules (instances, classes, class names or 're:<regex>' on FQNs) left unsharded and
     unmanaged: their gradients are not synchronised by shardwise."""
-    ignored_params: Any = ()
+    ignored_params: Iterable[str] = ()
     """Parameter FQNs left unsharded and unmanaged, like ignored_modules."""
-    activation_checkpointing: Any = "none"
+    activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute planned blocks in backward: 'none', 'full' (every block), 'every_<k>' or
     an int k (every k-th block). Applied before sharding. 'auto': the least recompute
     whose simulated peak fits memory_budget (resolved by shardwise.choose_plan or
     `shardwise plan`, before wrapping)."""
-    memory_budget: Any = None
+    memory_budget: MemoryBudget = None
     """Per-rank memory strategy='auto' and activation_checkpointing='auto' must fit:
     bytes, a size ('70GiB', '80GB'), a percentage of the device's memory ('85%'), or
     None for 90% of it. `shardwise plan` marks each row as fitting it or not."""
@@ -223,12 +246,12 @@ class ParallelConfig:
     compile: bool | str = False
     """Compile each planned block with torch.compile before sharding (the order FSDP2
     needs): True for the default backend (inductor) or a backend name such as 'aot_eager'."""
-    param_init_fn: Any = None
+    param_init_fn: Callable[[nn.Module], None] | None = None
     """For models built on the meta device: a callable(module) run on every module to
     initialise its (sharded) parameters, instead of reset_parameters()."""
     init_seed: int = 0
     """Seed for initialising a meta-built model after sharding."""
-    device_mesh: Any = None
+    device_mesh: UserMesh = None
     """Your own torch DeviceMesh instead of one built from dp_shard: 1-D for ddp,
     full_shard and shard_grad_op; 2-D (replicate, shard) for the hybrid strategies and
     no_shard. FSDP1's `process_group` is accepted too: one group, or (shard group,
@@ -348,8 +371,10 @@ def _validate_wrap_policy(cfg: ParallelConfig) -> None:
                     f"ParallelConfig.min_num_params={cfg.min_num_params}. Set it in one place."
                 )
             cfg.min_num_params = size
-    elif type(policy).__name__ == "ModuleWrapPolicy" and hasattr(policy, "_module_classes"):
-        cfg.auto_wrap_policy = tuple(policy._module_classes)  # FSDP1's class policy object
+    elif type(policy).__name__ == "ModuleWrapPolicy":  # FSDP1's class policy object
+        classes = getattr(policy, "_module_classes", None)
+        if classes is not None:
+            cfg.auto_wrap_policy = tuple(classes)
     if cfg.min_num_params is None:
         return
     cfg.min_num_params = integral(cfg.min_num_params, "ParallelConfig.min_num_params")
@@ -393,9 +418,6 @@ def _validate_ddp_only(cfg: ParallelConfig) -> None:
 
 def _validate_device_mesh(cfg: ParallelConfig) -> None:
     """A user's mesh (or FSDP1 process groups) must fit the strategy's shape."""
-    from torch.distributed import ProcessGroup
-    from torch.distributed.device_mesh import DeviceMesh
-
     mesh = cfg.device_mesh
     if mesh is None:
         return

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+"""The presets' names (other frameworks' names for them, such as Lightning's 'bf16-mixed',
+are accepted too)."""
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -72,14 +76,22 @@ class Precision:
         )
 
 
-PRESETS: dict[str, Precision] = {
+PRESETS: dict[PrecisionName, Precision] = {
     "fp32": Precision(),
     "bf16": Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     "fp16": Precision(param_dtype=torch.float16, reduce_dtype=torch.float32),
 }
 
+PrecisionSetting = (
+    PrecisionName | Mapping[str, str | torch.dtype | bool | None] | Precision | MixedPrecisionPolicy
+)
+"""What `ParallelConfig.mixed_precision` takes, typed: a preset's name, a mapping of
+param/reduce/output dtypes (and cast_forward_inputs), a `Precision`, or torch's
+`MixedPrecisionPolicy`. At run time `resolve_precision` also takes None (fp32), other
+frameworks' preset names and FSDP1's `MixedPrecision`."""
+
 # Names from the frameworks users come from (Lightning's `precision=` strings).
-_PRESET_ALIASES: dict[str, str] = {
+_PRESET_ALIASES: dict[str, PrecisionName] = {
     "fp32": "fp32",
     "float32": "fp32",
     "32": "fp32",

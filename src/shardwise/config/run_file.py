@@ -7,7 +7,9 @@ docstrings (so the reference in docs/configuration.md cannot drift).
 
 Strictness: an unknown key is an error listing the valid keys and the closest match; a
 value of the wrong type names the field and the expected type; each section's own
-validation (e.g. ParallelConfig's) then runs as usual.
+validation (e.g. ParallelConfig's) then runs as usual. In the parallel section a string
+for a closed set (a `Literal` field) is left to ParallelConfig, which translates the set's
+other spellings (strategy: FULL_SHARD) and names the allowed values otherwise.
 
 Must not: read environment variables or start anything.
 """
@@ -15,6 +17,7 @@ Must not: read environment variables or start anything.
 from __future__ import annotations
 
 import ast
+import collections.abc
 import dataclasses
 import inspect
 import itertools
@@ -42,11 +45,24 @@ class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names the key."""
 
 
+OptimizerName = Literal["adamw", "adam", "sgd"]
+SchedulerName = Literal["none", "constant", "cosine", "linear"]
+
+
+def _check_choice(value: object, choices: Any, where: str) -> None:
+    """A ConfigError naming `where`, the value and the allowed set, unless `value` is one of
+    the `Literal` type `choices`."""
+    allowed = get_args(choices)
+    if value not in allowed:
+        hint = closest(str(value), [str(a) for a in allowed])
+        raise ConfigError(f"{where}={value!r} is not allowed.{hint} Choose one of {list(allowed)}.")
+
+
 @dataclass(kw_only=True)
 class OptimizerConfig:
     """The optimizer built after wrapping (Engine gets `config.build`)."""
 
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    name: OptimizerName = "adamw"
     """Optimizer class."""
     lr: float = 3e-4
     """Peak learning rate."""
@@ -58,6 +74,7 @@ class OptimizerConfig:
     """SGD momentum."""
 
     def __post_init__(self) -> None:
+        _check_choice(self.name, OptimizerName, "optimizer.name")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(
                 f"optimizer.lr={self.lr} must be a finite number > 0 (a peak learning rate "
@@ -89,7 +106,7 @@ class OptimizerConfig:
 class SchedulerConfig:
     """Learning-rate schedule, stepped once per optimizer step."""
 
-    name: Literal["none", "constant", "cosine", "linear"] = "none"
+    name: SchedulerName = "none"
     """'none' keeps the optimizer's lr; the others add linear warm-up, then decay."""
     warmup_steps: int = 0
     """Steps of linear warm-up from 0 to the peak lr."""
@@ -97,6 +114,7 @@ class SchedulerConfig:
     """Final lr as a fraction of the peak (cosine, linear), in [0, 1]."""
 
     def __post_init__(self) -> None:
+        _check_choice(self.name, SchedulerName, "scheduler.name")
         w = self.warmup_steps
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ConfigError(f"scheduler.warmup_steps={w!r} must be an int >= 0 (0: no warm-up).")
@@ -145,6 +163,8 @@ class Config:
 def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
+    if isinstance(tp, list):  # Callable's parameters
+        return f"[{', '.join(_type_name(a) for a in tp)}]"
     origin = get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
@@ -156,56 +176,76 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    """`value` checked (and lightly converted: int->float, list->tuple) against `tp`."""
-    if tp is Any:
+_SEQUENCES = (
+    tuple,
+    list,
+    collections.abc.Iterable,
+    collections.abc.Collection,
+    collections.abc.Sequence,
+)
+
+
+def _coerce(value: Any, tp: Any, path: str, translates: bool = False) -> Any:
+    """`value` checked (and lightly converted: int->float, list->tuple) against `tp`.
+
+    `translates`: the section translates other spellings of its closed sets (ParallelConfig:
+    FULL_SHARD, bf16-mixed), so a string outside a `Literal` is left to it."""
+    if tp is Any or tp is object:
         return tuple(value) if isinstance(value, list) else value
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         for arm in get_args(tp):
             try:
-                return _coerce(value, arm, path)
+                return _coerce(value, arm, path, translates)
             except ConfigError:
                 continue
+        if not _file_can_hold(tp):
+            # The field also takes Python objects (a DeviceMesh, module classes, callables):
+            # its section's own error names every accepted form, and which a file cannot give.
+            return tuple(value) if isinstance(value, list) else value
         raise ConfigError(
             f"{path}: expected {_type_name(tp)}, got {type(value).__name__} ({value!r})."
         )
     if origin is Literal:
-        if value in get_args(tp):
+        choices = get_args(tp)
+        if value in choices:
             return value
-        hint = closest(str(value), [str(a) for a in get_args(tp)])
-        raise ConfigError(
-            f"{path}={value!r} is not allowed.{hint} Choose one of {list(get_args(tp))}."
-        )
+        if translates and isinstance(value, str) and all(isinstance(c, str) for c in choices):
+            return value  # the section translates it, or refuses it naming the allowed values
+        hint = closest(str(value), [str(a) for a in choices])
+        raise ConfigError(f"{path}={value!r} is not allowed.{hint} Choose one of {list(choices)}.")
     if tp is type(None):
         if value is None:
             return None
     elif dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, Mapping):
             return from_dict(tp, value, path)
-    elif origin is tuple or origin is list:
+    elif origin in _SEQUENCES:
         if isinstance(value, (list, tuple)):
             args = get_args(tp)
-            if origin is tuple and args and args[-1] is not Ellipsis and len(args) != len(value):
+            fixed = origin is tuple and args and args[-1] is not Ellipsis
+            if fixed and len(args) != len(value):
                 raise ConfigError(
                     f"{path}: expected {len(args)} values ({_type_name(tp)}), got {len(value)}."
                 )
             items = (
                 [
-                    _coerce(
-                        v,
-                        args[0] if (origin is list or args[-1] is Ellipsis) else args[i],
-                        f"{path}[{i}]",
-                    )
+                    _coerce(v, args[i] if fixed else args[0], f"{path}[{i}]", translates)
                     for i, v in enumerate(value)
                 ]
                 if args
                 else list(value)
             )
-            return tuple(items) if origin is tuple else items
-    elif origin is dict or tp is dict:
+            return items if origin is list else tuple(items)
+    elif origin in (dict, collections.abc.Mapping) or tp in (dict, collections.abc.Mapping):
         if isinstance(value, Mapping):
             return dict(value)
+    elif origin is collections.abc.Callable:
+        if callable(value):
+            return value
+    elif origin is type:
+        if isinstance(value, type) and issubclass(value, get_args(tp)[0]):
+            return value
     elif tp is bool:
         if isinstance(value, bool):
             return value
@@ -235,7 +275,20 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} ({value!r}).")
 
 
-def _fields(cls: type) -> dict[str, Any]:
+_PLAIN_DATA = (str, int, float, bool, type(None), list, tuple, dict)
+
+
+def _file_can_hold(tp: Any) -> bool:
+    """Whether every form of `tp` is plain data a YAML file can write (no Python objects)."""
+    origin = get_origin(tp)
+    if tp is Any or tp is object or origin is Literal:
+        return True
+    if origin in (Union, types.UnionType, dict, collections.abc.Mapping, *_SEQUENCES):
+        return all(_file_can_hold(a) for a in get_args(tp) if a is not Ellipsis)
+    return tp in _PLAIN_DATA
+
+
+def _fields(cls: type[Any]) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
@@ -278,7 +331,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "", base: Any =
             section_base = kwargs[key] if key in kwargs else _field_default(defaults[key])
             kwargs[key] = from_dict(tp, value, where, base=section_base)
         else:
-            kwargs[key] = _coerce(value, tp, where)
+            kwargs[key] = _coerce(value, tp, where, translates=cls is ParallelConfig)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -412,6 +465,33 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _reference_type(tp: Any) -> str:
+    """A field's type for the reference: a closed set as "one of: a, b", other types by
+    name ("int | None"), and a closed set with other types as "one of: a, b; or int"."""
+    arms = list(get_args(tp)) if get_origin(tp) in (Union, types.UnionType) else [tp]
+    values = [v for a in arms if get_origin(a) is Literal for v in get_args(a)]
+    rest = [a for a in arms if get_origin(a) is not Literal]
+    names = " | ".join(_reference_name(a) for a in rest)
+    if not values:
+        return names
+    choices = "one of: " + ", ".join(str(v) for v in values)
+    return f"{choices}; or {names}" if names else choices
+
+
+def _reference_name(tp: Any) -> str:
+    if tp is type(None):
+        return "None"
+    if isinstance(tp, list):  # Callable's parameters
+        return f"[{', '.join(_reference_name(a) for a in tp)}]"
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " | ".join(_reference_name(a) for a in get_args(tp))
+    if origin is not None:
+        args = ", ".join("..." if a is Ellipsis else _reference_name(a) for a in get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    return getattr(tp, "__name__", str(tp))
+
+
 def reference_markdown(cls: type = Config) -> str:
     """The Markdown reference of every section and key of `cls`."""
     lines = []
@@ -425,7 +505,7 @@ def reference_markdown(cls: type = Config) -> str:
             "| key | type | default | meaning |",
             "|---|---|---|---|",
         ]
-        raw = {f.name: f.type for f in dataclasses.fields(sub)}
+        hints = _fields(sub)
         for f in dataclasses.fields(sub):
             if not f.init:
                 continue
@@ -433,7 +513,7 @@ def reference_markdown(cls: type = Config) -> str:
             shown = (
                 yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
             )
-            kind = str(raw[f.name]).replace("|", "\\|")
+            kind = _reference_type(hints[f.name]).replace("|", "\\|")
             doc = docs.get(f.name, "").replace("|", "\\|")
             lines.append(f"| `{section.name}.{f.name}` | `{kind}` | `{shown}` | {doc} |")
         lines.append("")

@@ -10,7 +10,10 @@ Must not: import torch.distributed, read the environment, or hold loop logic.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
+
+NonFinitePolicy = Literal["stop", "skip"]
+"""What `TrainConfig.on_nonfinite` does with a NaN/inf loss or gradient norm."""
 
 
 @dataclass(kw_only=True)
@@ -30,7 +33,7 @@ class TrainConfig:
     """Initial loss scale when scaling is on."""
     detect_anomalous_params: bool = False
     """Debug: list trainable parameters that received no gradient in a step."""
-    on_nonfinite: Literal["stop", "skip"] = "stop"
+    on_nonfinite: NonFinitePolicy = "stop"
     """A NaN/inf loss (keys containing 'loss') or gradient norm on any rank: 'stop' raises
     NonFiniteError on every rank; 'skip' drops that update on every rank (parameters and
     optimizer state unchanged, counted in skipped_steps) and warns. Under fp16 loss
@@ -51,7 +54,7 @@ class TrainConfig:
             )
         if not self.init_scale > 0:
             raise ValueError(f"TrainConfig.init_scale={self.init_scale!r} must be > 0.")
-        if self.on_nonfinite not in ("stop", "skip"):
+        if self.on_nonfinite not in get_args(NonFinitePolicy):
             raise ValueError(
                 f"TrainConfig.on_nonfinite={self.on_nonfinite!r} is not allowed. Choose 'stop' "
                 "(raise on every rank) or 'skip' (drop that update on every rank)."

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.config.names import StrategyName
 from shardwise.config.parallel import ParallelConfig, parse_memory_budget
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.memory.activations import trace_activations
@@ -40,7 +41,7 @@ from shardwise.plan.planner import PlanNotice, plan_wrap
 
 __all__ = ["AutoPlan", "Candidate", "NoPlanFitsError", "choose_plan", "resolve_budget"]
 
-COMM_ORDER = ("ddp", "shard_grad_op", "hybrid_shard", "full_shard")
+COMM_ORDER: tuple[StrategyName, ...] = ("ddp", "shard_grad_op", "hybrid_shard", "full_shard")
 AC_ORDER = ("none", "every_2", "full")
 DEFAULT_FRACTION = 0.9
 """Of what is left after GPU_RESERVE: the rest is the caching allocator's slack (its
@@ -62,7 +63,7 @@ _SKIP_ABOVE = 1.25
 class Candidate:
     """One row of the table: a strategy with an activation-checkpointing level."""
 
-    strategy: str
+    strategy: StrategyName
     activation_checkpointing: str
     estimate: int
     simulated: int | None = None
@@ -187,7 +188,7 @@ def resolve_budget(value: object, device: torch.device | str | None = None) -> t
     return int(total * fraction), f"{what}{fraction:.0%} of {format_bytes(total)}, {source}"
 
 
-def _candidates(config: ParallelConfig, world: int) -> list[tuple[str, str]]:
+def _candidates(config: ParallelConfig, world: int) -> list[tuple[str, StrategyName]]:
     if config.strategy == "auto":
         strategies = []
         for s in COMM_ORDER:
