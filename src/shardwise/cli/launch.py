@@ -199,6 +199,50 @@ def launch_torchrun(
     return 0
 
 
+def _config_arg(script_args: list[str]) -> str | None:
+    for i, arg in enumerate(script_args):
+        if arg == "--config" and i + 1 < len(script_args):
+            return script_args[i + 1]
+        if arg.startswith("--config="):
+            return arg.partition("=")[2]
+    return None
+
+
+def check_layout(script_args: list[str], world: int) -> None:
+    """The script's `parallel` section against the world size, before anything spawns.
+
+    Only when the script is given `--config FILE` (its own default file is unknown here):
+    the file's `parallel` section and any `parallel.*=` overrides are read as shardwise's
+    ParallelConfig, and its layout is resolved for `world`. A file that is not a mapping or
+    has no `parallel` section is the script's own business and is left alone."""
+    import yaml
+
+    from shardwise.config.run_file import Config, apply_overrides, from_dict
+    from shardwise.distributed.mesh import resolve_mesh
+
+    path = _config_arg(script_args)
+    if path is None:
+        return
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return  # the script reports its own file
+    if not isinstance(data, dict) or not isinstance(data.get("parallel"), dict):
+        return
+    overrides = [a for a in script_args if a.startswith("parallel.") and "=" in a]
+    section = apply_overrides({"parallel": data["parallel"]}, overrides)
+    parallel = from_dict(Config, section).parallel
+    if parallel.strategy == "auto" or parallel.device_mesh is not None:
+        return
+    try:
+        resolve_mesh(parallel.strategy, parallel.dp_shard, world)
+    except ValueError as exc:
+        raise ValueError(
+            f"{path}{' with ' + ' '.join(overrides) if overrides else ''} at world size "
+            f"{world}: {exc} Nothing was started."
+        ) from None
+
+
 def run_command(args: argparse.Namespace) -> int:
     torchrun = launcher_args(args)  # the launcher's own words first
     if not args.module and not os.path.isfile(args.script):
@@ -207,6 +251,8 @@ def run_command(args: argparse.Namespace) -> int:
             "the script's path, or -m MODULE for a module."
         )
     fit_nproc(args.nproc, visible_gpus(), default=args.nproc, command="run")
+    if ":" not in str(args.nnodes):  # an elastic job's world is not known yet
+        check_layout(args.script_args, args.nproc * int(args.nnodes))
     target = ["-m", args.script] if args.module else [args.script]
     return launch_torchrun(
         [*torchrun, *target, *args.script_args],

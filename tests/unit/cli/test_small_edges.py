@@ -139,3 +139,36 @@ def test_plan_names_the_users_function_that_raised(tmp_path, monkeypatch, capsys
     assert (
         "the model's forward raised RuntimeError on the example input tensor float32[2, 5]" in err
     )
+
+
+def test_run_refuses_a_layout_the_world_cannot_hold_before_spawning(tmp_path, capsys):
+    # Before: every worker raised the mesh error (30 to 74 lines) after the job started.
+    config = tmp_path / "job.yaml"
+    config.write_text("parallel:\n  strategy: full_shard\nrunner:\n  max_steps: 2\n")
+    script = os.path.join("examples", "train_lm.py")
+    cases = [
+        (
+            ["--nproc", "3"],
+            ["parallel.strategy=hybrid_shard"],
+            "at world size 3: ParallelConfig.strategy='hybrid_shard' needs a 2-D mesh",
+        ),
+        (
+            ["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1"],
+            ["parallel.dp_shard=3"],
+            "at world size 4: ParallelConfig.dp_shard=3",
+        ),
+        (
+            ["--nproc", "2"],
+            ["parallel.stratgy=ddp"],
+            "unknown key 'parallel.stratgy'. Did you mean 'strategy'?",
+        ),
+    ]
+    for flags, overrides, said in cases:
+        assert main(["run", *flags, script, "--config", str(config), *overrides]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+    # A file without a parallel section is the script's own: nothing is refused.
+    from shardwise.cli.launch import check_layout
+
+    (tmp_path / "other.yaml").write_text("lr: 3\n")
+    check_layout(["--config", str(tmp_path / "other.yaml"), "parallel.strategy=hybrid_shard"], 3)
