@@ -584,6 +584,97 @@ def test_metadata_naming_a_file_outside_is_refused(saved, tmp_path, how):
             load_checkpoint(saved, _engine())
 
 
+def _edit_manifest(checkpoint: Path, edit: Any) -> None:
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    (checkpoint / MANIFEST).write_text(json.dumps(edit(manifest)))
+
+
+def _set(path: list[Any], value: Any) -> Any:
+    def edit(manifest: Any) -> Any:
+        target = manifest
+        for key in path[:-1]:
+            target = target[key] if not callable(key) else key(target)
+        target[path[-1]] = value
+        return manifest
+
+    return edit
+
+
+def _first_file(files: dict[str, Any]) -> dict[str, Any]:
+    return next(iter(files.values()))
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda m: [m], r"\(the top level\) is list .*expected an object"),
+        (_set(["step"], "12"), r"step is str '12', expected an integer >= 0"),
+        (_set(["files"], ["state/.metadata"]), r"files is list .*expected an object of name"),
+        (
+            _set(["files", "state/.metadata"], "abc"),
+            r"files\['state/.metadata'\] is str 'abc', expected an object",
+        ),
+        (
+            _set(["files", _first_file, "size"], "10"),
+            r"files\[.*\]\.size is str '10', expected a size in bytes",
+        ),
+        (
+            lambda m: (_first_file(m["files"]).pop("sha256"), m)[1],
+            r"files\[.*\]\.sha256 is NoneType None, expected 64 lowercase hex",
+        ),
+        (
+            _set(["files", "../../etc/hostname"], {"size": 1, "sha256": "0" * 64}),
+            r"files\['../../etc/hostname'\] is str .*it is a path with '..'",
+        ),
+        (
+            _set(["files", "/etc/hostname"], {"size": 1, "sha256": "0" * 64}),
+            r"files\['/etc/hostname'\] .*it is an absolute path",
+        ),
+        (_set(["optimizer"], ["adamw"]), r"optimizer is list .*expected an object or null"),
+        (
+            _set(["optimizer", "param_groups"], {"lr": 1}),
+            r"optimizer.param_groups is dict .*expected a list of objects",
+        ),
+        (_set(["runner"], "step 3"), r"runner is str 'step 3', expected an object or null"),
+    ],
+)
+def test_a_malformed_manifest_is_a_checkpoint_error_naming_the_field(saved, edit, said):
+    """Before: raw TypeError, KeyError or AttributeError in verify and in resume, and a
+    manifest entry naming ../../etc/hostname was opened and hashed."""
+    _edit_manifest(saved, edit)
+    for read in (read_manifest, verify_checkpoint, lambda p: load_checkpoint(p, _engine())):
+        with pytest.raises(CheckpointError, match=rf"{saved / MANIFEST}: field {said}"):
+            read(saved)
+
+
+def test_latest_and_step_directories_cannot_point_outside_their_run(tmp_path):
+    """Before: `latest` naming ../../other-run/checkpoints/step_15 was resumed from, and a
+    step_* symlink to another run was listed, resumed and pruned as this run's."""
+    engine = _engine()
+    _step(engine, 0)
+    other = save_checkpoint(tmp_path / "other-run" / "checkpoints", engine)
+    mine = tmp_path / "run" / "checkpoints"
+    save_checkpoint(mine, engine)
+    (mine / "latest").write_text("../../other-run/checkpoints/" + other.name + "\n")
+    with pytest.raises(
+        CheckpointError,
+        match=r"latest names '../../other-run/[^']*'; it may only name a step_N directory beside it",
+    ):
+        resolve_checkpoint(mine)
+    (mine / "latest").write_text(other.name + "\n")
+    (mine / "step_00000015").symlink_to(other, target_is_directory=True)
+    (mine / "latest").write_text("step_00000015\n")
+    for look in (resolve_checkpoint, list_checkpoints):
+        with pytest.raises(
+            CheckpointError,
+            match=r"step_00000015 is a symbolic link \(to .*other-run.*\): a checkpoint must be a directory inside",
+        ):
+            look(mine)
+    (mine / "step_00000015").unlink()
+    (mine / "latest").write_text(other.name + "\n")
+    assert resolve_checkpoint(mine) == mine / other.name  # a plain step name beside it
+
+
 def _sharded_export(tmp_path: Path) -> Path:
     export_weights(GPT(CFG), tmp_path / "w", max_shard_bytes=20_000)
     return tmp_path / "w" / INDEX_FILE

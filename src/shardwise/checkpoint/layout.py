@@ -23,6 +23,7 @@ from typing import Any
 from shardwise.checkpoint.ranks import _gather_to_all, _my_share, _on_rank0
 from shardwise.checkpoint.trust import (
     CheckpointError,
+    check_manifest,
     read_dcp_metadata,
 )
 from shardwise.distributed.process_group import (
@@ -110,7 +111,10 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
     found = []
     for p in root.iterdir():
         name = p.name.removeprefix(TMP_PREFIX)
-        if not p.is_dir() or not name.startswith("step_") or not name[5:].isdigit():
+        if not name.startswith("step_") or not name[5:].isdigit():
+            continue
+        _refuse_link(p, root)
+        if not p.is_dir():
             continue
         complete = not p.name.startswith(TMP_PREFIX) and (p / MANIFEST).is_file()
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
@@ -129,7 +133,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint path {path} does not exist.")
     latest = path / LATEST
     if latest.is_file():
-        target = path / latest.read_text().strip()
+        target = _latest_target(latest)
         if (target / MANIFEST).is_file():
             return target
     complete = [c for c in list_checkpoints(path) if c.complete]
@@ -140,6 +144,31 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+def _refuse_link(step_dir: Path, root: Path) -> None:
+    """A step_* entry must be a real directory inside `root`, not a link to elsewhere."""
+    if step_dir.is_symlink() or not step_dir.resolve().is_relative_to(root.resolve()):
+        raise CheckpointError(
+            f"{step_dir} is a symbolic link (to {step_dir.resolve()}): a checkpoint must be a "
+            f"directory inside {root}, so that resuming, pruning and `latest` never act on "
+            "another run's files. Remove the link, or copy that checkpoint here."
+        )
+
+
+def _latest_target(latest: Path) -> Path:
+    """The checkpoint a `latest` file names: one step_N directory beside it, nothing else."""
+    name = latest.read_text().strip()
+    if _step_of(name) is None or "/" in name or "\\" in name:
+        raise CheckpointError(
+            f"{latest} names {name[:80]!r}; it may only name a step_N directory beside it "
+            f"(in {latest.parent}). It was not followed. Fix or delete {latest}: without it, "
+            "the newest complete checkpoint there is used."
+        )
+    target = latest.parent / name
+    if target.exists():
+        _refuse_link(target, latest.parent)
+    return target
+
+
 def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
     path = resolve_checkpoint(checkpoint) / MANIFEST
     try:
@@ -148,9 +177,11 @@ def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is unreadable or not JSON ({exc}): the checkpoint is corrupted."
         ) from None
+    if not isinstance(manifest, dict):
+        check_manifest(manifest, path)  # names what the top level is instead
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a shardwise checkpoint manifest.")
-    return dict(manifest)
+    return dict(check_manifest(manifest, path))
 
 
 def verify_checkpoint(checkpoint: str | Path, *, shared: bool = False) -> list[str]:

@@ -27,6 +27,8 @@ __all__ = [
     "CheckpointError",
     "SafeReader",
     "TensorOnlyLoadPlanner",
+    "check_manifest",
+    "outside_reason",
     "read_dcp_metadata",
     "root_cause",
 ]
@@ -112,13 +114,8 @@ def _check_storage_paths(metadata: Metadata, path: Path) -> None:
         name = os.fspath(rel)
         if name in checked:
             continue
-        if os.path.isabs(name) or PurePosixPath(name).is_absolute():
-            why = "an absolute path"
-        elif ".." in PurePosixPath(name).parts:
-            why = "a path with '..'"
-        elif name in ("", ".") or not (base / name).resolve().is_relative_to(base):
-            why = "a path that resolves outside that directory (through a link)"
-        else:
+        why = outside_reason(name, base)
+        if why is None:
             checked.add(name)
             continue
         raise CheckpointError(
@@ -126,6 +123,75 @@ def _check_storage_paths(metadata: Metadata, path: Path) -> None:
             f"only read files inside {path.parent}; it was not loaded (the checkpoint is "
             "corrupted or was tampered with)."
         )
+
+
+def outside_reason(name: str, base: Path) -> str | None:
+    """Why the relative path `name` does not stay inside the directory `base`, or None."""
+    if os.path.isabs(name) or PurePosixPath(name).is_absolute():
+        return "an absolute path"
+    if ".." in PurePosixPath(name).parts:
+        return "a path with '..'"
+    if name in ("", ".") or not (base / name).resolve().is_relative_to(base.resolve()):
+        return "a path that resolves outside that directory (through a link)"
+    return None
+
+
+_SHA256_HEX = frozenset("0123456789abcdef")
+
+
+def _expect(ok: bool, path: Path, field: str, value: Any, expected: str) -> None:
+    if not ok:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise CheckpointError(
+            f"{path}: field {field} is {type(value).__name__} {shown}, expected {expected}. "
+            "The manifest is corrupted or was edited; the checkpoint was not used."
+        )
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def check_manifest(manifest: Any, path: Path) -> dict[str, Any]:
+    """`manifest` (parsed from `path`) when every field readers use has its type, every file
+    entry is a size and a SHA-256, and every file name stays inside the checkpoint
+    directory; otherwise a CheckpointError naming the file, the field and what was
+    expected (never a raw TypeError or KeyError later, in verify or in resume)."""
+    _expect(isinstance(manifest, dict), path, "(the top level)", manifest, "an object")
+    for key, low in (("step", 0), ("world_size", 1)):
+        _expect(key in manifest, path, key, None, "present")
+        _expect(_is_int(manifest[key], low), path, key, manifest[key], f"an integer >= {low}")
+    for key in ("skipped_steps", "bytes"):
+        if key in manifest:
+            _expect(_is_int(manifest[key]), path, key, manifest[key], "an integer >= 0")
+    files = manifest.get("files")
+    _expect(isinstance(files, dict), path, "files", files, "an object of name: {size, sha256}")
+    base = path.parent
+    for name, entry in files.items():
+        where = f"files[{name!r}]"
+        _expect(isinstance(entry, dict), path, where, entry, "an object {size, sha256}")
+        size, digest = entry.get("size"), entry.get("sha256")
+        _expect(_is_int(size), path, f"{where}.size", size, "a size in bytes (integer >= 0)")
+        _expect(
+            isinstance(digest, str) and len(digest) == 64 and set(digest) <= _SHA256_HEX,
+            path, f"{where}.sha256", digest, "64 lowercase hex digits",
+        )  # fmt: skip
+        why = outside_reason(name, base)
+        _expect(why is None, path, where, name, f"a file inside {base} (it is {why})")
+    for key in ("optimizer", "scheduler", "grad_scaler", "runner", "train_config",
+                "parallel_config"):  # fmt: skip
+        value = manifest.get(key)
+        _expect(value is None or isinstance(value, dict), path, key, value, "an object or null")
+    optimizer = manifest.get("optimizer")
+    if optimizer is not None:
+        _expect(isinstance(optimizer.get("class"), str), path, "optimizer.class",
+                optimizer.get("class"), "the optimizer's class name")  # fmt: skip
+        groups = optimizer.get("param_groups")
+        _expect(
+            isinstance(groups, list) and all(isinstance(g, dict) for g in groups),
+            path, "optimizer.param_groups", groups, "a list of objects",
+        )  # fmt: skip
+    return manifest
 
 
 class SafeReader(FileSystemReader):
