@@ -248,9 +248,20 @@ def resume(
         if attempt:
             say(f"{attempt}no complete checkpoint yet, so training starts again from step 0")
         return 0, 0
+    saved = read_manifest(target)
+    saved_step = int(saved["step"]) + int(saved.get("skipped_steps", 0))  # as fit() counts
+    if config.max_steps is not None and saved_step > config.max_steps:
+        raise ValueError(
+            f"RunnerConfig.max_steps={config.max_steps} is below step {saved_step} of the "
+            f"checkpoint it resumes from ({resolve_checkpoint(target)}): the run would train "
+            f"nothing. Set max_steps above {saved_step} to train on, or start a fresh run "
+            "(resume=None and a new run_dir). Nothing was loaded."
+        )
     fresh = [dict(g) for g in engine.optimizer.param_groups]  # before the load replaces them
     manifest = load_checkpoint(target, engine)
     say(f"{attempt}resumed from step {engine.step} of {resolve_checkpoint(target)}")
+    if config.max_steps is not None and saved_step == config.max_steps:
+        say(f"the run is already complete at step {saved_step} (max_steps={config.max_steps})")
     changed = config_changes(manifest, engine.train_config, fresh)
     changed += runner_changes(manifest.get("runner") or {}, config)
     if changed and rank_and_world()[0] == 0:

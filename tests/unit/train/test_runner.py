@@ -407,7 +407,30 @@ def test_a_resumed_run_keeps_the_earlier_export(tmp_path, capsys):
     )  # fmt: skip
     torch.manual_seed(0)
     engine = Engine(GPT(CFG), lambda p: torch.optim.AdamW(p, lr=3e-3))
-    Runner(engine, lm_dataset(), config=config).fit()
+    with pytest.warns(UserWarning, match=r"runner.max_steps: checkpoint 2, now 3"):
+        Runner(engine, lm_dataset(), config=config).fit()
     kept = tmp_path / "run" / "export.1" / "model.safetensors"
     assert kept.read_bytes() == b"the first run's weights" and not export.exists()
     assert f"the earlier run's {export} was kept as {kept.parent}" in capsys.readouterr().err
+
+
+def test_max_steps_below_the_checkpoints_step_is_refused(tmp_path, capsys):
+    # Before: the run resumed, trained nothing and reported "done".
+    make_runner(tmp_path, batch_size=4, max_steps=3, max_epochs=None, save_at_end=True).fit()
+    capsys.readouterr()
+
+    def again(max_steps: int) -> Runner:
+        config = RunnerConfig(
+            run_dir=str(tmp_path / "run"), progress=False, batch_size=4, max_steps=max_steps,
+            max_epochs=None, resume="latest",
+        )  # fmt: skip
+        engine = Engine(GPT(CFG), lambda p: torch.optim.AdamW(p, lr=3e-3))
+        return Runner(engine, lm_dataset(), config=config)
+
+    with pytest.raises(
+        ValueError,
+        match=r"max_steps=2 is below step 3 of the checkpoint .*step_00000003.*Set max_steps above 3",
+    ):
+        again(2).fit()
+    assert again(3).fit()["steps"] == 3
+    assert "the run is already complete at step 3 (max_steps=3)" in capsys.readouterr().err
