@@ -31,6 +31,7 @@ the tensor format (DCP owns both).
 """
 
 from shardwise.checkpoint.async_save import PendingCheckpoint, wait_for_checkpoint
+from shardwise.checkpoint.contents import EngineState
 from shardwise.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, STAGING_PREFIX, export_weights
 from shardwise.checkpoint.layout import (
     DELETING_PREFIX,
@@ -75,6 +76,7 @@ __all__ = [
     "TMP_PREFIX",
     "CheckpointError",
     "CheckpointInfo",
+    "EngineState",
     "PendingCheckpoint",
     "SafeReader",
     "TensorOnlyLoadPlanner",

@@ -56,7 +56,8 @@ class PendingCheckpoint:
     DCP's thread writes a CPU copy of the state taken during the call, then this rank
     hashes its share of the files, still in the background. Nothing is visible until
     `result()`: a process killed before then leaves only ROOT/.tmp-step_N, which the next
-    save removes.
+    save removes. Made by `save_checkpoint` only: `manifest` is the JSON it will write (any
+    JSON values, typed Any) and `written` DCP's own future, whose value is not read.
     """
 
     def __init__(

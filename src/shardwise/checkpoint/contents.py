@@ -15,18 +15,46 @@ import json
 import platform
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
 from shardwise.checkpoint.layout import FORMAT, FORMAT_VERSION
 from shardwise.checkpoint.trust import (
     CheckpointError,
 )
+from shardwise.config.parallel import ParallelConfig
+from shardwise.config.training import TrainConfig
 from shardwise.parallelize.wrapped import wrap_info
+
+
+class EngineState(Protocol):
+    """What a checkpoint saves from and restores into a shardwise `Engine`. Typed by its
+    shape: checkpoint/ sits below train/ and never imports it (any object with these
+    attributes is saved the same way)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def scheduler(self) -> Stateful | None: ...
+    @property
+    def scaler(self) -> Stateful | None: ...
+    @property
+    def config(self) -> ParallelConfig: ...
+    @property
+    def train_config(self) -> TrainConfig: ...
+
+    step: int
+    """Optimizer steps done (set on load)."""
+    skipped_steps: int
+    micro_step: int
 
 
 def _jsonable(value: Any, what: str) -> Any:
@@ -50,8 +78,8 @@ def _json_default(value: Any) -> Any:
     return repr(value)
 
 
-def _config_dict(config: Any) -> dict[str, Any]:
-    if config is None or not dataclasses.is_dataclass(config):
+def _config_dict(config: object) -> dict[str, Any]:
+    if config is None or not dataclasses.is_dataclass(config) or isinstance(config, type):
         return {}
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     return dict(_jsonable(fields, f"{type(config).__name__}"))
@@ -92,19 +120,24 @@ class TrainState:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
-    scheduler: Any = None
-    scaler: Any = None
+    scheduler: Stateful | None = None
+    scaler: Stateful | None = None
     step: int = 0
     skipped_steps: int = 0
     micro_step: int = 0
-    config: Any = None
-    train_config: Any = None
-    engine: Any = None
+    config: ParallelConfig | None = None
+    train_config: TrainConfig | None = None
+    engine: EngineState | None = None
     """The Engine it came from (its counters are restored on load), or None."""
 
 
 def train_state(
-    target: Any, optimizer: Any, step: int | None, scheduler: Any, scaler: Any, what: str
+    target: nn.Module | EngineState,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    scheduler: Stateful | None,
+    scaler: Stateful | None,
+    what: str,
 ) -> TrainState:
     """A TrainState from what `save_checkpoint`/`load_checkpoint` were given: an Engine,
     or the model `shardwise.wrap` returned with the loop's own optimizer, step, scheduler
@@ -121,7 +154,12 @@ def train_state(
             )
         info = wrap_info(target)
         return TrainState(
-            target, optimizer, scheduler, scaler, step=step or 0, config=info and info.config
+            target,
+            optimizer,
+            scheduler,
+            scaler,
+            step=step or 0,
+            config=info.config if info is not None else None,
         )
     if hasattr(target, "model") and hasattr(target, "optimizer") and hasattr(target, "step"):
         given = [n for n, v in (("optimizer", optimizer), ("step", step), ("scheduler",
@@ -151,7 +189,11 @@ def train_state(
 
 
 def _manifest(
-    engine: TrainState, optim_sd: dict[str, Any], world: int, extra: Any, runner_state: Any
+    engine: TrainState,
+    optim_sd: dict[str, Any],
+    world: int,
+    extra: object,
+    runner_state: Mapping[str, object] | None,
 ) -> dict[str, Any]:
     info = engine.config
     return {

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -25,8 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
-from shardwise.checkpoint.contents import _restore_rng, train_state
+from shardwise.checkpoint.contents import EngineState, _restore_rng, train_state
 from shardwise.checkpoint.layout import (
     RNG_DIR,
     STATE_DIR,
@@ -71,11 +73,11 @@ def _check_keys(model_sd: dict[str, Any], metadata: Metadata, where: Path) -> No
 
 def load_checkpoint(
     directory: str | Path,
-    model: Any,
+    model: nn.Module | EngineState,
     optimizer: torch.optim.Optimizer | None = None,
     *,
-    scheduler: Any = None,
-    scaler: Any = None,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
     verify: bool = True,
     load_optimizer: bool = True,
 ) -> dict[str, Any]:
@@ -88,7 +90,8 @@ def load_checkpoint(
     this engine's layout. RNG states are restored when the world size matches the one
     that saved. With `verify`, every file's size and SHA-256 are checked first (each rank
     hashes its share of the files).
-    Returns the manifest (counters, runner position, `extra`).
+    Returns the manifest (counters, runner position, `extra`): JSON read from the
+    checkpoint, so its values are of any JSON type (typed Any).
     """
     engine = train_state(model, optimizer, None, scheduler, scaler, "load_checkpoint")
     load_optimizer = load_optimizer and engine.optimizer is not None

@@ -12,17 +12,20 @@ tensor format (DCP owns both).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import save_file
+from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from shardwise.checkpoint.async_save import (
     PendingCheckpoint,
@@ -36,7 +39,13 @@ from shardwise.checkpoint.commit import (
     _prepare,
     _write_failed,
 )
-from shardwise.checkpoint.contents import _jsonable, _manifest, _rng_tensors, train_state
+from shardwise.checkpoint.contents import (
+    EngineState,
+    _jsonable,
+    _manifest,
+    _rng_tensors,
+    train_state,
+)
 from shardwise.checkpoint.layout import RNG_DIR, STATE_DIR, TMP_PREFIX, checkpoint_name
 from shardwise.checkpoint.ranks import _agree, single_process_ok
 from shardwise.checkpoint.trust import (
@@ -65,15 +74,15 @@ from shardwise.distributed.process_group import (
 @overload
 def save_checkpoint(
     directory: str | Path,
-    model: Any,
+    model: nn.Module | EngineState,
     optimizer: torch.optim.Optimizer | None = ...,
     *,
     step: int | None = ...,
-    scheduler: Any = ...,
-    scaler: Any = ...,
-    extra: dict[str, Any] | None = ...,
+    scheduler: Stateful | None = ...,
+    scaler: Stateful | None = ...,
+    extra: Mapping[str, object] | None = ...,
     keep_last: int | None = ...,
-    runner_state: dict[str, Any] | None = ...,
+    runner_state: Mapping[str, object] | None = ...,
     async_: Literal[False] = ...,
 ) -> Path: ...
 
@@ -81,30 +90,30 @@ def save_checkpoint(
 @overload
 def save_checkpoint(
     directory: str | Path,
-    model: Any,
+    model: nn.Module | EngineState,
     optimizer: torch.optim.Optimizer | None = ...,
     *,
     step: int | None = ...,
-    scheduler: Any = ...,
-    scaler: Any = ...,
-    extra: dict[str, Any] | None = ...,
+    scheduler: Stateful | None = ...,
+    scaler: Stateful | None = ...,
+    extra: Mapping[str, object] | None = ...,
     keep_last: int | None = ...,
-    runner_state: dict[str, Any] | None = ...,
+    runner_state: Mapping[str, object] | None = ...,
     async_: Literal[True],
 ) -> PendingCheckpoint: ...
 
 
 def save_checkpoint(
     directory: str | Path,
-    model: Any,
+    model: nn.Module | EngineState,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     step: int | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    extra: dict[str, Any] | None = None,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    extra: Mapping[str, object] | None = None,
     keep_last: int | None = None,
-    runner_state: dict[str, Any] | None = None,
+    runner_state: Mapping[str, object] | None = None,
     async_: bool = False,
 ) -> Path | PendingCheckpoint:
     """Save a training state (model, optimizer, scheduler, scaler, counters, RNG) under
@@ -112,7 +121,8 @@ def save_checkpoint(
 
     `model` is what `shardwise.wrap` returned, with the loop's own `optimizer` (None leaves
     it out), `step` (the optimizer steps done, required), and optionally `scheduler` and
-    grad `scaler`; or a shardwise `Engine`, which carries all of them.
+    grad `scaler` (anything with state_dict/load_state_dict, such as torch's LRScheduler
+    and GradScaler); or a shardwise `Engine`, which carries all of them.
 
     Every rank writes its own shards in parallel. The checkpoint is written to a
     temporary directory and renamed to ROOT/step_<step> only after every rank has

@@ -28,7 +28,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import torch
 import yaml
@@ -37,6 +37,9 @@ from shardwise.config.names import closest
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import RunnerConfig, TrainConfig
 from shardwise.config.vocabulary import FOREIGN_WORDS, PLACEMENT_WORDS, integral, translate
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 T = TypeVar("T")
 
@@ -350,7 +353,7 @@ def _translate_words(data: Mapping[str, Any], path: str) -> dict[str, Any]:
     return {**values, **placement}
 
 
-def to_dict(config: Any) -> dict[str, Any]:
+def to_dict(config: DataclassInstance) -> dict[str, Any]:
     """Plain data (what YAML can hold) for a dataclass config; the inverse of from_dict."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
@@ -438,7 +441,8 @@ def load_config(
     return from_dict(cls, apply_overrides(data, overrides))
 
 
-def dump_config(config: Any) -> str:
+def dump_config(config: DataclassInstance) -> str:
+    """`config` (a Config, or any config dataclass) as YAML that `load_config` reads back."""
     return str(yaml.safe_dump(to_dict(config), sort_keys=False))
 
 

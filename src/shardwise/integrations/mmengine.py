@@ -143,8 +143,7 @@ class ShardwiseDataParallel(nn.Module):
             self._in_train_step = False
             if self.sharded:
                 self._set_gradient_sync(True)
-        log_vars.update(passed)
-        return log_vars
+        return {**log_vars, **passed}
 
     def val_step(self, data: dict | tuple | list) -> list:
         """The module's own val_step: data_preprocessor(data, False), mode='predict'."""

@@ -19,6 +19,7 @@ from shardwise.memory.auto import (
     format_rows,
     resolve_budget,
 )
+from shardwise.memory.fake import ExampleInput
 from shardwise.memory.model_states import (
     OPTIMIZER_STATES,
     MemoryEstimate,
@@ -30,7 +31,13 @@ from shardwise.memory.model_states import (
     format_memory,
     memory_json,
 )
-from shardwise.memory.simulate import SimReport, real_step, simulate_step, tracked_step
+from shardwise.memory.simulate import (
+    SimOptimizerFactory,
+    SimReport,
+    real_step,
+    simulate_step,
+    tracked_step,
+)
 
 __all__ = [
     "AC_ORDER",
@@ -41,10 +48,12 @@ __all__ = [
     "AutoPlan",
     "BlockTrace",
     "Candidate",
+    "ExampleInput",
     "InstantPeak",
     "MemoryEstimate",
     "NoPlanFitsError",
     "PeakEstimate",
+    "SimOptimizerFactory",
     "SimReport",
     "choose_plan",
     "device_memory",

@@ -20,14 +20,21 @@ copy whose parameters it may cast).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardwise.memory.fake import call_model, default_input, fake_materialize, loss_of, meta_copy
+from shardwise.memory.fake import (
+    ExampleInput,
+    call_model,
+    default_input,
+    fake_materialize,
+    loss_of,
+    meta_copy,
+)
 
 __all__ = ["ActivationTrace", "BlockTrace", "trace_activations"]
 
@@ -87,7 +94,7 @@ def trace_activations(
     compute_dtype: torch.dtype | None = None,
     keep_fp32: Sequence[str] = (),
     autocast: bool = False,
-    example_input: Callable[[], Any] | None = None,
+    example_input: ExampleInput | None = None,
 ) -> ActivationTrace:
     """Run one forward (and the loss) of a meta copy of `model` and record saved bytes.
 

@@ -35,6 +35,7 @@ from shardwise.config.names import StrategyName
 from shardwise.config.parallel import ParallelConfig, parse_memory_budget
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.memory.activations import trace_activations
+from shardwise.memory.fake import ExampleInput
 from shardwise.memory.model_states import estimate_memory, estimate_peak, format_bytes
 from shardwise.memory.simulate import simulate_step
 from shardwise.plan.planner import PlanNotice, plan_wrap
@@ -215,7 +216,7 @@ class InstantPeak:
         batch: int,
         seq_len: int | None,
         optimizer: str = "adamw",
-        example_input: Callable[[], Any] | None = None,
+        example_input: ExampleInput | None = None,
     ) -> None:
         self.model, self.world, self.batch, self.seq_len = meta_model, world, batch, seq_len
         self.optimizer, self.example_input = optimizer, example_input
@@ -259,7 +260,7 @@ def choose_plan(
     world: int,
     batch: int,
     seq_len: int | None,
-    example_input: Callable[[], Any] | None = None,
+    example_input: ExampleInput | None = None,
     optimizer: str = "adamw",
     budget: object = None,
     device: torch.device | str | None = None,

@@ -25,6 +25,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardwise.parallelize.apply as apply_module
 
+ExampleInput = Callable[[], object]
+"""A function returning one rank's example batch: a tensor (the model's one argument), a
+tuple of positional arguments, or a dict of keyword arguments; any object it returns is
+passed on as that."""
+
 
 def fake_materialize(model: nn.Module, device: torch.device, **_: Any) -> list[str]:
     """Stand-in for `shardwise.parallelize.materialize.materialize` on a fake, meta-built model.

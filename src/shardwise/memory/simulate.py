@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing as mp
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config.parallel import ParallelConfig
+from shardwise.config.parallel import ActivationCheckpointing, ParallelConfig
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.distributed.process_group import shutdown
 from shardwise.memory.fake import (
+    ExampleInput,
     call_model,
     default_input,
     default_seq_len,
@@ -79,6 +80,8 @@ CATEGORIES: tuple[str, ...] = (
     "ddp_buckets",
 )
 _OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+SimOptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+"""`optimizer=` as a function of the parameters, e.g. functools.partial(AdamW, lr=1e-4)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,9 @@ class SimReport:
 # --------------------------------------------------------------------------- model + input
 
 
-def _make_optimizer(optimizer: str | Callable[..., Any], params: Any) -> Any:
+def _make_optimizer(
+    optimizer: str | SimOptimizerFactory, params: Iterable[nn.Parameter]
+) -> torch.optim.Optimizer | None:
     if callable(optimizer):
         return optimizer(params)
     if optimizer == "adamw":
@@ -232,7 +237,9 @@ def _create_optimizer_state(model: nn.Module, optimizer: Any) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def tracked_step(model: nn.Module, optimizer: Any, make_input: Callable[[], Any]) -> dict[str, Any]:
+def tracked_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, make_input: ExampleInput
+) -> dict[str, Any]:
     """Create the optimizer state (as in every step after the first), then run one step
     (forward, backward, optimizer step) under torch's memory tracker; return the peak and
     its categories.
@@ -265,7 +272,7 @@ def real_step(
     *,
     batch: int,
     seq_len: int,
-    optimizer: str | Callable[..., Any] = "adamw",
+    optimizer: str | SimOptimizerFactory = "adamw",
 ) -> dict[str, Any]:
     """The real counterpart of `simulate_step`, on real tensors in the caller's process group:
     build, `wrap`, then `tracked_step` with the same default input. What a simulation is
@@ -275,7 +282,9 @@ def real_step(
     return tracked_step(model, opt, lambda: default_input(model, batch, seq_len))
 
 
-def _resolve_config(config: ParallelConfig, activation_checkpointing: Any) -> ParallelConfig:
+def _resolve_config(
+    config: ParallelConfig, activation_checkpointing: ActivationCheckpointing
+) -> ParallelConfig:
     if not isinstance(config, ParallelConfig):
         raise TypeError(
             f"simulate_step(config=...) expects a ParallelConfig, got {type(config).__name__}."
@@ -301,10 +310,10 @@ def _simulate_here(
     model_factory: Callable[[], nn.Module],
     config: ParallelConfig,
     world: int,
-    example_input: Callable[[], Any] | None,
+    example_input: ExampleInput | None,
     batch: int,
     seq_len: int | None,
-    optimizer: str | Callable[..., Any],
+    optimizer: str | SimOptimizerFactory,
 ) -> SimReport:
     import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d kernels)
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -401,11 +410,11 @@ def simulate_step(
     config: ParallelConfig,
     *,
     world: int,
-    example_input: Callable[[], Any] | None = None,
+    example_input: ExampleInput | None = None,
     batch: int,
     seq_len: int | None,
-    optimizer: str | Callable[..., Any] = "adamw",
-    activation_checkpointing: Any = None,
+    optimizer: str | SimOptimizerFactory = "adamw",
+    activation_checkpointing: ActivationCheckpointing = None,
     timeout_s: float = 600.0,
 ) -> SimReport:
     """Rank 0's peak memory, by category, for one training step at `world` ranks.

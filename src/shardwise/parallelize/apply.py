@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -186,7 +187,7 @@ def wrap(
     # Under CPU offload parameters stay on the CPU; sharded ones move unit by unit below.
     move = not on_meta and config.offload_policy is None
 
-    def fill(target: nn.Module, mesh: Any = None) -> None:
+    def fill(target: nn.Module, mesh: DeviceMesh | None = None) -> None:
         if on_meta:
             materialize(
                 target,

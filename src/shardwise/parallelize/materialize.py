@@ -21,11 +21,11 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -72,7 +72,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _seed_for_rank(mesh: Any, seed: int) -> None:
+def _seed_for_rank(mesh: DeviceMesh | None, seed: int) -> None:
     """Independent draws per shard, the same draws on replicas of a shard."""
     shard_coordinate = 0
     if mesh is not None and dist.is_initialized():
@@ -162,7 +162,7 @@ def materialize(
     model: nn.Module,
     device: torch.device,
     *,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
     weights: str | Path | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     seed: int = 0,

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -37,7 +38,8 @@ class WrapInfo:
     dist: DistInfo
     mesh_spec: MeshSpec | None
     plan: WrapPlan | None
-    device_mesh: Any = None
+    device_mesh: DeviceMesh | None = None
+    """The mesh the model was sharded over (None for ddp and when left unwrapped)."""
 
     @property
     def wrapped(self) -> bool:

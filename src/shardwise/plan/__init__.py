@@ -9,6 +9,7 @@ from shardwise.plan.detect import DetectedBlocks, detect_blocks
 from shardwise.plan.planner import MixedUnit, PlanNotice, WrapPlan, WrapUnit, plan_wrap
 from shardwise.plan.policies import (
     Policy,
+    PolicyFactory,
     register_wrap_policy,
     registered_policies,
     resolve_policy,
@@ -19,6 +20,7 @@ __all__ = [
     "MixedUnit",
     "PlanNotice",
     "Policy",
+    "PolicyFactory",
     "WrapPlan",
     "WrapUnit",
     "detect_blocks",

@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from shardwise.config.names import closest
+from shardwise.config.parallel import ParallelConfig
 from shardwise.plan.detect import detect_blocks
 
 FIELD = "ParallelConfig.auto_wrap_policy"
@@ -41,7 +42,8 @@ class Policy:
         return bool(self.decide(fqn, module, nonwrapped_numel))
 
 
-PolicyFactory = Callable[[nn.Module, Any], Any]
+PolicyFactory = Callable[[nn.Module, ParallelConfig], object]
+"""`factory(model, config)` returning any accepted `auto_wrap_policy` form."""
 _REGISTRY: dict[str, PolicyFactory] = {}
 
 
@@ -185,8 +187,10 @@ def custom_policy(lambda_fn: Callable[[nn.Module], Any]) -> Policy:
     return Policy(decide, f"FSDP1 CustomPolicy({label})")
 
 
-def resolve_policy(value: object, model: nn.Module, config: Any = None) -> Policy:
-    """A `Policy` for any accepted `auto_wrap_policy` value."""
+def resolve_policy(value: object, model: nn.Module, config: ParallelConfig | None = None) -> Policy:
+    """A `Policy` for any accepted `auto_wrap_policy` value (`value` may be anything: what
+    is not one is a TypeError naming the forms); a named policy's factory gets `config`
+    (None: the defaults)."""
     if isinstance(value, Policy):
         return value
     if type(value).__name__ == "CustomPolicy" and hasattr(value, "_lambda_fn"):
@@ -201,6 +205,7 @@ def resolve_policy(value: object, model: nn.Module, config: Any = None) -> Polic
         if value.startswith(REGEX_PREFIX):
             return regex_policy(value[len(REGEX_PREFIX) :])
         if value in _REGISTRY:
+            config = config if config is not None else ParallelConfig()
             resolved = resolve_policy(_REGISTRY[value](model, config), model, config)
             if not resolved.description.startswith(value):
                 resolved.description = f"{value}: {resolved.description}"
@@ -221,18 +226,18 @@ def resolve_policy(value: object, model: nn.Module, config: Any = None) -> Polic
 
 
 @register_wrap_policy("none")
-def _none(model: nn.Module, config: Any) -> Policy:
+def _none(model: nn.Module, config: ParallelConfig) -> Policy:
     return Policy(lambda fqn, m, n: False, "none: the root is the only unit", strict=False)
 
 
 @register_wrap_policy("size")
-def _size(model: nn.Module, config: Any) -> Policy:
+def _size(model: nn.Module, config: ParallelConfig) -> Policy:
     size = getattr(config, "min_num_params", None)
     return size_policy(100_000_000 if size is None else int(size))  # FSDP1's default
 
 
 @register_wrap_policy("transformer_blocks")
-def _transformer_blocks(model: nn.Module, config: Any) -> Policy:
+def _transformer_blocks(model: nn.Module, config: ParallelConfig) -> Policy:
     found = detect_blocks(model)
     if not found.classes:
         raise ValueError(
@@ -246,7 +251,7 @@ def _transformer_blocks(model: nn.Module, config: Any) -> Policy:
 
 
 @register_wrap_policy("auto")
-def _auto(model: nn.Module, config: Any) -> Policy:
+def _auto(model: nn.Module, config: ParallelConfig) -> Policy:
     found = detect_blocks(model)
     if not found.classes:
         return Policy(

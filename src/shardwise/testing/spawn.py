@@ -24,7 +24,12 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.connection import Connection, wait
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
 
 __all__ = [
     "HostSyncs",
@@ -108,17 +113,17 @@ def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
 
 
 def run_distributed(
-    fn: Callable[..., Any],
+    fn: Callable[..., T],
     world_size: int = 2,
     *,
-    args: tuple[Any, ...] = (),
-    kwargs: Mapping[str, Any] | None = None,
+    args: tuple[object, ...] = (),
+    kwargs: Mapping[str, object] | None = None,
     timeout_s: float = 120.0,
     backend: str = "gloo",
     init_process_group: bool = True,
     env: Mapping[str, str] | None = None,
     threads_per_rank: int = 1,
-) -> list[Any]:
+) -> list[T]:
     """Run `fn(*args, **kwargs)` on `world_size` spawned ranks; return the results by rank.
 
     Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT as torchrun would
@@ -325,8 +330,8 @@ def count_host_syncs() -> Iterator[HostSyncs]:
 
 
 def assert_same_distribution(
-    got: Mapping[str, Any],
-    want: Mapping[str, Any],
+    got: Mapping[str, torch.Tensor],
+    want: Mapping[str, torch.Tensor],
     *,
     std_rtol: float = 0.1,
     mean_sigmas: float = 4.0,

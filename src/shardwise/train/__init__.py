@@ -8,12 +8,15 @@ plot.py (what a run writes and draws).
 """
 
 from shardwise.config.training import RunnerConfig, TrainConfig
-from shardwise.train.engine import MODES, Engine, SchedulerFactory, clip_grad_norm_, total_grad_norm
+from shardwise.train.engine import MODES, Engine, clip_grad_norm_, total_grad_norm
 from shardwise.train.losses import VIS_KEYS, model_parse_losses, parse_losses, split_outputs
 from shardwise.train.metrics import METRICS_FILE, MetricsLogger, read_metrics
 from shardwise.train.nonfinite import NonFiniteError
 from shardwise.train.optim import (
     OptimizerFactory,
+    OptimWrapperLike,
+    SchedulerFactory,
+    SchedulerLike,
     WrapperSettings,
     build_optimizer,
     build_scheduler,
@@ -34,11 +37,13 @@ __all__ = [
     "EvaluateFn",
     "MetricsLogger",
     "NonFiniteError",
+    "OptimWrapperLike",
     "OptimizerFactory",
     "Preempted",
     "Runner",
     "RunnerConfig",
     "SchedulerFactory",
+    "SchedulerLike",
     "TrainConfig",
     "WrapperSettings",
     "build_optimizer",

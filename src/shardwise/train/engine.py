@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,9 @@ from shardwise.train.nonfinite import (
 )
 from shardwise.train.optim import (
     OptimizerFactory,
+    OptimWrapperLike,
+    SchedulerFactory,
+    SchedulerLike,
     build_optimizer,
     build_scheduler,
     from_optim_wrapper,
@@ -58,8 +61,6 @@ __all__ = [
 ]
 
 MODES = ("loss", "predict", "tensor")
-
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
@@ -120,9 +121,9 @@ class Engine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | OptimizerFactory | Any,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | OptimWrapperLike,
         config: ParallelConfig | None = None,
-        scheduler: Any = None,
+        scheduler: SchedulerLike | SchedulerFactory | None = None,
         *,
         train: TrainConfig | None = None,
     ) -> None:

@@ -22,7 +22,7 @@ VIS_KEYS = ("vis_preds", "vis_masks")
 """Keys of a train step's result that carry predictions through, never logged."""
 
 
-def split_outputs(outputs: Any) -> tuple[Any, dict[str, Any]]:
+def split_outputs(outputs: object) -> tuple[object, dict[str, object]]:
     """(losses, pass-through extras) for `(losses, preds)` and `(losses, preds, masks)`.
 
     The same rule as OpenMMLab's wrappers: a 3-tuple is mmpretrain's (losses, preds,
@@ -36,8 +36,9 @@ def split_outputs(outputs: Any) -> tuple[Any, dict[str, Any]]:
     return outputs, {}
 
 
-def parse_losses(outputs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The total loss to backpropagate and the (detached, scalar) values to log.
+def parse_losses(outputs: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The total loss to backpropagate and the (detached, scalar) values to log, from what
+    a model's forward returned (any object; what is none of these is a TypeError):
 
     - A scalar tensor is the loss.
     - An object with a `.loss` tensor (Hugging Face model outputs) gives that loss.
@@ -93,7 +94,9 @@ def _parse_loss_dict(losses: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str,
     return total, logs
 
 
-def model_parse_losses(model: nn.Module, losses: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+def model_parse_losses(
+    model: nn.Module, losses: object
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Parse with the model's own `parse_losses(losses)` when it has one (an mmengine
     `BaseModel`, perhaps reweighting), else with mmengine's rule above."""
     own = getattr(model, "parse_losses", None)

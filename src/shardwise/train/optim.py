@@ -15,7 +15,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -28,14 +28,41 @@ from shardwise.parallelize.wrapped import unwrap
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-def is_optim_wrapper(value: object) -> bool:
+class OptimWrapperLike(Protocol):
+    """mmengine's OptimWrapper/AmpOptimWrapper as the Engine reads it, typed by shape: this
+    module never imports mmengine. The Engine takes its optimizer and settings and steps
+    them itself; the two methods only identify it (whatever arguments mmengine gives them)."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    def update_params(self, *args: Any, **kwargs: Any) -> object: ...
+    def optim_context(self, *args: Any, **kwargs: Any) -> object: ...
+
+
+class SchedulerLike(Protocol):
+    """An LR scheduler as the Engine steps and checkpoints it: torch's LRScheduler, or
+    mmengine's ParamScheduler (typed by shape). It repeats torch's `Stateful` rather than
+    subclass it: a subclass with a property would break DCP's isinstance(x, Stateful)."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    def step(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+SchedulerFactory = Callable[[torch.optim.Optimizer], SchedulerLike | None]
+
+
+def is_optim_wrapper(value: object) -> TypeGuard[OptimWrapperLike]:
     """mmengine's OptimWrapper (or anything with its interface)."""
     return all(hasattr(value, a) for a in ("update_params", "optim_context", "optimizer"))
 
 
-def build_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(optimizer: object, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer to step: a torch optimizer holding `model`'s parameters, or one built
-    by a factory from them (an OptimWrapper is translated by the Engine first)."""
+    by a factory (`OptimizerFactory`) from them; an OptimWrapper is translated by the
+    Engine first. `optimizer` may be anything: what is neither is a TypeError saying so."""
 
     model_params = list(model.parameters())
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -99,7 +126,11 @@ def check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
                     )
 
 
-def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+def build_scheduler(
+    scheduler: SchedulerLike | SchedulerFactory | None, optimizer: torch.optim.Optimizer
+) -> SchedulerLike | None:
+    """The scheduler to step: `scheduler` if it was built for `optimizer`, or what a factory
+    builds from it; None for none."""
     if scheduler is None:
         return None
     if hasattr(scheduler, "step") and hasattr(scheduler, "optimizer"):
@@ -109,7 +140,7 @@ def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
                 "Pass a factory instead: scheduler=lambda opt: torch.optim.lr_scheduler."
                 "CosineAnnealingLR(opt, T_max=...)."
             )
-        return scheduler
+        return cast(SchedulerLike, scheduler)
     if callable(scheduler):
         return scheduler(optimizer)
     raise TypeError(
@@ -127,13 +158,13 @@ class WrapperSettings:
     max_grad_norm: float | None
     amp_dtype: torch.dtype | None
     """The dtype an AmpOptimWrapper computes in (None: a plain OptimWrapper)."""
-    loss_scaler: Any = None
+    loss_scaler: torch.amp.GradScaler | None = None
     """An AmpOptimWrapper's GradScaler (None: a plain OptimWrapper)."""
     static_scale: float | None = None
     """AmpOptimWrapper(loss_scale=<float>): the scale it restores after every step."""
 
 
-def read_optim_wrapper(wrapper: Any, device_type: str) -> WrapperSettings:
+def read_optim_wrapper(wrapper: OptimWrapperLike, device_type: str) -> WrapperSettings:
     """Translate mmengine's OptimWrapper/AmpOptimWrapper, or refuse what cannot carry over.
 
     The Engine steps the wrapper's optimizer itself: its own global-norm clipping (over
@@ -170,7 +201,7 @@ def read_optim_wrapper(wrapper: Any, device_type: str) -> WrapperSettings:
     return WrapperSettings(optimizer, counts, max_norm, amp_dtype, scaler, static)
 
 
-def sharded_scaler_like(scaler: Any) -> ShardedGradScaler:
+def sharded_scaler_like(scaler: torch.amp.GradScaler) -> ShardedGradScaler:
     """A ShardedGradScaler with `scaler`'s settings and state (a torch GradScaler, as
     mmengine's AmpOptimWrapper makes). Under sharding a plain GradScaler sees inf/nan only
     in its own rank's shards, so ranks would skip different steps and their loss scales
@@ -192,7 +223,7 @@ def sharded_scaler_like(scaler: Any) -> ShardedGradScaler:
 
 
 def from_optim_wrapper(
-    wrapper: Any, train: TrainConfig, config: ParallelConfig, device_type: str
+    wrapper: OptimWrapperLike, train: TrainConfig, config: ParallelConfig, device_type: str
 ) -> tuple[torch.optim.Optimizer, TrainConfig, ShardedGradScaler | None]:
     """Take an mmengine OptimWrapper's optimizer, accumulation, clipping and loss scaler
     (the Engine then steps them itself, see `read_optim_wrapper`): (its optimizer, `train`
@@ -231,8 +262,9 @@ def from_optim_wrapper(
             "through mmengine's Runner with ShardwiseDataParallel, which keeps it."
         )
     scaler = settings.loss_scaler
-    enabled = scaler is not None and scaler.is_enabled()
-    return settings.optimizer, tc, sharded_scaler_like(scaler) if enabled else None
+    if scaler is None or not scaler.is_enabled():
+        return settings.optimizer, tc, None
+    return settings.optimizer, tc, sharded_scaler_like(scaler)
 
 
 def _short(dtype: torch.dtype) -> str:
