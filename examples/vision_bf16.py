@@ -1,8 +1,10 @@
 """Vision in bf16: a CNN with BatchNorm trained by shardwise's Engine and Runner.
 
     python examples/vision_bf16.py                                         # 1 process
-    torchrun --standalone --nproc_per_node 2 examples/vision_bf16.py       # 2 processes, FSDP
-    torchrun --standalone --nproc_per_node 2 examples/vision_bf16.py --strategy ddp
+    torchrun --standalone --nproc_per_node 2 examples/vision_bf16.py --run-dir runs/vision_bf16-fsdp
+
+Each run needs a run directory of its own (--run-dir; the Runner refuses to start afresh
+where a run already wrote its metrics); --strategy ddp (or another) picks the strategy.
 
 The images are synthetic, made here, so nothing is downloaded: each 32x32 RGB image is
 noise plus a faint copy of one of 10 smooth random templates, and its class is the

@@ -1,7 +1,11 @@
 """Train an mmengine config, as mmengine's tools/train.py does.
 
     torchrun --nproc_per_node 2 examples/mmengine/train.py examples/mmengine/toy_config.py
-    ... --resume            # resume from the latest checkpoint in work_dir
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 torchrun ... --resume   # from work_dir's latest
+
+mmengine 0.10 resumes through torch.load's default, which torch >= 2.6 made weights-only,
+and its checkpoints hold a HistoryBuffer that weights-only loading refuses: hence the
+variable on the resume (load only checkpoints you trust).
 
 On CPU the process group is made here (gloo) before the Runner: mmengine's own init_dist
 calls torch.cuda.set_device, which a CPU-only machine refuses. The Runner then finds the
