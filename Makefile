@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench lint typecheck unit layout bench gpu-check soak clean install
+.PHONY: demo test test-models test-integrations test-bench lint typecheck unit layout bench gpu-check soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,11 @@ test-bench: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
+
+# The documentation site (MkDocs, Material theme, API pages from the docstrings) into site/;
+# --strict: any warning (a broken link, a docstring mkdocstrings cannot read) fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # Everything one GPU can check, in under ten minutes; on a machine without one it says so.
 gpu-check: $(STAMP)
