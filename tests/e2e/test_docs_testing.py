@@ -12,7 +12,7 @@ DOC = ROOT / "docs" / "testing.md"
 
 
 def _commands() -> list[str]:
-    blocks = re.findall(r"```\n(.*?)```", DOC.read_text(), flags=re.S)
+    blocks = re.findall(r"```(?:bash)?\n(.*?)```", DOC.read_text(), flags=re.S)
     return [line for block in blocks for line in block.splitlines() if line.strip()]
 
 

@@ -1,0 +1,100 @@
+"""Commands the docs show that another test runs, and where.
+
+The doc tests run every other command themselves. These are too slow for that (a full
+demo, a training run of an example, a Lightning or mmengine job) or are the test suite
+itself; each names the test that runs it and the text that shows it does (found in that
+test function's source, or in the file). A documented command that is neither here nor
+cheap enough to run, nor marked `*Not run by the tests: ...*`, fails the doc tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunBy:
+    where: str
+    """`path::function` (or a path) of the test that runs the command."""
+    evidence: tuple[str, ...]
+    """Text in that function (or file) showing it runs this command."""
+    also: tuple[tuple[str, str], ...] = ()
+    """(path, text) elsewhere that ties the command to what the test runs (a Makefile recipe)."""
+
+
+_HOSTS = "tests/docs/test_host_examples.py::test_host_examples_run_as_written"
+_RUN_AS_WRITTEN = ("for text in commands:", "run_shell(")
+
+
+def _hosts(example: str) -> RunBy:
+    return RunBy(_HOSTS, _RUN_AS_WRITTEN, also=(("tests/docs/test_host_examples.py", example),))
+
+
+COVERED: dict[str, RunBy] = {
+    # README.md
+    "make demo": RunBy(
+        "tests/e2e/test_cli.py::test_demo_short",
+        ('cli("demo", "--short"',),
+        also=(("Makefile", "$(VENV)/bin/shardwise demo"),),
+    ),
+    "make test": RunBy(
+        ".ci/run", ("for target in test ",), also=(("Makefile", "$(VENV)/bin/pytest -q\n"),)
+    ),
+    # docs/examples.md
+    "shardwise run --nproc 2 examples/train_lm.py": RunBy(
+        "tests/e2e/test_example_lm.py::"
+        "test_a_resume_with_a_changed_lr_says_its_step_and_names_the_change",
+        ('"run", "--nproc", "2", str(EXAMPLE)',),
+    ),
+    "shardwise run --nproc 2 examples/train_lm.py --init-from runs/train_lm/export --rank0-reads "
+    "runner.run_dir=runs/finetune": RunBy(
+        "tests/e2e/test_example_lm.py::test_train_export_then_start_from_the_export_on_meta",
+        ('"--init-from", str(export), "--rank0-reads"', '"runner.run_dir='),
+    ),
+    "python examples/vision_bf16.py": RunBy(
+        "tests/e2e/test_example_vision.py::test_plain_python_is_world_one_and_learns",
+        ("[sys.executable, str(EXAMPLE)",),
+    ),
+    "torchrun --standalone --nproc_per_node 2 examples/vision_bf16.py --run-dir "
+    "runs/vision_bf16-fsdp": RunBy(
+        "tests/e2e/test_example_vision.py::test_torchrun_two_processes",
+        ('"--nproc_per_node", "2"', '"--run-dir"'),
+    ),
+    "python examples/quickstart.py": RunBy(
+        "tests/e2e/test_quickstart.py::test_plain_python_is_world_one",
+        ("[sys.executable, str(EXAMPLE)",),
+    ),
+    "torchrun --standalone --nproc_per_node 2 examples/quickstart.py": RunBy(
+        "tests/e2e/test_quickstart.py::test_torchrun_two_processes",
+        ('"--nproc_per_node", "2"', "str(EXAMPLE)"),
+    ),
+    # docs/hosts.md: mmengine and Lightning jobs, run as written under `-m integrations`
+    "torchrun --standalone --nproc_per_node 2 examples/mmengine/train.py "
+    "examples/mmengine/toy_config.py --work-dir work_dirs/toy": _hosts(
+        '"examples/mmengine/train.py", 2'
+    ),
+    "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 torchrun --standalone --nproc_per_node 2 "
+    "examples/mmengine/train.py examples/mmengine/toy_config.py --work-dir work_dirs/toy "
+    "--resume": _hosts('"examples/mmengine/train.py", 2'),
+    "python examples/lightning_train.py": _hosts('"examples/lightning_train.py", 2'),
+    "python examples/lightning_train.py --strategy ddp --devices 1": _hosts(
+        '"examples/lightning_train.py", 2'
+    ),
+    "torchrun --standalone --nproc_per_node 2 examples/mixin_trainer.py --use-fsdp "
+    "--sharding-strategy ShardingStrategy.FULL_SHARD": RunBy(
+        "tests/e2e/test_quickstart.py::test_trainer_mixin_example",
+        (
+            '"--nproc_per_node", "2"',
+            '"--use-fsdp", "--sharding-strategy", "ShardingStrategy.FULL_SHARD"',
+        ),
+    ),
+    # docs/testing.md
+    ".venv/bin/python tests/mutants.py --list": RunBy(
+        "tests/e2e/test_docs_testing.py::test_every_command_in_the_testing_doc_runs",
+        ('".venv/bin/python tests/mutants.py --list"',),
+    ),
+    ".venv/bin/python tests/mutants.py --only latest_before_rename": RunBy(
+        "tests/e2e/test_docs_testing.py::test_every_command_in_the_testing_doc_runs",
+        ('".venv/bin/python tests/mutants.py --only latest_before_rename"',),
+    ),
+}
