@@ -15,7 +15,7 @@ import io
 import os
 import pickle
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -191,7 +191,7 @@ def check_manifest(manifest: Any, path: Path) -> dict[str, Any]:
             isinstance(groups, list) and all(isinstance(g, dict) for g in groups),
             path, "optimizer.param_groups", groups, "a list of objects",
         )  # fmt: skip
-    return manifest
+    return cast(dict[str, Any], manifest)  # an object: checked first
 
 
 class SafeReader(FileSystemReader):

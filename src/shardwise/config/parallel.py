@@ -418,7 +418,7 @@ def _validate_ddp_only(cfg: ParallelConfig) -> None:
 
 def _validate_device_mesh(cfg: ParallelConfig) -> None:
     """A user's mesh (or FSDP1 process groups) must fit the strategy's shape."""
-    mesh = cfg.device_mesh
+    mesh: object = cfg.device_mesh  # FSDP1's non-member sentinel is an int, untyped here
     if mesh is None:
         return
     from torch.distributed import GroupMember

@@ -400,7 +400,7 @@ def _simulate_in_subprocess(kwargs: dict[str, Any], timeout_s: float) -> SimRepo
         if proc.is_alive():
             proc.kill()
             proc.join()
-    if status != "ok":
+    if status != "ok" or not isinstance(payload, SimReport):
         raise RuntimeError(f"simulate_step failed in its subprocess: {payload}")
     return payload
 

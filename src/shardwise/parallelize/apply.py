@@ -27,7 +27,8 @@ from shardwise.distributed.process_group import DistInfo, env_world_size, get_di
 from shardwise.parallelize.autocast import apply_autocast, tf32_advice
 from shardwise.parallelize.ddp import apply_ddp
 from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, unit_preparer
-from shardwise.parallelize.materialize import has_meta, materialize
+from shardwise.parallelize.materialize import has_meta
+from shardwise.parallelize.materialize import materialize as materialize  # memory/fake.py swaps it
 from shardwise.parallelize.recompute import apply_activation_checkpointing
 from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding

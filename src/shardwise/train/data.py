@@ -32,7 +32,7 @@ from shardwise.config.training import RunnerConfig
 from shardwise.train.progress import say
 
 
-class ResumableSampler(DistributedSampler):
+class ResumableSampler(DistributedSampler[int]):
     """DistributedSampler that can start its next epoch a number of samples in (resume)."""
 
     skip = 0
