@@ -751,3 +751,38 @@ def test_export_refuses_foreign_files_and_keeps_the_users_config(tmp_path, saved
     export_weights(saved, out)
     assert _names(out) == ["config.json", SINGLE_FILE]
     assert (out / "config.json").read_text() == "{}"
+
+
+def test_a_full_disk_during_export_leaves_nothing_and_says_what_is_needed(tmp_path, monkeypatch):
+    """Before: a raw SafetensorError, and an empty export/ that load_weights read as 'no
+    weights'. A re-export that fails keeps the earlier export whole."""
+    import shardwise.checkpoint.export as export_module
+
+    real_save = export_module.save_file
+    writes = []
+
+    def disk_fills(tensors, path, metadata=None):
+        if writes:  # the second file finds the disk full, after writing part of itself
+            Path(path).write_bytes(b"\0" * 100)
+            raise OSError(28, "No space left on device")
+        writes.append(path)
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(export_module, "save_file", disk_fills)
+    model, out = GPT(CFG), tmp_path / "export"
+    needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with pytest.raises(WeightsError) as caught:
+        export_weights(model, out, max_shard_bytes=20_000)
+    said = str(caught.value)
+    assert f"export_weights could not write to {out}: [Errno 28] No space left on device" in said
+    assert f"needs about {needed:,} bytes (" in said and "bytes free there)" in said
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # no partial export, no staging
+    monkeypatch.setattr(export_module, "save_file", real_save)
+    export_weights(model, out, max_shard_bytes=20_000)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    writes.clear()
+    monkeypatch.setattr(export_module, "save_file", disk_fills)
+    with pytest.raises(WeightsError, match="No space left on device"):
+        export_weights(GPT(GPTConfig(n_layers=1)), out, max_shard_bytes=20_000)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    load_weights(GPT(CFG), out)  # still the first export, whole

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.bench  # `make test-bench` (and .ci/run), not `make tes
         "mfu.py",
         "meta_memory.py",
         "wrap_memory.py",
+        "export_memory.py",
         "checkpoint_io.py",
         "overhead.py",
         "memory_sim.py",

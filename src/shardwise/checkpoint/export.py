@@ -12,6 +12,12 @@ config.json (and generation_config.json), so `from_pretrained` opens the export;
 duck-typed, and transformers is never imported here. A checkpoint is verified against its
 manifest's SHA-256 hashes before any tensor is read, as `load_checkpoint` does.
 
+A first export is written into a hidden staging directory beside `out` and renamed to
+`out` when complete, so a failed export (a full disk: the error names the path, the bytes
+needed and the space free) leaves no `out` behind. Rank 0 holds at most one file's worth of
+tensors (`max_shard_bytes`, or one larger tensor) at a time: tensors are gathered one by one
+and each file is written as soon as the next tensor would take it over the bound.
+
 Exporting again into the same directory replaces the previous export: the new files are
 written into a hidden staging directory inside `out`, then the old export's files are moved
 out of the way and the new ones in, entry file (model.safetensors or the index) last, so
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -33,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -82,12 +90,15 @@ def _checked_checkpoint(directory: str | Path, out: Path, verify: bool) -> Path:
 
 def _model_tensors(model: nn.Module, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(name, full CPU tensor) per state_dict entry, one at a time; all ranks must iterate
-    together (the gathers are collectives). Only the rank that writes (`keep`) copies each
-    gathered tensor to host memory; the others yield None and free it at once."""
+    together (the gathers are collectives). Only the rank that writes (`keep`) keeps each
+    gathered tensor; the others yield None and free it at once. No copy is made beyond the
+    gather itself (and the move to host memory from an accelerator): an unsharded CPU
+    parameter is written from its own storage."""
     for name, value in _model_state(model).items():
         if isinstance(value, DTensor):
-            value = value.full_tensor()
-        yield name, value.detach().to("cpu", copy=True) if keep else None
+            value = value.full_tensor()  # new memory on every rank
+        yield name, value.detach().cpu() if keep else None
+        del value
 
 
 def _checkpoint_tensors(
@@ -142,13 +153,20 @@ class _ShardWriter:
         self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue `tensor` for the current file, writing that file first when `tensor` would
+        take it over `max_bytes`: at most one file's worth (or one tensor larger than
+        that) is held at a time."""
         if self.dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(self.dtype)
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.size + nbytes > self.max_bytes:
             self.flush()
-        # Tied weights arrive as the same storage; safetensors needs each entry on its own.
-        self.pending[name] = tensor.contiguous().clone()
+        tensor = tensor.contiguous()
+        # Tied weights arrive as one storage; safetensors needs each entry on its own.
+        storage = tensor.untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() == storage for t in self.pending.values()):
+            tensor = tensor.clone()
+        self.pending[name] = tensor
         self.size += nbytes
         self.total += nbytes
 
@@ -270,15 +288,49 @@ def export_weights(
         staging = _prepare_out_on_rank0(out)
     try:
         writer = _ShardWriter(staging or out, max_shard_bytes, cast)
-        written = _write_all(tensors, writer, writes)
-        if staging is None or written is None:
-            return None
-        if isinstance(source, nn.Module):
-            _save_hf_configs(unwrap(source), staging)
-        return _swap_in(staging, out, written)
+        try:
+            written = _write_all(tensors, writer, writes)
+            if staging is None or written is None:
+                return None
+            if isinstance(source, nn.Module):
+                _save_hf_configs(unwrap(source), staging)
+            return _swap_in(staging, out, written)
+        except (OSError, SafetensorError) as exc:
+            raise WeightsError(_write_failed(out, exc, _needed_bytes(source, cast))) from exc
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _needed_bytes(source: nn.Module | str | Path, cast: torch.dtype | None) -> int:
+    """The bytes an export of `source` writes (tensor data; headers are small)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    def size(numel: int, dtype: torch.dtype) -> int:
+        dtype = cast if cast is not None and dtype.is_floating_point else dtype
+        return numel * dtype.itemsize
+
+    if isinstance(source, nn.Module):
+        return sum(size(v.numel(), v.dtype) for v in _model_state(source).values())
+    metadata = SafeReader(resolve_checkpoint(source) / STATE_DIR).read_metadata()
+    return sum(
+        size(math.prod(md.size), md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    )
+
+
+def _write_failed(out: Path, exc: BaseException, needed: int) -> str:
+    try:
+        free = f"{shutil.disk_usage(out if out.exists() else out.parent).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return (
+        f"export_weights could not write to {out}: {exc}. The export needs about "
+        f"{needed:,} bytes ({free} there). Nothing was left behind: an earlier export in "
+        f"{out} is intact, and a new {out} was not created. Free space, or export "
+        "elsewhere (or with dtype='bf16', half the size)."
+    )
 
 
 def _previous_export(out: Path) -> list[Path]:
@@ -310,6 +362,9 @@ def _swap_in(staging: Path, out: Path, written: Path) -> Path:
     up). Config files the new export does not write (a checkpoint's export has none) are
     left as they are: that is where the user's own config.json goes.
     """
+    if not out.exists():  # a first export: the whole directory appears at once
+        os.replace(staging, out)
+        return out / written.name
     new = sorted(p.name for p in staging.iterdir())
     old = [p for p in _previous_export(out) if _WEIGHT_FILE.fullmatch(p.name) or p.name in new]
     aside = staging / ".previous"
@@ -322,7 +377,9 @@ def _swap_in(staging: Path, out: Path, written: Path) -> Path:
 
 
 def _prepare_out_on_rank0(out: Path) -> Path | None:
-    """Rank 0 creates `out` and a staging directory in it (returned; None on other ranks);
+    """Rank 0 makes the staging directory (returned; None on other ranks): inside `out` for
+    a re-export, beside it for a first one (renamed to `out` when complete, so a failed
+    export leaves no partial `out`);
     with a process group every rank gets its verdict, so a bad `out` fails on every rank
     instead of leaving the others in the first gather."""
     import torch.distributed as dist
@@ -336,12 +393,17 @@ def _prepare_out_on_rank0(out: Path) -> Path | None:
                 raise WeightsError(
                     f"export_weights(out={str(out)!r}) must be a directory, not a file."
                 )
-            out.mkdir(parents=True, exist_ok=True)
-            _previous_export(out)
-            for leftover in out.glob(f"{STAGING_PREFIX}*"):
+            if out.exists():  # a re-export: staged inside, swapped in file by file
+                _previous_export(out)
+                leftovers = list(out.glob(f"{STAGING_PREFIX}*"))
+                staging = out / f"{STAGING_PREFIX}{os.getpid()}"
+            else:  # staged beside `out` and renamed to it when complete
+                out.parent.mkdir(parents=True, exist_ok=True)
+                leftovers = list(out.parent.glob(f"{STAGING_PREFIX}{out.name}-*"))
+                staging = out.parent / f"{STAGING_PREFIX}{out.name}-{os.getpid()}"
+            for leftover in leftovers:
                 if leftover.is_dir() and not leftover.is_symlink():
                     shutil.rmtree(leftover)  # an export that was killed
-            staging = out / f"{STAGING_PREFIX}{os.getpid()}"
             staging.mkdir()
         except (OSError, WeightsError) as exc:
             failure = exc
