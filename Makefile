@@ -49,7 +49,7 @@ test-models: $(STAMP)
 
 # shardwise inside mmengine's Runner and Lightning's Trainer, against their own DDP.
 test-integrations: $(STAMP)
-	$(VENV)/bin/pytest -q -m integrations tests/integrations tests/e2e/test_bench_smoke.py
+	$(VENV)/bin/pytest -q -m integrations tests/integrations tests/docs/test_host_examples.py tests/e2e/test_bench_smoke.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

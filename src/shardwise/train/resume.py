@@ -341,4 +341,4 @@ def _differs(a: Any, b: Any) -> bool:
         return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return not math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
-    return a != b
+    return bool(a != b)
