@@ -215,18 +215,17 @@ def check_layout(script_args: list[str], world: int) -> None:
     the file's `parallel` section and any `parallel.*=` overrides are read as shardwise's
     ParallelConfig, and its layout is resolved for `world`. A file that is not a mapping or
     has no `parallel` section is the script's own business and is left alone."""
-    import yaml
-
-    from shardwise.config.run_file import Config, apply_overrides, from_dict
+    from shardwise.config.run_file import Config, apply_overrides, from_dict, read_yaml
     from shardwise.distributed.mesh import resolve_mesh
 
     path = _config_arg(script_args)
     if path is None:
         return
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+        text = Path(path).read_text()
+    except OSError:
         return  # the script reports its own file
+    data = read_yaml(text, path)
     if not isinstance(data, dict) or not isinstance(data.get("parallel"), dict):
         return
     overrides = [a for a in script_args if a.startswith("parallel.") and "=" in a]

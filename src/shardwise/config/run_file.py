@@ -417,6 +417,37 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently: a second `runner:` section replaced the first whole)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(
+                    f"{self.name}: key {key!r} appears twice in the same mapping, on lines "
+                    f"{seen[key]} and {line}; YAML would silently keep only the second. "
+                    "Keep one of them."
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(text: str, path: str | Path) -> Any:
+    """The YAML in `text` (from `path`) with the safe loader, a key given twice refused."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(path)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    finally:
+        loader.dispose()
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: Iterable[str] = (),
@@ -429,10 +460,7 @@ def load_config(
             text = Path(path).read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}") from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        loaded = read_yaml(text, path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(
                 f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}."

@@ -162,6 +162,27 @@ def test_yaml_is_loaded_safely(tmp_path):
     assert not Path("/tmp/shardwise_yaml_pwned").exists()
 
 
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    # Before: the last one silently won; a second `runner:` replaced the first whole, so its
+    # max_steps became null.
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("optimizer:\n  lr: 1.0e-3\n  lr: 1.0e-2\n")
+    with pytest.raises(
+        ConfigError, match=rf"{twice}: key 'lr' appears twice in the same mapping, on lines 2 and 3"
+    ):
+        load_config(twice)
+    twice.write_text(
+        "runner:\n  max_steps: 5\ntrain:\n  max_grad_norm: 1.0\nrunner:\n  batch_size: 4\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"key 'runner' appears twice in the same mapping, on lines 1 and 5"
+    ):
+        load_config(twice)
+    twice.write_text("runner:\n  max_steps: 5\ntrain:\n  max_steps: 5\n")  # one per section
+    with pytest.raises(ConfigError, match=r"unknown key 'train.max_steps'"):
+        load_config(twice)
+
+
 def test_objects_that_yaml_cannot_hold():
     config = Config(parallel=ParallelConfig(auto_wrap_policy=lambda fqn, module: False))
     with pytest.raises(
