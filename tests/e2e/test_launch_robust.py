@@ -431,3 +431,36 @@ def test_twenty_erroring_jobs_never_abort(tmp_path):
         if "terminate called" in text or "SIGABRT" in text or "Signal 6" in text:
             aborted.append(i)
     assert not aborted, f"jobs {aborted} aborted at exit"
+
+
+SAVE_STALL = """
+import torch.distributed.checkpoint as dcp
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
+info = shardwise.init_distributed()
+engine = shardwise.Engine(GPT(GPTConfig()), lambda p: torch.optim.AdamW(p, lr=1e-3),
+                          shardwise.ParallelConfig(strategy="full_shard"))
+engine.train_step(random_lm_batches(GPTConfig(), 1, 4, seed=0)[0])
+phase = sys.argv[2]
+if phase == "load_checkpoint":
+    shardwise.save_checkpoint(OUT / "ck", engine)
+if info.rank == 1:  # rank 1 stops inside DCP's call (a hung filesystem, a stopped process)
+    setattr(dcp, phase.removesuffix("_checkpoint"), lambda *a, **k: time.sleep(600))
+if phase == "save_checkpoint":
+    shardwise.save_checkpoint(OUT / "ck", engine)
+else:
+    shardwise.load_checkpoint(OUT / "ck", engine, verify=False)
+"""
+
+
+@pytest.mark.parametrize("phase", ["save_checkpoint", "load_checkpoint"])
+def test_a_rank_stalled_inside_a_checkpoint_is_named_with_the_phase(tmp_path, phase):
+    """Before: 'RuntimeError: Application timeout caused pair closure', naming no rank."""
+    script = _script(tmp_path, SAVE_STALL)
+    start = time.monotonic()
+    cmd = [*SHARDWISE, "run", "--nproc", "2", "--timeout", "5", str(script), str(tmp_path), phase]
+    out = run_in_session(cmd, timeout_s=120)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1, out.stderr[-3000:]
+    said = f"StallError: rank 0: {phase} stalled: rank(s) 1 did not arrive"
+    assert said in out.stderr, out.stderr[-3000:]
+    assert elapsed < 5 + 30 + 20, f"{elapsed:.0f} s"  # the timeout, the check, start-up

@@ -34,12 +34,14 @@ from shardwise.checkpoint.ranks import _gather_to_all, single_process_ok
 from shardwise.checkpoint.trust import (
     CheckpointError,
     root_cause,
+    stalled_collective,
 )
 from shardwise.distributed.process_group import (
     _register_shutdown_hook,
     get_dist_info,
     rank_and_world,
 )
+from shardwise.distributed.watchdog import guard
 
 _PENDING: PendingCheckpoint | None = None  # the asynchronous save in flight in this process
 
@@ -89,6 +91,7 @@ class PendingCheckpoint:
         ranks may still be writing), and `result()` must still be called."""
         return self._outcome is not None or self._hashed.done()
 
+    @guard("finishing an asynchronous checkpoint save")  # a stopped rank is named
     def result(self, timeout_s: float | None = None) -> Path:
         """Make the checkpoint visible (manifest, rename, `latest`, pruning) once every
         rank's files are written; every rank must call it. Returns ROOT/step_N.
@@ -110,6 +113,9 @@ class PendingCheckpoint:
         except TimeoutError:
             hashed = "timeout"
         except (OSError, RuntimeError, DCPException) as exc:
+            stalled = stalled_collective(exc)
+            if stalled is not None:  # the background write waited for a stopped peer
+                raise stalled from exc
             error = CheckpointError(_write_failed(self.root, self.tmp, root_cause(exc)))
         late = [r for r, h in enumerate(_gather_to_all(hashed == "timeout")) if h]
         if late:

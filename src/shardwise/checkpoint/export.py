@@ -35,7 +35,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ from shardwise.checkpoint.trust import (
 )
 from shardwise.config.precision import parse_dtype
 from shardwise.distributed.process_group import rank_and_world
+from shardwise.distributed.watchdog import guard
 from shardwise.parallelize.weights import INDEX_FILE, SINGLE_FILE, WeightsError, _model_state
 from shardwise.parallelize.wrapped import unwrap
 
@@ -88,13 +89,18 @@ def _checked_checkpoint(directory: str | Path, out: Path, verify: bool) -> Path:
     return path
 
 
-def _model_tensors(model: nn.Module, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+def _model_tensors(
+    model: nn.Module, keep: bool, make_room: Callable[[torch.Tensor], None] | None = None
+) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(name, full CPU tensor) per state_dict entry, one at a time; all ranks must iterate
     together (the gathers are collectives). Only the rank that writes (`keep`) keeps each
     gathered tensor; the others yield None and free it at once. No copy is made beyond the
     gather itself (and the move to host memory from an accelerator): an unsharded CPU
-    parameter is written from its own storage."""
+    parameter is written from its own storage. `make_room(value)` runs before each gather
+    on the writing rank (the writer writes its file first when the tensor would not fit)."""
     for name, value in _model_state(model).items():
+        if keep and make_room is not None:
+            make_room(value)
         if isinstance(value, DTensor):
             value = value.full_tensor()  # new memory on every rank
         yield name, value.detach().cpu() if keep else None
@@ -151,6 +157,14 @@ class _ShardWriter:
         self.size = 0
         self.files: list[tuple[Path, list[str]]] = []
         self.total = 0
+
+    def make_room(self, tensor: torch.Tensor) -> None:
+        """Write the current file now if `tensor` (before its gather: its full shape) would
+        take it over `max_bytes`, so the file's tensors are freed before the gather."""
+        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else None
+        nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
+        if self.pending and self.size + nbytes > self.max_bytes:
+            self.flush()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue `tensor` for the current file, writing that file first when `tensor` would
@@ -247,6 +261,7 @@ def _write_all(
         raise
 
 
+@guard("export_weights")  # a rank that stops inside is named (StallError)
 def export_weights(
     source: nn.Module | str | Path,
     out: str | Path,
@@ -279,15 +294,18 @@ def export_weights(
     writes = rank_and_world()[0] == 0
     if isinstance(source, nn.Module):
         staging = _prepare_out_on_rank0(out)  # every rank learns rank 0's verdict first
-        tensors: Iterator[tuple[str, torch.Tensor | None]] = _model_tensors(source, writes)
+        writer = _ShardWriter(staging or out, max_shard_bytes, cast)
+        tensors: Iterator[tuple[str, torch.Tensor | None]] = _model_tensors(
+            source, writes, writer.make_room
+        )
     else:
         if not writes:
             return None
         # Before `out` is created: a corrupted checkpoint leaves nothing there.
         tensors = _checkpoint_tensors(_checked_checkpoint(source, out, verify), max_shard_bytes)
         staging = _prepare_out_on_rank0(out)
-    try:
         writer = _ShardWriter(staging or out, max_shard_bytes, cast)
+    try:
         try:
             written = _write_all(tensors, writer, writes)
             if staging is None or written is None:

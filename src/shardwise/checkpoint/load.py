@@ -43,10 +43,12 @@ from shardwise.checkpoint.trust import (
     TensorOnlyLoadPlanner,
     read_dcp_metadata,
     root_cause,
+    stalled_collective,
 )
 from shardwise.distributed.process_group import (
     rank_and_world,
 )
+from shardwise.distributed.watchdog import guard
 
 
 def _check_keys(model_sd: dict[str, Any], metadata: Metadata, where: Path) -> None:
@@ -71,6 +73,7 @@ def _check_keys(model_sd: dict[str, Any], metadata: Metadata, where: Path) -> No
         )
 
 
+@guard("load_checkpoint")  # a rank that stops inside is named (StallError)
 def load_checkpoint(
     directory: str | Path,
     model: nn.Module | EngineState,
@@ -146,6 +149,9 @@ def load_checkpoint(
                 no_dist=not dist.is_initialized(),
             )
     except (RuntimeError, ValueError, KeyError, DCPException) as exc:
+        stalled = stalled_collective(exc)
+        if stalled is not None:  # a peer stopped: the guard names it
+            raise stalled from exc
         raise CheckpointError(f"could not read checkpoint {path}: {root_cause(exc)}") from None
     if load_optimizer and engine.optimizer is not None:
         optim_state = {

@@ -51,10 +51,12 @@ from shardwise.checkpoint.ranks import _agree, single_process_ok
 from shardwise.checkpoint.trust import (
     CheckpointError,
     root_cause,
+    stalled_collective,
 )
 from shardwise.distributed.process_group import (
     rank_and_world,
 )
+from shardwise.distributed.watchdog import guard
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -103,6 +105,7 @@ def save_checkpoint(
 ) -> PendingCheckpoint: ...
 
 
+@guard("save_checkpoint")  # a rank that stops inside is named (StallError)
 def save_checkpoint(
     directory: str | Path,
     model: nn.Module | EngineState,
@@ -194,6 +197,9 @@ def save_checkpoint(
                     no_dist=not dist.is_initialized(),
                 )
     except (OSError, RuntimeError, DCPException, SafetensorError) as exc:
+        stalled = stalled_collective(exc)
+        if stalled is not None:  # a peer stopped: the guard names it (no second timeout)
+            raise stalled from exc
         error = CheckpointError(_write_failed(root, tmp, root_cause(exc)))
     _agree_or_clean(error, "writing the checkpoint", tmp)
     if async_:

@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from shardwise.distributed.watchdog import is_comm_failure
+
 __all__ = [
     "CheckpointError",
     "SafeReader",
@@ -31,6 +33,7 @@ __all__ = [
     "outside_reason",
     "read_dcp_metadata",
     "root_cause",
+    "stalled_collective",
 ]
 
 
@@ -226,3 +229,16 @@ def root_cause(exc: BaseException) -> BaseException | str:
             causes.append(f"rank {rank}: {inner}")
         return "; ".join(causes) or str(exc)
     return exc
+
+
+def stalled_collective(exc: BaseException) -> BaseException | None:
+    """The collective failure inside `exc` (DCP wraps each rank's), or None: a save that
+    waited for a stopped peer goes straight to the stall check instead of into another
+    collective that would wait the whole timeout again."""
+    if isinstance(exc, DCPException):
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException) and is_comm_failure(inner):
+                return inner
+        return None
+    return exc if is_comm_failure(exc) else None

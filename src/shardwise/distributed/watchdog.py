@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from shardwise.distributed.process_group import get_dist_info, monitor_group
 
-__all__ = ["PeerExitedError", "StallError", "guard"]
+__all__ = ["PeerExitedError", "StallError", "guard", "is_comm_failure"]
 
 MAX_CHECK_S = 30.0
 """The barrier that finds the missing rank waits at most this long (less for short timeouts)."""
@@ -67,10 +67,13 @@ class PeerExitedError(StallError):
     """
 
 
-def _is_comm_failure(exc: BaseException) -> bool:
+def is_comm_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing (torch's DistError, or the plain RuntimeError
+    gloo raises). A library's own error class (a CheckpointError) is never one, whatever
+    its text says: it has already been reported in its own words."""
     if isinstance(exc, dist.DistError):
         return True
-    return isinstance(exc, RuntimeError) and bool(_COMM_FAILURE.search(str(exc)))
+    return type(exc) is RuntimeError and bool(_COMM_FAILURE.search(str(exc)))
 
 
 def _find_missing(check_s: float) -> tuple[list[int] | None, str]:
@@ -150,6 +153,6 @@ def guard(what: str) -> Iterator[None]:
     except StallError:
         raise  # an inner guard already checked
     except Exception as exc:
-        if not (_is_comm_failure(exc) and dist.is_initialized() and dist.get_world_size() > 1):
+        if not (is_comm_failure(exc) and dist.is_initialized() and dist.get_world_size() > 1):
             raise
         raise _stall_error(what, exc) from exc

@@ -23,7 +23,7 @@ from shardwise.distributed import (
     shutdown,
 )
 from shardwise.distributed.process_group import _gpu_index, _read_env, _timeout_from_env
-from shardwise.distributed.watchdog import _is_comm_failure
+from shardwise.distributed.watchdog import is_comm_failure
 
 SRUN = {
     "SLURM_JOB_ID": "4321",
@@ -252,7 +252,13 @@ def test_guard_passes_other_errors_through():
     with pytest.raises(ValueError, match="not a comm error"), guard("train step 3"):
         raise ValueError("not a comm error")
     timeout = RuntimeError("[gloo] Timed out waiting 5000ms for recv operation to complete")
-    assert _is_comm_failure(timeout) and not _is_comm_failure(RuntimeError("shape mismatch"))
+    assert is_comm_failure(timeout) and not is_comm_failure(RuntimeError("shape mismatch"))
+
+    class CheckpointError(RuntimeError):
+        pass
+
+    # A library's own error, already reported in its words, is never taken for a stall.
+    assert not is_comm_failure(CheckpointError("could not write: gloo timed out"))
     shutdown()  # no process group: nothing to check, the error stays as it was
     with pytest.raises(RuntimeError, match="Timed out") as exc, guard("train step 3"):
         raise timeout
