@@ -134,7 +134,8 @@ def test_run_reports_a_failing_script(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("raise SystemExit(3)\n")
     out = cli("run", "--nproc", "2", str(script))
-    assert out.returncode == 1 and "a process failed" in out.stderr
+    assert out.returncode == 1, out.stderr
+    assert "shardwise run: 2 rank(s) failed:\n  ranks 0, 1: exited with code 3" in out.stderr
 
 
 def test_run_multi_node_needs_an_endpoint(tmp_path):
