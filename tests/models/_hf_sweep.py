@@ -441,9 +441,13 @@ def distributed(
         return
     out["stage"] = "export"
     target = Path(out_root) / spec.name
-    shardwise.export_weights(model, target)
+    # Files of at most 16 KiB: each model's export is sharded (an index and several
+    # files), which from_pretrained must open as it opens a hub model's.
+    shardwise.export_weights(model, target, max_shard_bytes=16 * 2**10)
     if rank == 0 and not (target / "config.json").exists():
         raise AssertionError(f"export_weights wrote no config.json into {target}")
+    if rank == 0 and not (target / "model.safetensors.index.json").exists():
+        raise AssertionError(f"the export in {target} is one file: the index path is untested")
     out["export_dir"] = str(target)
     out["stage"] = "done"
 
