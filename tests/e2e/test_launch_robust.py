@@ -443,16 +443,21 @@ engine.train_step(random_lm_batches(GPTConfig(), 1, 4, seed=0)[0])
 phase = sys.argv[2]
 if phase == "load_checkpoint":
     shardwise.save_checkpoint(OUT / "ck", engine)
-if info.rank == 1:  # rank 1 stops inside DCP's call (a hung filesystem, a stopped process)
+if info.rank == 1 and phase == "export_weights":  # stops after the first gathers
+    import shardwise.checkpoint.export as export
+    export.DTensor.full_tensor = lambda self: time.sleep(600)
+elif info.rank == 1:  # rank 1 stops inside DCP's call (a hung filesystem, a stopped process)
     setattr(dcp, phase.removesuffix("_checkpoint"), lambda *a, **k: time.sleep(600))
 if phase == "save_checkpoint":
     shardwise.save_checkpoint(OUT / "ck", engine)
-else:
+elif phase == "load_checkpoint":
     shardwise.load_checkpoint(OUT / "ck", engine, verify=False)
+else:
+    shardwise.export_weights(engine.model, OUT / "export")
 """
 
 
-@pytest.mark.parametrize("phase", ["save_checkpoint", "load_checkpoint"])
+@pytest.mark.parametrize("phase", ["save_checkpoint", "load_checkpoint", "export_weights"])
 def test_a_rank_stalled_inside_a_checkpoint_is_named_with_the_phase(tmp_path, phase):
     """Before: 'RuntimeError: Application timeout caused pair closure', naming no rank."""
     script = _script(tmp_path, SAVE_STALL)
