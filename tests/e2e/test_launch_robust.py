@@ -443,13 +443,19 @@ engine.train_step(random_lm_batches(GPTConfig(), 1, 4, seed=0)[0])
 phase = sys.argv[2]
 if phase == "load_checkpoint":
     shardwise.save_checkpoint(OUT / "ck", engine)
-if info.rank == 1 and phase == "export_weights":  # stops after the first gathers
+if info.rank == 1 and phase == "async":  # its background write never ends
+    from torch.distributed.checkpoint import FileSystemWriter
+    FileSystemWriter.write_data = lambda *a, **k: time.sleep(600)
+elif info.rank == 1 and phase == "export_weights":  # stops after the first gathers
     import shardwise.checkpoint.export as export
     export.DTensor.full_tensor = lambda self: time.sleep(600)
 elif info.rank == 1:  # rank 1 stops inside DCP's call (a hung filesystem, a stopped process)
     setattr(dcp, phase.removesuffix("_checkpoint"), lambda *a, **k: time.sleep(600))
 if phase == "save_checkpoint":
     shardwise.save_checkpoint(OUT / "ck", engine)
+elif phase == "async":
+    shardwise.save_checkpoint(OUT / "ck", engine, async_=True)
+    shardwise.wait_for_checkpoint()
 elif phase == "load_checkpoint":
     shardwise.load_checkpoint(OUT / "ck", engine, verify=False)
 else:
@@ -457,7 +463,7 @@ else:
 """
 
 
-@pytest.mark.parametrize("phase", ["save_checkpoint", "load_checkpoint", "export_weights"])
+@pytest.mark.parametrize("phase", ["save_checkpoint", "load_checkpoint", "export_weights", "async"])
 def test_a_rank_stalled_inside_a_checkpoint_is_named_with_the_phase(tmp_path, phase):
     """Before: 'RuntimeError: Application timeout caused pair closure', naming no rank."""
     script = _script(tmp_path, SAVE_STALL)
@@ -466,6 +472,7 @@ def test_a_rank_stalled_inside_a_checkpoint_is_named_with_the_phase(tmp_path, ph
     out = run_in_session(cmd, timeout_s=120)
     elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stderr[-3000:]
-    said = f"StallError: rank 0: {phase} stalled: rank(s) 1 did not arrive"
+    named = "finishing an asynchronous checkpoint save" if phase == "async" else phase
+    said = f"StallError: rank 0: {named} stalled: rank(s) 1 did not arrive"
     assert said in out.stderr, out.stderr[-3000:]
     assert elapsed < 5 + 30 + 20, f"{elapsed:.0f} s"  # the timeout, the check, start-up
