@@ -55,6 +55,7 @@ from shardwise.train import (
     NonFiniteError,
     Preempted,
     Runner,
+    clip_grad_norm_,
     parse_losses,
     seed_everything,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "choose_plan",
     "export_weights",
     "get_dist_info",
+    "clip_grad_norm_",
     "guard",
     "init_distributed",
     "init_empty",

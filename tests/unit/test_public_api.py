@@ -70,6 +70,8 @@ PUBLIC: dict[str, str] = {
     "guard": "function",
     "mean_across_ranks": "function",
     "print0": "function",
+    # issue 24: one process's gradient norm over mixed meshes
+    "clip_grad_norm_": "function",
 }
 
 OLD_PATHS: dict[str, list[str]] = {

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,23 +63,27 @@ __all__ = [
 MODES = ("loss", "predict", "tensor")
 
 
-def total_grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     """L2 norm of all gradients over every shard and replica: a 0-dim fp32 tensor on the
     gradients' device, computed without waiting for it on the host.
 
     Sharded gradients are DTensors, whose norm torch reduces across their mesh (both
-    dimensions under HSDP); unmanaged (ignored) gradients count with their local norm.
+    dimensions under HSDP). Gradients on different meshes (under tensor parallelism: norms
+    on the data-parallel mesh, linears on the 2-D one) are summed per mesh, since torch's
+    own norm stacks them and fails ("must have the same mesh"); unmanaged (ignored)
+    gradients count with their local norm.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    local = [g for g in grads if not isinstance(g, DTensor)]
+    groups: dict[int, list[torch.Tensor]] = {}  # by mesh (the grads keep each mesh alive)
+    for p in parameters:
+        g = p.grad
+        if g is not None:
+            groups.setdefault(id(g.device_mesh) if isinstance(g, DTensor) else 0, []).append(g)
     squares = []
-    for group in (sharded, local):
-        if group:
-            norm = torch.nn.utils.get_total_norm(group, foreach=True)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-            squares.append(norm.float() ** 2)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
     if not squares:
         return torch.zeros(())
     device = squares[0].device
@@ -93,7 +97,7 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
 
 
-def scale_grads_(parameters: list[nn.Parameter], coef: torch.Tensor) -> None:
+def scale_grads_(parameters: Iterable[nn.Parameter], coef: torch.Tensor) -> None:
     """Multiply every gradient by `coef` in place: one foreach kernel per device and dtype
     over the local shards (a DTensor `mul_` per parameter costs a dispatch each)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -105,10 +109,15 @@ def scale_grads_(parameters: list[nn.Parameter], coef: torch.Tensor) -> None:
         torch._foreach_mul_(grads, coef.to(device))
 
 
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Scale gradients so their global norm (`total_grad_norm`) is at most `max_norm`, by
     torch's `clip_grad_norm_` rule; returns the norm before clipping (a device tensor). A
-    non-finite norm clips nothing. `max_norm=None` only measures. No host sync."""
+    non-finite norm clips nothing. `max_norm=None` only measures. No host sync.
+
+    Unlike `torch.nn.utils.clip_grad_norm_`, gradients may be sharded over different meshes
+    (FSDP, HSDP, tensor parallel and plain tensors in one model): the norm is one
+    process's over the whole model."""
+    parameters = list(parameters)
     norm = total_grad_norm(parameters)
     if max_norm is not None:
         scale_grads_(parameters, clip_coefficient(norm, max_norm))

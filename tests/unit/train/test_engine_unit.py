@@ -211,3 +211,38 @@ def test_checkpoint_weights_and_memory_argument_errors(tmp_path):
         match=r"estimate_memory\(optimizer='lion'\): use one of \['adam', 'adamw', 'none', 'sgd'\]",
     ):
         estimate_memory(plan, 2, optimizer="lion")
+
+
+def test_clip_grad_norm_over_mixed_meshes_is_one_processs():
+    # Under tensor parallelism a model's gradients sit on different meshes (norms on the
+    # data-parallel mesh, linears on the 2-D one); torch's clip_grad_norm_ stacks them and
+    # fails. Here: a 1-D and a 2-D mesh of one rank, and a plain tensor.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import shardwise
+
+    shardwise.init_distributed()
+    flat = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    grid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    torch.manual_seed(0)
+    grads = [torch.randn(4, 3), torch.randn(5), torch.randn(2, 2)]
+    params = [
+        nn.Parameter(distribute_tensor(torch.zeros(4, 3), grid, [Shard(0), Shard(1)])),
+        nn.Parameter(distribute_tensor(torch.zeros(5), flat, [Shard(0)])),
+        nn.Parameter(torch.zeros(2, 2)),
+    ]
+    params[0].grad = distribute_tensor(grads[0].clone(), grid, [Shard(0), Shard(1)])
+    params[1].grad = distribute_tensor(grads[1].clone(), flat, [Replicate()])
+    params[2].grad = grads[2].clone()
+    with pytest.raises(Exception, match="mixed torch.Tensor and DTensor|same mesh"):
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    with pytest.raises(Exception, match="same mesh"):
+        torch.nn.utils.clip_grad_norm_(params[:2], 1.0)
+    want = torch.cat([g.flatten() for g in grads]).norm()
+    norm = shardwise.clip_grad_norm_(iter(params), max_norm=0.5)
+    torch.testing.assert_close(norm, want)
+    scale = 0.5 / (want + 1e-6)
+    for p, g in zip(params, grads, strict=True):
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(got, g * scale)
