@@ -47,6 +47,17 @@ ActivationCheckpointing = str | bool | int | None
 False or None (none)."""
 MemoryBudget = str | int | float | None
 """Bytes (int), a size ('70GiB'), a percentage ('85%'), a fraction in (0, 1], or None."""
+TPPlan = Literal["auto"] | Mapping[str, object] | Callable[..., object]
+"""`tp_plan`: 'auto' (the model's own), {module name or pattern: 'colwise' | 'rowwise' |
+a torch ParallelStyle}, or a callable (model, tp_mesh) that parallelises the model."""
+TP_STYLE_NAMES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "rowwise_split_input",
+    "embedding_rowwise",
+)
+"""The plan words shardwise turns into torch's ParallelStyles (transformers' words)."""
 UserMesh = DeviceMesh | ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None
 """`device_mesh`: your own mesh, one process group, or (shard group, replicate group)."""
 
@@ -197,6 +208,16 @@ class ParallelConfig:
     """Ranks each shard group spans. -1: all ranks for full_shard/shard_grad_op; for
     hybrid strategies the ranks of one node when that gives a 2-D mesh, else the most
     balanced split. Replication across groups is world_size // dp_shard."""
+    tp: int = 1
+    """Tensor-parallel degree: the layers `tp_plan` names are split over `tp` adjacent ranks
+    (torch's parallelize_module, before sharding), and the strategy shards or replicates
+    over the world_size // tp data-parallel ranks; the ranks of one tp group read the same
+    batch. 1: none."""
+    tp_plan: TPPlan = "auto"
+    """With tp > 1: 'auto' takes the model's own plan (a Hugging Face model's `_tp_plan`);
+    a dict {module name or fnmatch pattern: 'colwise' | 'rowwise' | a torch ParallelStyle}
+    or a callable (model, tp_mesh) covers your own models. A model with no plan is an
+    error, never silently replicated."""
     mixed_precision: PrecisionSetting = "fp32"
     """'fp32', 'bf16', 'fp16', a mapping of param/reduce/output dtypes, shardwise.Precision,
     torch's MixedPrecisionPolicy, or FSDP1's MixedPrecision."""
@@ -303,6 +324,52 @@ class ParallelConfig:
         return self._ac_every
 
 
+def _validate_tp(cfg: ParallelConfig) -> None:
+    """tp and tp_plan, as far as they can be checked without a model or a world size."""
+    cfg.tp = integral(cfg.tp, "ParallelConfig.tp")
+    if cfg.tp < 1:
+        raise ValueError(f"ParallelConfig.tp={cfg.tp} must be >= 1 (1: no tensor parallelism).")
+    plan = cfg.tp_plan
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(
+                f"ParallelConfig.tp_plan={plan!r}: use 'auto' (the model's own plan), a dict "
+                "{module pattern: 'colwise' | 'rowwise' | ParallelStyle}, or a callable "
+                "(model, tp_mesh)."
+            )
+    elif isinstance(plan, Mapping):
+        from torch.distributed.tensor.parallel import ParallelStyle
+
+        for key, style in plan.items():
+            if not isinstance(style, ParallelStyle) and style not in TP_STYLE_NAMES:
+                raise ValueError(
+                    f"ParallelConfig.tp_plan[{key!r}]={style!r}: use one of "
+                    f"{', '.join(TP_STYLE_NAMES)} or a torch ParallelStyle."
+                )
+    elif not callable(plan):
+        raise TypeError(
+            f"ParallelConfig.tp_plan={plan!r}: use 'auto', a dict or a callable (model, tp_mesh)."
+        )
+    if cfg.tp > 1:
+        if cfg.strategy == "ddp":
+            raise ValueError(
+                f"ParallelConfig.tp={cfg.tp} with strategy='ddp': DistributedDataParallel "
+                "cannot hold tensor-parallel (DTensor) parameters. Use strategy='no_shard' "
+                "(it replicates as DDP does, over the data-parallel ranks) or a sharded "
+                "strategy."
+            )
+        if cfg.strategy == "auto":
+            raise ValueError(
+                f"ParallelConfig(strategy='auto', tp={cfg.tp}): the planner does not choose "
+                "among tensor-parallel layouts yet. Name the strategy (e.g. 'full_shard')."
+            )
+        if cfg.device_mesh is not None:
+            raise ValueError(
+                f"ParallelConfig.tp={cfg.tp} with a device_mesh: shardwise builds the "
+                "(replicate, shard, tp) mesh itself. Leave device_mesh=None."
+            )
+
+
 def validate_parallel_config(cfg: ParallelConfig) -> None:
     """Every check that does not need the world size, in one place; normalises fields."""
     cfg.strategy = normalize_strategy(cfg.strategy)
@@ -316,6 +383,7 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             f"ParallelConfig.dp_shard={cfg.dp_shard} is not a valid group size. "
             "Use a positive number of ranks, or -1 to infer it."
         )
+    _validate_tp(cfg)
     cfg._precision = resolve_precision(cfg.mixed_precision)
     _keep_fp32_from_fsdp1(cfg)
     cfg._offload = resolve_cpu_offload(cfg.cpu_offload)

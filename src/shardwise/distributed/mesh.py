@@ -1,8 +1,9 @@
-"""The parallel degrees (replicate × shard) and the named `DeviceMesh` built from them.
+"""The parallel degrees (replicate × shard × tp) and the named `DeviceMesh` built from them.
 
-Owns: turning (strategy, dp_shard, world size) into one validated `MeshSpec`, and
-building torch's DeviceMesh from it. Resolution is a pure function, so every error can be
-raised (and tested) before a process group exists.
+Owns: turning (strategy, dp_shard, tp, world size) into one validated `MeshSpec`, and
+building torch's DeviceMesh from it: (dp_replicate, dp_shard, tp), tp innermost so that a
+tensor-parallel group is adjacent ranks (one node's fast links). Resolution is a pure
+function, so every error can be raised (and tested) before a process group exists.
 
 Must not: wrap models or read the environment.
 """
@@ -17,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 REPLICATE_DIM = "dp_replicate"
 SHARD_DIM = "dp_shard"
+TP_DIM = "tp"
 
 _HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 
@@ -32,9 +34,16 @@ class MeshSpec:
     """For non-root FSDP units; irrelevant for ddp."""
     engine: str
     """'ddp' (DistributedDataParallel) or 'fsdp' (fully_shard)."""
+    tp: int = 1
+    """Tensor-parallel degree (the innermost mesh dimension); 1: none."""
 
     @property
     def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads its own part of the batch (a tp group shares one)."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -42,9 +51,10 @@ class MeshSpec:
         return self.strategy == "no_shard" or self.strategy in _HYBRID
 
     def __str__(self) -> str:
+        tp = f" x tp {self.tp}" if self.tp > 1 else ""
         return (
             f"{self.strategy}: {self.dp_replicate} replica group(s) x {self.dp_shard} shard "
-            f"rank(s) = world {self.world_size}, engine={self.engine}, "
+            f"rank(s){tp} = world {self.world_size}, engine={self.engine}, "
             f"reshard_after_forward={self.reshard_after_forward}"
         )
 
@@ -55,6 +65,12 @@ class MeshSpec:
         """The DeviceMesh for fully_shard (None for ddp, which uses the default group)."""
         if self.engine == "ddp":
             return None
+        if self.tp > 1:  # the whole (replicate, shard, tp) grid; see dp_mesh and tp_mesh
+            return init_device_mesh(
+                device_type,
+                (self.dp_replicate, self.dp_shard, self.tp),
+                mesh_dim_names=(REPLICATE_DIM, SHARD_DIM, TP_DIM),
+            )
         if self.is_2d:
             # FSDP2 treats a 2-D mesh as (replicate, shard): HSDP, or no_shard with shard size 1.
             return init_device_mesh(
@@ -63,6 +79,13 @@ class MeshSpec:
                 mesh_dim_names=(REPLICATE_DIM, SHARD_DIM),
             )
         return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=(SHARD_DIM,))
+
+
+def dp_mesh(spec: MeshSpec, mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel part of `mesh`, which fully_shard shards (or replicates) over."""
+    if spec.tp == 1:
+        return mesh
+    return mesh[(REPLICATE_DIM, SHARD_DIM)] if spec.is_2d else mesh[SHARD_DIM]
 
 
 def strategy_reshards(strategy: str) -> bool:
@@ -112,11 +135,38 @@ def resolve_mesh(
     *,
     local_world_size: int | None = None,
     reshard_after_forward: bool | int | None = None,
+    tp: int = 1,
 ) -> MeshSpec:
-    """Validate the degrees against the world size and fix every -1."""
+    """Validate the degrees against the world size and fix every -1. With `tp` > 1 the
+    strategy applies to the world_size // tp data-parallel ranks."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1.")
     local_world = local_world_size or world_size
+    if tp > 1:
+        if strategy == "ddp":
+            raise ValueError(
+                f"ParallelConfig.tp={tp} with strategy='ddp': DistributedDataParallel cannot "
+                "hold tensor-parallel (DTensor) parameters. Use strategy='no_shard' (it "
+                "replicates as DDP does, over the data-parallel ranks) or a sharded strategy."
+            )
+        if world_size % tp != 0 or local_world % tp != 0:
+            fits = [d for d in divisors(local_world) if world_size % d == 0 and d > 1]
+            raise ValueError(
+                f"ParallelConfig.tp={tp} does not divide the {world_size} ranks "
+                f"({local_world} per node): a tensor-parallel group is {tp} ranks of one "
+                f"node. Choose tp in {fits or [1]}."
+            )
+        spec = resolve_mesh(
+            strategy,
+            dp_shard,
+            world_size // tp,
+            local_world_size=local_world // tp,
+            reshard_after_forward=reshard_after_forward,
+        )
+        return MeshSpec(
+            spec.strategy, spec.dp_replicate, spec.dp_shard, spec.reshard_after_forward,
+            spec.engine, tp,
+        )  # fmt: skip
     if strategy == "ddp" or strategy == "no_shard":
         if dp_shard not in (-1, 1):
             raise ValueError(

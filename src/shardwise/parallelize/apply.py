@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config.parallel import ParallelConfig
-from shardwise.distributed.mesh import from_user_mesh, resolve_mesh
+from shardwise.distributed.mesh import TP_DIM, MeshSpec, dp_mesh, from_user_mesh, resolve_mesh
 from shardwise.distributed.process_group import DistInfo, env_world_size, get_dist_info, serves_cpu
 from shardwise.parallelize.autocast import apply_autocast, tf32_advice
 from shardwise.parallelize.ddp import apply_ddp
@@ -30,6 +30,7 @@ from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, unit_prepa
 from shardwise.parallelize.materialize import has_meta
 from shardwise.parallelize.materialize import materialize as materialize  # memory/fake.py swaps it
 from shardwise.parallelize.recompute import apply_activation_checkpointing
+from shardwise.parallelize.tensor import apply_tensor_parallel, check_tensor_parallel
 from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding
 from shardwise.plan.planner import WrapPlan, plan_wrap
@@ -234,7 +235,10 @@ def wrap(
             info.world_size,
             local_world_size=info.local_world_size,
             reshard_after_forward=config.reshard_after_forward,
+            tp=config.tp,
         )
+    if spec.tp > 1:
+        return _wrap_2d(model, config, info, spec, on_meta or weights is not None)
     plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
     _prepare_blocks(model, plan, config)
     if spec.engine == "ddp":
@@ -256,4 +260,33 @@ def wrap(
     fill(model, mesh)  # after sharding: each rank allocates and fills only its shards
     replicate_scalars(model, plan.replicated_params)
     setattr(model, INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))
+    return model
+
+
+def _wrap_2d(
+    model: nn.Module, config: ParallelConfig, info: DistInfo, spec: MeshSpec, filled: bool
+) -> nn.Module:
+    """Tensor parallel over the mesh's tp dimension, then the strategy over the
+    data-parallel ones (torch's documented order: TP before FSDP).
+
+    The model is moved to the device and takes rank 0's values whole first: TP cuts each
+    rank's slice from the same tensor. Not built yet for tp: a meta-built model, `weights`
+    and CPU offload (each raises NotImplementedError)."""
+    if filled or config.offload_policy is not None:
+        raise NotImplementedError(
+            f"ParallelConfig.tp={spec.tp} with a meta-built model, weights= or cpu_offload is "
+            "not built yet (no test covers it): build the model on the CPU, load its "
+            "weights before wrap, and leave cpu_offload off."
+        )
+    tp_plan = check_tensor_parallel(model, config)  # before any group is made
+    mesh = spec.build(info.device.type)
+    assert mesh is not None  # tp > 1 is never ddp (refused by resolve_mesh)
+    mark_before_sharding(model, keep=set())
+    unit_preparer(info.device, config.sync_module_states)([model])
+    apply_tensor_parallel(model, mesh[TP_DIM], tp_plan)
+    plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
+    _prepare_blocks(model, plan, config)
+    apply_fsdp(model, config, info, spec, plan, dp_mesh(spec, mesh))
+    replicate_scalars(model, plan.replicated_params)
+    setattr(model, INFO_ATTR, WrapInfo(config, info, spec, plan, mesh, tp_plan=tp_plan.described))
     return model

@@ -39,18 +39,37 @@ class WrapInfo:
     mesh_spec: MeshSpec | None
     plan: WrapPlan | None
     device_mesh: DeviceMesh | None = None
-    """The mesh the model was sharded over (None for ddp and when left unwrapped)."""
+    """The mesh the model was sharded over (None for ddp and when left unwrapped); under
+    tensor parallelism the whole (dp_replicate, dp_shard, tp) mesh."""
+    tp_plan: dict[str, str] | None = None
+    """Under tensor parallelism: each planned module pattern and its style."""
 
     @property
     def wrapped(self) -> bool:
         return self.mesh_spec is not None
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads its own part of the batch (a tp group, one part)."""
+        return self.mesh_spec.dp_size if self.mesh_spec is not None else self.dist.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index, for a sampler: the ranks of one tp group share it."""
+        spec, mesh = self.mesh_spec, self.device_mesh
+        if spec is None or spec.tp == 1 or mesh is None:
+            return self.dist.rank
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None  # every rank is in the mesh wrap built
+        return coordinate[0] * spec.dp_shard + coordinate[1]
 
     def __str__(self) -> str:
         if self.mesh_spec is None:
             return f"unwrapped at world size {self.dist.world_size} ({self.config.precision})"
         if self.plan is None or self.mesh_spec.engine == "ddp":  # DDP has no shard units
             return str(self.mesh_spec)
-        return f"{self.mesh_spec}\n{self.plan}"
+        tp = "".join(f"\n  tp: {k} -> {v}" for k, v in (self.tp_plan or {}).items())
+        return f"{self.mesh_spec}{tp}\n{self.plan}"
 
 
 def wrap_info(model: nn.Module) -> WrapInfo | None:

@@ -41,6 +41,7 @@ from shardwise.checkpoint.save import save_checkpoint
 from shardwise.config.training import RunnerConfig
 from shardwise.distributed.process_group import rank_and_world
 from shardwise.distributed.watchdog import guard
+from shardwise.parallelize.wrapped import wrap_info
 from shardwise.train.data import ResumableSampler, make_loader
 from shardwise.train.engine import Engine
 from shardwise.train.losses import VIS_KEYS, parse_losses
@@ -68,6 +69,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _refuse_tensor_parallel(engine: Engine) -> None:
+    info = wrap_info(engine.model)
+    if info is not None and info.mesh_spec is not None and info.mesh_spec.tp > 1:
+        raise NotImplementedError(
+            f"Runner with ParallelConfig.tp={info.mesh_spec.tp} is not built yet: its "
+            "sampler, resume position and logs count every rank as a data-parallel replica. "
+            "Drive the loop yourself, giving each rank the part of the batch for "
+            "shardwise.wrap_info(model).dp_rank of .dp_size (the ranks of a tp group read "
+            "the same part)."
+        )
+
+
 class Runner:
     """Train, validate and test an `Engine` over data, logging as it goes."""
 
@@ -84,6 +97,7 @@ class Runner:
         self.engine = engine
         self.config = config or RunnerConfig()
         self.rank, self.world = rank_and_world()
+        _refuse_tensor_parallel(engine)
         self.evaluate = evaluate
         cfg, rank, world = self.config, self.rank, self.world
         # Batches from pinned host memory copy to a GPU asynchronously.

@@ -1,0 +1,181 @@
+"""Tensor parallel × data parallel at world 4 (dp 2 × tp 2) equals one process.
+
+A small language model of our own (a tied embedding and output head, LayerNorm, MLP blocks)
+is split by a dict plan and trained 3 SGD steps with clipping active; each data-parallel
+rank reads its half of every global batch and the two ranks of a tp group read the same
+half. Compared with one process on the whole batch: the loss at every step, every gradient
+after the first step (loss-only parity misses a parameter a plan leaves whole between split
+layers), and the final parameters. The layout is shown to be real: the MLP's weights are
+split over the mesh dimension named tp, and the tie holds. All cases run in one spawned
+group of 4; the negative control (each rank of a tp group reading a different batch, as a
+sampler that ignores tp would give) must fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+import shardwise
+from shardwise.testing import run_distributed
+from shardwise.testing.parity import split_batch
+
+VOCAB, D, STEPS, BATCH, SEQ = 32, 16, 3, 8, 6
+PLAN = {
+    "emb": "embedding_rowwise",
+    "blocks.*.up": "colwise",
+    "blocks.*.down": "rowwise",
+    "head": "colwise_gather_output",
+}
+MAX_NORM = 0.05  # well below the gradients' norm: clipping acts at every step
+RTOL = 1e-5
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, 4 * D)
+        self.down = nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied, as most language models
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
+
+
+def train(model: nn.Module, rank_batch) -> dict:  # type: ignore[no-untyped-def]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, first_grads = [], {}
+    for step, batch in enumerate(batches()):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*rank_batch(batch))
+        loss.backward()
+        if step == 0:
+            first_grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+        shardwise.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        losses.append(
+            shardwise.mean_across_ranks(loss.detach())
+            if dist.is_initialized()
+            else float(loss.detach())
+        )
+    params = {n: _full(p) for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": first_grads, "params": params}
+
+
+def reference() -> dict:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    return train(TinyLM(), lambda b: b)
+
+
+def _own_rows(batch, rank):  # type: ignore[no-untyped-def]
+    return tuple(t.repeat(2, 1) for t in split_batch(batch, rank, 4))
+
+
+def _distributed_cases() -> dict:  # type: ignore[type-arg]
+    out = {}
+    rank = dist.get_rank()
+    for name, strategy, wrong in [
+        ("full_shard", "full_shard", False),
+        ("no_shard", "no_shard", False),  # replicate 2 x tp 2
+        ("tp_ranks_read_different_data", "full_shard", True),
+    ]:
+        torch.manual_seed(0)
+        model = shardwise.wrap(
+            TinyLM(), shardwise.ParallelConfig(strategy=strategy, tp=2, tp_plan=PLAN)
+        )
+        info = shardwise.wrap_info(model)
+        assert info is not None
+        dp_rank, dp_size = info.dp_rank, info.dp_size
+        if wrong:  # a sampler that ignores tp: each rank of a tp group reads its own rows
+            shard = functools.partial(_own_rows, rank=rank)
+        else:
+            shard = functools.partial(split_batch, rank=dp_rank, world_size=dp_size)
+        up = model.blocks[0].up.weight
+        layout = {
+            "mesh_dims": up.device_mesh.mesh_dim_names,
+            "tp_placement": str(up.placements[up.device_mesh.mesh_dim_names.index("tp")]),
+            "tied": model.head.weight is model.emb.weight,
+            "dp": (info.dp_rank, info.dp_size),
+            "described": str(info),
+        }
+        out[name] = {**train(model, shard), "layout": layout}
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _worst(ref: dict, got: dict) -> tuple[float, str]:  # type: ignore[type-arg]
+    worst = (0.0, "")
+    for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+        worst = max(worst, (abs(a - b) / abs(b), f"loss at step {i}"))
+    for kind in ("grads", "params"):
+        for n, b in ref[kind].items():
+            worst = max(worst, (_rel(got[kind][n], b), f"{kind[:-1]} {n}"))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def results() -> tuple[dict, list[dict]]:  # type: ignore[type-arg]
+    return reference(), run_distributed(_distributed_cases, 4, timeout_s=300)
+
+
+@pytest.mark.parametrize("case", ["full_shard", "no_shard"])
+def test_dp2_tp2_equals_one_process(results, case):
+    ref, ranks = results
+    got = ranks[0][case]
+    rel, where = _worst(ref, got)
+    print(f"{case}: the largest difference is {where}, rel {rel:.2e}")  # shown with -s
+    assert rel < RTOL, f"{case}: {where} differs by {rel:.2e}"
+    layout = got["layout"]
+    want = {"full_shard": ("dp_shard", "tp"), "no_shard": ("dp_replicate", "dp_shard", "tp")}
+    assert layout["mesh_dims"] == want[case]  # sharded (or replicated) over dp, split over tp
+    assert layout["tp_placement"] == str(Shard(0))  # the MLP's rows split over tp
+    assert layout["tied"], "the embedding and the head were untied"
+    assert [r[case]["layout"]["dp"] for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert "tp: blocks.*.up -> colwise" in layout["described"]
+    # Clipping acted: the first update is the clipped one (the norm is far above MAX_NORM).
+    assert sum(float(g.norm()) ** 2 for g in ref["grads"].values()) ** 0.5 > 10 * MAX_NORM
+
+
+def test_the_comparison_catches_tp_ranks_reading_different_data(results):
+    ref, ranks = results
+    rel, where = _worst(ref, ranks[0]["tp_ranks_read_different_data"])
+    print(f"wrong setup: the largest difference is {where}, rel {rel:.2e}")
+    assert rel > 1e-3, f"a wrong setup passed ({where}: {rel:.2e})"

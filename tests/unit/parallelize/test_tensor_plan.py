@@ -1,0 +1,90 @@
+"""Tensor-parallel plans and their checks, before any process group (issue 24)."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from shardwise import ParallelConfig, resolve_mesh
+from shardwise.parallelize.tensor import check_tensor_parallel, resolve_tp_plan
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+
+def _llama(**sizes: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return LlamaForCausalLM(LlamaConfig(**{**config, **sizes}))
+
+
+def test_a_model_without_a_plan_is_refused_naming_tp_plan():
+    with pytest.raises(
+        ValueError, match=r"tp_plan='auto' but MLP has no tensor-parallel plan .*e\.g\. tp_plan=\{"
+    ):
+        resolve_tp_plan(MLP(), "auto")
+
+
+def test_a_dict_plan_becomes_torch_styles_and_a_typo_is_refused():
+    plan = resolve_tp_plan(MLP(), {"up": "colwise", "down": RowwiseParallel()})
+    assert isinstance(plan, dict)
+    assert isinstance(plan["up"], ColwiseParallel) and isinstance(plan["down"], RowwiseParallel)
+    with pytest.raises(ValueError, match=r"names 'upp', which matches no module of MLP"):
+        resolve_tp_plan(MLP(), {"upp": "colwise"})
+
+
+def test_a_hugging_face_models_own_plan_is_read():
+    plan = resolve_tp_plan(_llama(), "auto")
+    assert isinstance(plan, dict)
+    assert isinstance(plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
+
+
+def test_tp_that_does_not_divide_the_kv_heads_fails_at_plan_time_in_one_line():
+    # Before: accepted, and failed in the first forward with a reshape error.
+    with pytest.raises(ValueError) as caught:
+        check_tensor_parallel(_llama(), ParallelConfig(tp=4))
+    said = str(caught.value)
+    assert "\n" not in said
+    assert said.startswith(
+        "ParallelConfig.tp=4: LlamaForCausalLM's config.num_key_value_heads=2 does not divide by 4"
+    )
+    assert (
+        "tp values that divide all of num_attention_heads, num_key_value_heads, intermediate_size, vocab_size: [2]"
+        in said
+    )
+    check_tensor_parallel(_llama(), ParallelConfig(tp=2))  # fits
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"strategy": "ddp", "tp": 2}, r"tp=2 with strategy='ddp'.*Use strategy='no_shard'"),
+        ({"tp": 0}, r"ParallelConfig.tp=0 must be >= 1"),
+        ({"tp": 2, "tp_plan": "megatron"}, r"tp_plan='megatron': use 'auto'"),
+        (
+            {"tp": 2, "tp_plan": {"up": "diagonal"}},
+            r"tp_plan\['up'\]='diagonal': use one of colwise, rowwise",
+        ),
+        ({"tp": 2, "strategy": "auto"}, r"strategy='auto', tp=2\): the planner does not choose"),
+    ],
+)
+def test_config_refuses_what_cannot_work(kwargs, said):
+    with pytest.raises(ValueError, match=said):
+        ParallelConfig(**kwargs)
+
+
+def test_the_mesh_puts_tp_innermost_and_checks_it_divides():
+    spec = resolve_mesh("hybrid_shard", -1, 16, local_world_size=8, tp=2)
+    assert (spec.dp_replicate, spec.dp_shard, spec.tp, spec.dp_size) == (2, 4, 2, 8)
+    assert "x tp 2 = world 16" in str(spec)
+    with pytest.raises(
+        ValueError, match=r"tp=4 does not divide the 6 ranks .* Choose tp in \[2, 3, 6\]"
+    ):
+        resolve_mesh("full_shard", -1, 6, tp=4)
