@@ -25,7 +25,7 @@ import shardwise
 from shardwise.testing import run_distributed
 from shardwise.testing.parity import split_batch
 
-VOCAB, D, STEPS, BATCH, SEQ = 32, 16, 3, 8, 6
+VOCAB, D, STEPS, BATCH, SEQ = 32, 16, 3, 8, 6  # VOCAB divides by tp
 PLAN = {
     "emb": "embedding_rowwise",
     "blocks.*.up": "colwise",
@@ -73,16 +73,24 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def _call(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return model(*batch)
+
+
+def _hf_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return model(input_ids=batch[0], labels=batch[1]).loss
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
 
 
-def train(model: nn.Module, rank_batch) -> dict:  # type: ignore[no-untyped-def]
+def train(model: nn.Module, rank_batch, loss_of=None) -> dict:  # type: ignore[no-untyped-def]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, first_grads = [], {}
     for step, batch in enumerate(batches()):
         opt.zero_grad(set_to_none=True)
-        loss = model(*rank_batch(batch))
+        loss = (loss_of or _call)(model, rank_batch(batch))
         loss.backward()
         if step == 0:
             first_grads = {n: _full(p.grad) for n, p in model.named_parameters()}
@@ -137,6 +145,54 @@ def _distributed_cases() -> dict:  # type: ignore[type-arg]
     return out
 
 
+# Hugging Face families, tiny, trained with their own plan (tp_plan="auto"). Gemma ties its
+# embedding and output head; phi3 and olmo2 use the gather/split-input words.
+DECODER = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 4}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"residual_dropout": 0.0}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
+
+
+def build_family(name: str) -> nn.Module:
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[name]
+    config = getattr(transformers, config_cls)(**{**DECODER, **extra})
+    return getattr(transformers, model_cls)(config)
+
+
+def hf_reference(name: str) -> dict:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    return train(build_family(name), lambda b: b, _hf_loss)
+
+
+def _hf_cases() -> dict:  # type: ignore[type-arg]
+    out = {}
+    for name in FAMILIES:
+        torch.manual_seed(0)
+        config = shardwise.ParallelConfig(strategy="full_shard", tp=2, tp_plan="auto")
+        model = shardwise.wrap(build_family(name), config)
+        info = shardwise.wrap_info(model)
+        assert info is not None
+        shard = functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size)
+        result = train(model, shard, _hf_loss)
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        split = [n for n, p in model.named_parameters()
+                 if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]  # fmt: skip
+        out[name] = {**result, "tied": tied, "split": split}
+    return out
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -179,3 +235,22 @@ def test_the_comparison_catches_tp_ranks_reading_different_data(results):
     rel, where = _worst(ref, ranks[0]["tp_ranks_read_different_data"])
     print(f"wrong setup: the largest difference is {where}, rel {rel:.2e}")
     assert rel > 1e-3, f"a wrong setup passed ({where}: {rel:.2e})"
+
+
+@pytest.fixture(scope="module")
+def hf_results() -> tuple[dict, list[dict]]:  # type: ignore[type-arg]
+    pytest.importorskip("transformers")
+    refs = {name: hf_reference(name) for name in FAMILIES}
+    return refs, run_distributed(_hf_cases, 4, timeout_s=600)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hugging_face_families_with_their_own_plan_equal_one_process(hf_results, family):
+    refs, ranks = hf_results
+    got = ranks[0][family]
+    rel, where = _worst(refs[family], got)
+    print(f"{family}: the largest difference is {where}, rel {rel:.2e}")
+    assert rel < RTOL, f"{family}: {where} differs by {rel:.2e}"
+    assert any("self_attn" in n or "attention" in n for n in got["split"]), got["split"]
+    if family == "gemma":
+        assert got["tied"], "gemma's embedding and output head were untied"

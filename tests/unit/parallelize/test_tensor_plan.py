@@ -88,3 +88,18 @@ def test_the_mesh_puts_tp_innermost_and_checks_it_divides():
         ValueError, match=r"tp=4 does not divide the 6 ranks .* Choose tp in \[2, 3, 6\]"
     ):
         resolve_mesh("full_shard", -1, 6, tp=4)
+
+
+def test_a_plan_word_not_built_yet_is_refused_not_skipped():
+    # Qwen3's per-head q/k norms need their gradient summed over tp; dropping the entry
+    # would train them on part of the heads only.
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=1, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=4))  # fmt: skip
+    with pytest.raises(
+        NotImplementedError,
+        match=r"plan word 'replicated_with_grad_allreduce' is not supported yet",
+    ):
+        check_tensor_parallel(model, ParallelConfig(tp=2))
