@@ -254,3 +254,74 @@ def test_hugging_face_families_with_their_own_plan_equal_one_process(hf_results,
     assert any("self_attn" in n or "attention" in n for n in got["split"]), got["split"]
     if family == "gemma":
         assert got["tied"], "gemma's embedding and output head were untied"
+
+
+# --- checkpoints and exports across layouts ---------------------------------------------------
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _steps(model, opt, shard, which) -> list[float]:  # type: ignore[no-untyped-def]
+    losses = []
+    for i in which:
+        opt.zero_grad(set_to_none=True)
+        loss = model(*shard(batches()[i]))
+        loss.backward()
+        opt.step()
+        losses.append(shardwise.mean_across_ranks(loss.detach()))
+    return losses
+
+
+def _save_at_dp2_tp2(root: str) -> dict:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    model = shardwise.wrap(TinyLM(), shardwise.ParallelConfig(tp=2, tp_plan=PLAN))
+    info = shardwise.wrap_info(model)
+    assert info is not None
+    shard = functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size)
+    opt = _adamw(model)
+    _steps(model, opt, shard, [0, 1])
+    shardwise.save_checkpoint(f"{root}/ck", model, opt, step=2)
+    saved = {n: _full(p) for n, p in model.named_parameters()}
+    shardwise.export_weights(model, f"{root}/export")
+    after = _steps(model, opt, shard, [2])  # the uninterrupted run's next step
+    return {
+        "saved": saved,
+        "next_loss": after,
+        "next": {n: _full(p) for n, p in model.named_parameters()},
+    }
+
+
+def _load_and_step(root: str) -> dict:  # type: ignore[type-arg]
+    torch.manual_seed(1)  # other initial values: the load must replace them all
+    model = shardwise.wrap(TinyLM(), shardwise.ParallelConfig())  # tp 1, full_shard
+    opt = _adamw(model)
+    manifest = shardwise.load_checkpoint(f"{root}/ck", model, opt)
+    loaded = {n: _full(p) for n, p in model.named_parameters()}
+    rank, world = shardwise.get_dist_info().rank, shardwise.get_dist_info().world_size
+    shard = functools.partial(split_batch, rank=rank, world_size=world)
+    after = _steps(model, opt, shard, [2])
+    return {"step": manifest["step"], "loaded": loaded, "next_loss": after,
+            "next": {n: _full(p) for n, p in model.named_parameters()}}  # fmt: skip
+
+
+def test_a_dp2_tp2_checkpoint_loads_at_tp1_and_at_world_1_and_its_export_opens(tmp_path):
+    saved = run_distributed(_save_at_dp2_tp2, 4, args=(str(tmp_path),), timeout_s=300)[0]
+    at_world2 = run_distributed(_load_and_step, 2, args=(str(tmp_path),), timeout_s=300)[0]
+    shardwise.shutdown()
+    at_world1 = _load_and_step(str(tmp_path))
+    shardwise.shutdown()
+    for label, got in (("world 2, tp 1", at_world2), ("world 1", at_world1)):
+        assert got["step"] == 2
+        for n, p in saved["saved"].items():
+            assert torch.equal(got["loaded"][n], p), f"{label}: {n} not loaded exactly"
+        # The next AdamW step continues the same run: the optimizer state came along.
+        rel = abs(got["next_loss"][0] - saved["next_loss"][0]) / abs(saved["next_loss"][0])
+        assert rel < RTOL, f"{label}: next loss differs by {rel:.2e}"
+        worst = max(_rel(got["next"][n], p) for n, p in saved["next"].items())
+        assert worst < 1e-4, f"{label}: parameters after the next step differ by {worst:.2e}"
+    plain = TinyLM()
+    shardwise.load_weights(plain, tmp_path / "export")
+    for n, p in plain.named_parameters():
+        assert torch.equal(p.detach(), saved["saved"][n]), n
