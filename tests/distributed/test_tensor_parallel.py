@@ -142,7 +142,27 @@ def _distributed_cases() -> dict:  # type: ignore[type-arg]
             "described": str(info),
         }
         out[name] = {**train(model, shard), "layout": layout}
+    out["engine"] = _engine_run()
     return out
+
+
+def _engine_run() -> dict:  # type: ignore[type-arg]
+    """The Engine's own step (its clipping included) on a tp model."""
+    torch.manual_seed(0)
+    engine = shardwise.Engine(
+        TinyLM(),
+        lambda params: torch.optim.SGD(params, lr=0.5),
+        shardwise.ParallelConfig(tp=2, tp_plan=PLAN),
+        train=shardwise.TrainConfig(max_grad_norm=MAX_NORM),
+    )
+    info = shardwise.wrap_info(engine.model)
+    assert info is not None
+    losses = []
+    for batch in batches():
+        logs = engine.train_step(split_batch(batch, info.dp_rank, info.dp_size))
+        losses.append(shardwise.mean_across_ranks(logs["loss"]))
+    params = {n: _full(p) for n, p in engine.model.named_parameters()}
+    return {"losses": losses, "params": params}
 
 
 # Hugging Face families, tiny, trained with their own plan (tp_plan="auto"). Gemma ties its
@@ -325,3 +345,10 @@ def test_a_dp2_tp2_checkpoint_loads_at_tp1_and_at_world_1_and_its_export_opens(t
     shardwise.load_weights(plain, tmp_path / "export")
     for n, p in plain.named_parameters():
         assert torch.equal(p.detach(), saved["saved"][n]), n
+
+
+def test_the_engine_steps_a_tp_model_as_one_process(results):
+    ref, ranks = results
+    got = ranks[0]["engine"]
+    rel, where = _worst({**ref, "grads": {}}, {**got, "grads": {}})
+    assert rel < RTOL, f"engine: {where} differs by {rel:.2e}"
