@@ -99,15 +99,18 @@ def plan_command(args: argparse.Namespace) -> int:
         )
     config = load_config(args.config, args.overrides, cls=Config)
     parallel = config.parallel
+    spec = None
     if parallel.strategy != "auto" and parallel.device_mesh is None:
         # The layout against the world size, before any model is built: one line.
-        resolve_mesh(parallel.strategy, parallel.dp_shard, args.world)
+        spec = resolve_mesh(parallel.strategy, parallel.dp_shard, args.world, tp=parallel.tp)
     factory = _load_factory(args.target)
     with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere
         model = factory()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanNotice)
         plan = plan_wrap(model, config.parallel)
+    if spec is not None and spec.tp > 1:
+        return _plan_tp(args, model, parallel, spec, plan)
     precision = config.parallel.precision
     compute = (
         dtype_bytes(str(precision.param_dtype).removeprefix("torch."))
@@ -255,6 +258,35 @@ _NO_INPUT = (
     "pass --seq-len N (with --batch B) for a model of token ids, or --input MODULE:FUNCTION "
     "returning one rank's example batch for any model."
 )
+
+
+def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, plan: Any) -> int:
+    """The 2-D layout: the mesh, each tp plan entry with its style and the modules it
+    names, then the data-parallel units. Memory is not shown: neither the estimate nor the
+    simulation models tensor parallelism yet, and a figure that ignores it would be wrong."""
+    from shardwise.parallelize.tensor import check_tensor_parallel, plan_matches
+
+    if args.simulate or args.json:
+        raise ValueError(
+            f"{'--simulate' if args.simulate else '--json'} with parallel.tp={spec.tp}: the "
+            "memory estimate and simulation do not model tensor parallelism yet. Plan "
+            "without it to see the layout."
+        )
+    tp = check_tensor_parallel(model, parallel)  # the same checks wrap runs, on meta
+    names = [n for n, _ in model.named_modules() if n]
+    print(spec)
+    print(f"tensor parallel over {spec.tp} adjacent ranks ({len(tp.described)} plan entries):")
+    for pattern, style in tp.described.items():
+        hits = sum(plan_matches(pattern, n) for n in names)
+        print(f"  {pattern:<48} {style:<24} {hits} module(s)")
+    print()
+    print(plan)
+    print()
+    print(
+        "memory: not shown under tensor parallelism yet (the estimate and the simulation "
+        "do not model it)."
+    )
+    return 0
 
 
 def _example_input(args: argparse.Namespace) -> Any:

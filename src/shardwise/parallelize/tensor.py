@@ -60,7 +60,7 @@ def style_for(word: str) -> ParallelStyle:
     )
 
 
-def _matches(pattern: str, name: str) -> bool:
+def plan_matches(pattern: str, name: str) -> bool:
     """torch's plan matching: atom by atom, each atom an fnmatch pattern ('layers.*.q')."""
     atoms, parts = pattern.split("."), name.split(".")
     return len(atoms) == len(parts) and all(
@@ -89,7 +89,7 @@ def resolve_tp_plan(
     names = [n for n, _ in model.named_modules() if n]
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in tp_plan.items():
-        if not any(_matches(str(pattern), n) for n in names):
+        if not any(plan_matches(str(pattern), n) for n in names):
             raise ValueError(
                 f"ParallelConfig.tp_plan names {pattern!r}, which matches no module of "
                 f"{type(model).__name__} (e.g. {', '.join(names[:4])}, ...). Fix the name; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -172,3 +173,28 @@ def test_run_refuses_a_layout_the_world_cannot_hold_before_spawning(tmp_path, ca
 
     (tmp_path / "other.yaml").write_text("lr: 3\n")
     check_layout(["--config", str(tmp_path / "other.yaml"), "parallel.strategy=hybrid_shard"], 3)
+
+
+def test_plan_shows_the_2d_layout_and_refuses_what_it_cannot_model(tmp_path, monkeypatch, capsys):
+    (tmp_path / "llm.py").write_text(
+        "import transformers as tf\n"
+        "def llama():\n"
+        "    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, "
+        "intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    argv = ["plan", "llm:llama", "--world", "8", "parallel.tp=2", "parallel.strategy=hybrid_shard"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("hybrid_shard: 2 replica group(s) x 2 shard rank(s) x tp 2 = world 8")
+    assert re.search(r"model\.layers\.\*\.self_attn\.k_proj +colwise +2 module\(s\)", out)
+    assert "memory: not shown under tensor parallelism yet" in out
+    assert main([*argv, "--simulate"]) == 2
+    assert (
+        "--simulate with parallel.tp=2: the memory estimate and simulation do not model"
+        in capsys.readouterr().err
+    )
+    assert main(["plan", "llm:llama", "--world", "8", "parallel.tp=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.num_key_value_heads=2 does not divide by 4" in err

@@ -235,7 +235,7 @@ def test_clip_grad_norm_over_mixed_meshes_is_one_processs():
     params[0].grad = distribute_tensor(grads[0].clone(), grid, [Shard(0), Shard(1)])
     params[1].grad = distribute_tensor(grads[1].clone(), flat, [Replicate()])
     params[2].grad = grads[2].clone()
-    with pytest.raises(Exception, match="mixed torch.Tensor and DTensor|same mesh"):
+    with pytest.raises(Exception, match=r"mixed torch\.Tensor and DTensor|same mesh"):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
     with pytest.raises(Exception, match="same mesh"):
         torch.nn.utils.clip_grad_norm_(params[:2], 1.0)
