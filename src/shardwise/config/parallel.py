@@ -218,6 +218,8 @@ class ParallelConfig:
     a dict {module name or fnmatch pattern: 'colwise' | 'rowwise' | a torch ParallelStyle}
     or a callable (model, tp_mesh) covers your own models. A model with no plan is an
     error, never silently replicated."""
+    cp: int = 1
+    """Context-parallel degree. Only 1 for now: anything else is refused (see the error)."""
     mixed_precision: PrecisionSetting = "fp32"
     """'fp32', 'bf16', 'fp16', a mapping of param/reduce/output dtypes, shardwise.Precision,
     torch's MixedPrecisionPolicy, or FSDP1's MixedPrecision."""
@@ -326,6 +328,14 @@ class ParallelConfig:
 
 def _validate_tp(cfg: ParallelConfig) -> None:
     """tp and tp_plan, as far as they can be checked without a model or a world size."""
+    if integral(cfg.cp, "ParallelConfig.cp") != 1:
+        raise NotImplementedError(
+            f"ParallelConfig.cp={cfg.cp}: context parallelism is not built yet. torch's "
+            "context parallel has no CPU attention path to prove it against one process, and "
+            "eager attention under it is silently wrong; shardwise refuses it until a GPU "
+            "test exists. Use cp=1 (split long sequences with tp and sequence parallelism "
+            "when they come, or activation checkpointing now)."
+        )
     cfg.tp = integral(cfg.tp, "ParallelConfig.tp")
     if cfg.tp < 1:
         raise ValueError(f"ParallelConfig.tp={cfg.tp} must be >= 1 (1: no tensor parallelism).")

@@ -103,3 +103,12 @@ def test_a_plan_word_not_built_yet_is_refused_not_skipped():
         match=r"plan word 'replicated_with_grad_allreduce' is not supported yet",
     ):
         check_tensor_parallel(model, ParallelConfig(tp=2))
+
+
+def test_context_parallel_is_refused_with_the_reason():
+    with pytest.raises(
+        NotImplementedError,
+        match=r"ParallelConfig.cp=2: context parallelism is not built yet.*silently wrong",
+    ):
+        ParallelConfig(cp=2)
+    assert ParallelConfig(cp=1).cp == 1
