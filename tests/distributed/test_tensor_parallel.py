@@ -352,3 +352,44 @@ def test_the_engine_steps_a_tp_model_as_one_process(results):
     got = ranks[0]["engine"]
     rel, where = _worst({**ref, "grads": {}}, {**got, "grads": {}})
     assert rel < RTOL, f"engine: {where} differs by {rel:.2e}"
+
+
+# --- the Runner ----------------------------------------------------------------------------------
+
+
+def _dataset() -> torch.utils.data.TensorDataset:
+    tokens = torch.cat([b[0] for b in batches()])
+    labels = torch.cat([b[1] for b in batches()])
+    return torch.utils.data.TensorDataset(tokens, labels)
+
+
+def _runner(root: str, tp: int) -> dict:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    engine = shardwise.Engine(
+        TinyLM(),
+        lambda params: torch.optim.SGD(params, lr=0.5),
+        shardwise.ParallelConfig(tp=tp, tp_plan=PLAN),
+    )
+    world = shardwise.get_dist_info().world_size
+    config = shardwise.RunnerConfig(
+        run_dir=f"{root}/run_tp{tp}", max_steps=STEPS, max_epochs=None, shuffle=False,
+        batch_size=BATCH * tp // world, progress=False, tensorboard=False, save_at_end=False,
+        log_every=1,
+    )  # fmt: skip
+    runner = shardwise.Runner(engine, _dataset(), config=config)
+    runner.fit()
+    losses = [row["loss"] for row in runner.history if row.get("split") == "train"]
+    return {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()}}
+
+
+def test_the_runner_feeds_each_tp_group_one_part_of_the_batch(tmp_path):
+    """Before: the Runner's sampler split the data over all 4 ranks, so the two ranks of a tp
+    group read different rows (the wrong setup the comparison above catches)."""
+    ranks = run_distributed(_runner, 4, args=(str(tmp_path), 2), timeout_s=300)
+    shardwise.shutdown()
+    want = _runner(str(tmp_path), 1)
+    shardwise.shutdown()
+    got = ranks[0]
+    assert len(got["losses"]) == STEPS, got["losses"]
+    rel, where = _worst({**want, "grads": {}}, {**got, "grads": {}})
+    assert rel < RTOL, f"runner: {where} differs by {rel:.2e}"

@@ -69,16 +69,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _refuse_tensor_parallel(engine: Engine) -> None:
+def _data_parallel(engine: Engine, rank: int, world: int) -> tuple[int, int]:
+    """(this rank's data-parallel index, the data-parallel ranks): under tensor
+    parallelism the ranks of one tp group read the same part of each batch."""
     info = wrap_info(engine.model)
     if info is not None and info.mesh_spec is not None and info.mesh_spec.tp > 1:
-        raise NotImplementedError(
-            f"Runner with ParallelConfig.tp={info.mesh_spec.tp} is not built yet: its "
-            "sampler, resume position and logs count every rank as a data-parallel replica. "
-            "Drive the loop yourself, giving each rank the part of the batch for "
-            "shardwise.wrap_info(model).dp_rank of .dp_size (the ranks of a tp group read "
-            "the same part)."
-        )
+        return info.dp_rank, info.dp_size
+    return rank, world
 
 
 class Runner:
@@ -97,9 +94,9 @@ class Runner:
         self.engine = engine
         self.config = config or RunnerConfig()
         self.rank, self.world = rank_and_world()
-        _refuse_tensor_parallel(engine)
+        self.dp_rank, self.dp_world = _data_parallel(engine, self.rank, self.world)
         self.evaluate = evaluate
-        cfg, rank, world = self.config, self.rank, self.world
+        cfg, rank, world = self.config, self.dp_rank, self.dp_world  # the sampler's split
         # Batches from pinned host memory copy to a GPU asynchronously.
         pin = engine.device.type == "cuda"
         self.train_loader = make_loader(
@@ -140,7 +137,7 @@ class Runner:
             total = min(total, by_epochs) if total else by_epochs
         step_limit = cfg.max_steps or math.inf
         self._resumed = True
-        epoch, skip = resume(cfg, engine, self.train_loader, self.world)
+        epoch, skip = resume(cfg, engine, self.train_loader, self.dp_world)
         if cfg.resume is not None and self.rank == 0:
             keep_earlier_export(cfg)  # a resumed or restarted run exports anew at its end
         self._start_logger()
@@ -168,7 +165,7 @@ class Runner:
                     if isinstance(sampler, ResumableSampler):
                         sampler.skip = skip
                     # The segment of the epoch this pass trains starts skip*world samples in.
-                    offset, consumed, skip = skip // batch, skip * self.world, 0
+                    offset, consumed, skip = skip // batch, skip * self.dp_world, 0
                     n = len(self.train_loader)
                     window.restart()
                     for i, data in enumerate(self.train_loader):
@@ -186,11 +183,11 @@ class Runner:
                             "epoch": epoch,
                             "batches_done": offset + i + 1,
                             "total_batches": offset + n,
-                            "samples_done": consumed + (i + 1) * batch * self.world,
-                            "world_size": self.world,
+                            "samples_done": consumed + (i + 1) * batch * self.dp_world,
+                            "world_size": self.dp_world,
                             "batch_size": batch,
                         }
-                        row = window.close(logs, self.world, engine.device, done, epoch)
+                        row = window.close(logs, self.dp_world, engine.device, done, epoch)
                         last_train = row
                         if done % cfg.log_every == 0 or done == total:
                             self._log(row)
