@@ -157,6 +157,13 @@ class ShardwiseStrategy(ModelParallelStrategy):
                 "ShardwiseStrategy(config=...) expects a shardwise.ParallelConfig, got "
                 f"{type(self.config).__name__}."
             )
+        if self.config.tp > 1:
+            raise NotImplementedError(
+                f"ParallelConfig.tp={self.config.tp} inside Lightning's Trainer is not "
+                "built yet: the host's sampler splits the data over every rank, while the ranks "
+                "of a tensor-parallel group must read the same rows (shardwise's Runner does "
+                "that). Use tp=1 here, or train with shardwise's Engine and Runner."
+            )
         super().__init__(
             save_distributed_checkpoint=True,
             process_group_backend=process_group_backend,

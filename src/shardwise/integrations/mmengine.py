@@ -86,6 +86,13 @@ class ShardwiseDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         config = ParallelConfig(**kwargs)
+        if config.tp > 1:
+            raise NotImplementedError(
+                f"ParallelConfig.tp={config.tp} inside mmengine's Runner is not "
+                "built yet: the host's sampler splits the data over every rank, while the ranks "
+                "of a tensor-parallel group must read the same rows (shardwise's Runner does "
+                "that). Use tp=1 here, or train with shardwise's Engine and Runner."
+            )
         if config.strategy != "ddp":
             # mmengine initialises weights after wrapping, then broadcasts the state dict
             # from rank 0: on shards that would copy rank 0's shard over the others. Here

@@ -359,3 +359,22 @@ def test_optim_wrapper_without_a_torch_optimizer():
 
     with pytest.raises(TypeError, match=r"Engine: Fake\.optimizer is str, not a torch optimizer"):
         Engine(MMToy(), Fake())
+
+
+@pytest.mark.parametrize("host", ["mmengine", "lightning"])
+def test_hosts_refuse_tensor_parallel_saying_why(host):
+    # Their samplers split data over every rank; a tp group must read the same rows.
+    if host == "mmengine":
+        pytest.importorskip("mmengine")
+        from shardwise.integrations.mmengine import ShardwiseDataParallel as host_wrapper
+
+        make = lambda: host_wrapper(torch.nn.Linear(4, 4), tp=2)  # noqa: E731
+    else:
+        pytest.importorskip("lightning")
+        from shardwise.integrations.lightning import ShardwiseStrategy
+
+        make = lambda: ShardwiseStrategy(tp=2)  # noqa: E731
+    with pytest.raises(
+        NotImplementedError, match=r"tp=2 inside .* is not built yet: the host's sampler"
+    ):
+        make()
