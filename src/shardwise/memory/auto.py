@@ -37,7 +37,7 @@ from shardwise.distributed.mesh import resolve_mesh
 from shardwise.memory.activations import trace_activations
 from shardwise.memory.fake import ExampleInput
 from shardwise.memory.model_states import estimate_memory, estimate_peak, format_bytes
-from shardwise.memory.simulate import simulate_step
+from shardwise.memory.simulate import refuse_tensor_parallel, simulate_step
 from shardwise.plan.planner import PlanNotice, plan_wrap
 
 __all__ = ["AutoPlan", "Candidate", "NoPlanFitsError", "choose_plan", "resolve_budget"]
@@ -276,6 +276,7 @@ def choose_plan(
     With `simulate=False` the estimate decides. Raises `NoPlanFitsError` when nothing
     fits; returns the `AutoPlan` otherwise (`.config` is the resolved config).
     """
+    refuse_tensor_parallel(config, "choose_plan")
     limit, source = resolve_budget(config.memory_budget if budget is None else budget, device)
     with torch.device("meta"):
         meta_model = model_factory()

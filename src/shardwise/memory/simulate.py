@@ -405,6 +405,17 @@ def _simulate_in_subprocess(kwargs: dict[str, Any], timeout_s: float) -> SimRepo
     return payload
 
 
+def refuse_tensor_parallel(config: ParallelConfig, what: str) -> None:
+    """The simulation and the estimates do not model tensor parallelism yet: a figure that
+    ignored it would be wrong, so tp > 1 is refused instead."""
+    if config.tp > 1:
+        raise NotImplementedError(
+            f"{what} with ParallelConfig.tp={config.tp}: the memory simulation does not model "
+            "tensor parallelism yet, and a figure that ignored it would be wrong. Plan with "
+            "tp=1 for now."
+        )
+
+
 def simulate_step(
     model_factory: Callable[[], nn.Module],
     config: ParallelConfig,
@@ -433,6 +444,7 @@ def simulate_step(
     """
     if world < 1:
         raise ValueError(f"simulate_step(world={world}): the world size must be >= 1.")
+    refuse_tensor_parallel(config, "simulate_step")
     if batch < 1:
         raise ValueError(f"simulate_step(batch={batch}): the micro-batch must be >= 1.")
     if isinstance(optimizer, str) and optimizer not in _OPTIMIZERS:

@@ -112,3 +112,16 @@ def test_context_parallel_is_refused_with_the_reason():
     ):
         ParallelConfig(cp=2)
     assert ParallelConfig(cp=1).cp == 1
+
+
+def test_the_memory_planner_refuses_tp_rather_than_ignore_it():
+    import shardwise
+
+    config = ParallelConfig(tp=2, tp_plan={"up": "colwise", "down": "rowwise"})
+    with pytest.raises(
+        NotImplementedError,
+        match=r"simulate_step with ParallelConfig.tp=2: the memory simulation does not model",
+    ):
+        shardwise.simulate_step(MLP, config, world=4, batch=1, seq_len=8)
+    with pytest.raises(NotImplementedError, match=r"choose_plan with ParallelConfig.tp=2"):
+        shardwise.choose_plan(MLP, config, world=4, batch=1, seq_len=8)
