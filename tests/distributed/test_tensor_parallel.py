@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
+from shardwise.parallelize.tensor import SplitGradientError, check_tp_gradients
 from shardwise.testing import run_distributed
 from shardwise.testing.parity import split_batch
 
@@ -143,7 +144,33 @@ def _distributed_cases() -> dict:  # type: ignore[type-arg]
         }
         out[name] = {**train(model, shard), "layout": layout}
     out["engine"] = _engine_run()
+    out["gain_between_split_layers"] = _gain_between_split_layers()
     return out
+
+
+class GainBlock(Block):
+    """A trainable gain between the column-split `up` and the row-split `down`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))) * self.gain)
+
+
+def _gain_between_split_layers() -> str:
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.blocks[1] = GainBlock()
+    engine = shardwise.Engine(
+        model, lambda p: torch.optim.SGD(p, lr=0.5), shardwise.ParallelConfig(tp=2, tp_plan=PLAN)
+    )
+    try:
+        engine.train_step(batches()[0])
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def _engine_run() -> dict:  # type: ignore[type-arg]
@@ -206,6 +233,11 @@ def _hf_cases() -> dict:  # type: ignore[type-arg]
         assert info is not None
         shard = functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size)
         result = train(model, shard, _hf_loss)
+        try:  # the last step's gradients: no parameter the plan leaves whole is split
+            check_tp_gradients(model)
+            result["whole_gradients"] = "equal"
+        except SplitGradientError as exc:
+            result["whole_gradients"] = str(exc)
         tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         split = [n for n, p in model.named_parameters()
                  if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]  # fmt: skip
@@ -272,6 +304,7 @@ def test_hugging_face_families_with_their_own_plan_equal_one_process(hf_results,
     print(f"{family}: the largest difference is {where}, rel {rel:.2e}")
     assert rel < RTOL, f"{family}: {where} differs by {rel:.2e}"
     assert any("self_attn" in n or "attention" in n for n in got["split"]), got["split"]
+    assert got["whole_gradients"] == "equal", got["whole_gradients"]
     if family == "gemma":
         assert got["tied"], "gemma's embedding and output head were untied"
 
@@ -393,3 +426,12 @@ def test_the_runner_feeds_each_tp_group_one_part_of_the_batch(tmp_path):
     assert len(got["losses"]) == STEPS, got["losses"]
     rel, where = _worst({**want, "grads": {}}, {**got, "grads": {}})
     assert rel < RTOL, f"runner: {where} differs by {rel:.2e}"
+
+
+def test_a_parameter_left_whole_between_split_layers_is_refused(results):
+    """Loss-only parity misses it (each tp rank trains the gain on its half of the columns);
+    the Engine compares the gradients of whole parameters across the tp group once."""
+    said = results[1][0]["gain_between_split_layers"]
+    assert said.startswith(
+        "SplitGradientError: ParallelConfig.tp_plan leaves ['blocks.1.gain'] whole"
+    ), said

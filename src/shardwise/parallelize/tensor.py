@@ -28,11 +28,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardwise.config.parallel import TP_STYLE_NAMES, ParallelConfig
+from shardwise.distributed.mesh import TP_DIM
 
 __all__ = [
+    "SplitGradientError",
     "TPPlan",
     "apply_tensor_parallel",
     "check_tensor_parallel",
+    "check_tp_gradients",
+    "check_whole_gradients",
     "resolve_tp_plan",
     "style_for",
 ]
@@ -188,3 +192,62 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -
     else:
         plan.apply(model, tp_mesh)
     _retie(model, ties)
+
+
+class SplitGradientError(RuntimeError):
+    """A parameter the plan left whole got different gradients on the ranks of a tp group."""
+
+
+def check_whole_gradients(model: nn.Module, tp_mesh: DeviceMesh, rtol: float = 1e-6) -> None:
+    """After a backward: every parameter the plan leaves whole on the tp dimension must have
+    the same gradient on each rank of a tp group (its inputs are the same there). One that
+    differs sits between a column-split and a row-split layer (a per-head norm, a scale):
+    each rank saw only its part of the activations, so it would train on part of its
+    gradient. That is a silent wrong no loss shows, so it raises, naming the parameters.
+    One small all-gather of two checksums per parameter over the tp group."""
+    import torch
+    import torch.distributed as dist
+
+    names, sums = [], []
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            dims = g.device_mesh.mesh_dim_names or ()
+            if TP_DIM in dims and not isinstance(g.placements[dims.index(TP_DIM)], Replicate):
+                continue  # split over tp: each rank holds its own part
+            g = g.to_local()
+        local = g.detach().double()
+        names.append(name)
+        sums.extend([local.sum(), local.abs().sum()])
+    if not names:
+        return
+    mine = torch.stack(sums)
+    parts = [torch.empty_like(mine) for _ in range(tp_mesh.size())]
+    dist.all_gather(parts, mine, group=tp_mesh.get_group())
+    gathered = torch.stack(parts)
+    spread = (gathered - gathered[0]).abs().amax(dim=0)
+    scale = gathered.abs().amax(dim=0).clamp_min(1e-30)
+    bad = sorted({names[i // 2] for i in torch.nonzero(spread > rtol * scale).flatten().tolist()})
+    if bad:
+        raise SplitGradientError(
+            f"ParallelConfig.tp_plan leaves {bad[:5]} whole, but their gradients differ "
+            "between the ranks of a tensor-parallel group: they sit between a column-split "
+            "and a row-split layer, so each rank sees only its part of their activations and "
+            "they would train on part of their gradient. Give their modules a style in "
+            "tp_plan, or change the plan so they see whole activations (split the output "
+            "with 'colwise_gather_output' before them)."
+        )
+
+
+def check_tp_gradients(model: nn.Module) -> None:
+    """`check_whole_gradients` for a model `wrap` split with tp > 1 (nothing otherwise);
+    the Engine runs it at its first update."""
+    from shardwise.parallelize.wrapped import wrap_info
+
+    info = wrap_info(model)
+    if info is None or info.mesh_spec is None or info.mesh_spec.tp == 1:
+        return
+    assert info.device_mesh is not None
+    check_whole_gradients(model, info.device_mesh[TP_DIM])

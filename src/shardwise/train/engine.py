@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import TrainConfig
 from shardwise.parallelize.apply import wrap
+from shardwise.parallelize.tensor import check_tp_gradients
 from shardwise.parallelize.wrapped import unwrap, wrap_info
 from shardwise.train.losses import VIS_KEYS, model_parse_losses, parse_losses, split_outputs
 from shardwise.train.nonfinite import (
@@ -173,6 +174,7 @@ class Engine:
         self.step = 0
         self.skipped_steps = 0
         self._stop_requested = False
+        self._tp_checked = False
         self._nonfinite_ranks = 0
         self._window: list[dict[str, torch.Tensor]] = []
 
@@ -276,6 +278,9 @@ class Engine:
                 warnings.filterwarnings("ignore", message=".*scalar.*")
                 self.scaler.unscale_(self.optimizer)
         anomalous = anomalous_params(self.model) if tc.detect_anomalous_params else []
+        if not self._tp_checked:  # once: a parameter left whole between split layers
+            self._tp_checked = True
+            check_tp_gradients(self.model)
         norm = total_grad_norm(params)
         asked = self._stop_requested
         reduced = _reduce_window(self._window, norm, self.device, self.scaler is None, asked)
