@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -80,15 +81,29 @@ def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
         if g is not None:
             groups.setdefault(id(g.device_mesh) if isinstance(g, DTensor) else 0, []).append(g)
     squares = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
+    with _quiet_redistribute():
+        for group in groups.values():
+            norm = torch.nn.utils.get_total_norm(group, foreach=True)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            squares.append(norm.float() ** 2)
     if not squares:
         return torch.zeros(())
     device = squares[0].device
     return torch.stack([s.to(device) for s in squares]).sum().sqrt()
+
+
+@contextlib.contextmanager
+def _quiet_redistribute() -> Iterator[None]:
+    """On a 2-D mesh (FSDP x tp) DTensor logs, per rank and per step, that reducing a norm
+    takes one all-reduce per mesh dimension: two scalars here, not worth the noise."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
