@@ -456,3 +456,30 @@ def test_adamw_losses_equal_one_process(results):
     worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
     print(f"adamw: the largest loss difference is rel {worst:.2e}")
     assert worst < 1e-4, f"AdamW loss differs by {worst:.2e}"
+
+
+def _load_exported_into_tp(root: str) -> dict:  # type: ignore[type-arg]
+    config = shardwise.ParallelConfig(tp=2, tp_plan=PLAN)
+    out = {}
+    torch.manual_seed(5)  # other initial values: the load must replace them all
+    model = shardwise.wrap(TinyLM(), config)
+    shardwise.load_weights(model, f"{root}/plain")
+    out["load_weights"] = {n: _full(p) for n, p in model.named_parameters()}
+    torch.manual_seed(6)
+    model = shardwise.wrap(TinyLM(), config, weights=f"{root}/plain")
+    out["wrap(weights=)"] = {n: _full(p) for n, p in model.named_parameters()}
+    torch.manual_seed(7)  # only rank 0 can read the file; the others are sent their slices
+    only_rank0 = f"{root}/plain" if dist.get_rank() == 0 else "/nonexistent"
+    model = shardwise.wrap(TinyLM(), config, weights=only_rank0, broadcast_from_rank0=True)
+    out["broadcast_from_rank0"] = {n: _full(p) for n, p in model.named_parameters()}
+    return out
+
+
+def test_load_weights_fills_a_tp_model_exactly(tmp_path):
+    torch.manual_seed(0)
+    plain = TinyLM()
+    shardwise.export_weights(plain, tmp_path / "plain")
+    ranks = run_distributed(_load_exported_into_tp, 4, args=(str(tmp_path),), timeout_s=300)
+    for how, got in ranks[0].items():
+        for n, p in plain.named_parameters():
+            assert torch.equal(got[n], p.detach()), f"{how}: {n}"

@@ -238,7 +238,10 @@ def wrap(
             tp=config.tp,
         )
     if spec.tp > 1:
-        return _wrap_2d(model, config, info, spec, on_meta or weights is not None)
+        _wrap_2d(model, config, info, spec, on_meta)
+        if weights is not None:  # after sharding: each rank reads (or is sent) its slices
+            load_weights(model, weights, broadcast_from_rank0=broadcast_from_rank0)
+        return model
     plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
     _prepare_blocks(model, plan, config)
     if spec.engine == "ddp":
@@ -264,19 +267,19 @@ def wrap(
 
 
 def _wrap_2d(
-    model: nn.Module, config: ParallelConfig, info: DistInfo, spec: MeshSpec, filled: bool
-) -> nn.Module:
+    model: nn.Module, config: ParallelConfig, info: DistInfo, spec: MeshSpec, on_meta: bool
+) -> None:
     """Tensor parallel over the mesh's tp dimension, then the strategy over the
     data-parallel ones (torch's documented order: TP before FSDP).
 
     The model is moved to the device and takes rank 0's values whole first: TP cuts each
-    rank's slice from the same tensor. Not built yet for tp: a meta-built model, `weights`
-    and CPU offload (each raises NotImplementedError)."""
-    if filled or config.offload_policy is not None:
+    rank's slice from the same tensor. Not built yet for tp: a meta-built model and CPU
+    offload (each raises NotImplementedError)."""
+    if on_meta or config.offload_policy is not None:
         raise NotImplementedError(
-            f"ParallelConfig.tp={spec.tp} with a meta-built model, weights= or cpu_offload is "
-            "not built yet (no test covers it): build the model on the CPU, load its "
-            "weights before wrap, and leave cpu_offload off."
+            f"ParallelConfig.tp={spec.tp} with a meta-built model or cpu_offload is not "
+            "built yet (no test covers it): build the model on the CPU (weights= loads "
+            "into it after sharding), and leave cpu_offload off."
         )
     tp_plan = check_tensor_parallel(model, config)  # before any group is made
     mesh = spec.build(info.device.type)
@@ -289,4 +292,3 @@ def _wrap_2d(
     apply_fsdp(model, config, info, spec, plan, dp_mesh(spec, mesh))
     replicate_scalars(model, plan.replicated_params)
     setattr(model, INFO_ATTR, WrapInfo(config, info, spec, plan, mesh, tp_plan=tp_plan.described))
-    return model
