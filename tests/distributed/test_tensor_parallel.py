@@ -124,6 +124,7 @@ def _distributed_cases() -> dict:  # type: ignore[type-arg]
     for name, strategy, wrong in [
         ("full_shard", "full_shard", False),
         ("no_shard", "no_shard", False),  # replicate 2 x tp 2
+        ("hybrid_shard", "hybrid_shard", False),  # replicate 2 x shard 1 x tp 2
         ("tp_ranks_read_different_data", "full_shard", True),
     ]:
         torch.manual_seed(0)
@@ -273,7 +274,7 @@ def results() -> tuple[dict, list[dict]]:  # type: ignore[type-arg]
     return reference(), run_distributed(_distributed_cases, 4, timeout_s=300)
 
 
-@pytest.mark.parametrize("case", ["full_shard", "no_shard"])
+@pytest.mark.parametrize("case", ["full_shard", "no_shard", "hybrid_shard"])
 def test_dp2_tp2_equals_one_process(results, case):
     ref, ranks = results
     got = ranks[0][case]
@@ -281,7 +282,8 @@ def test_dp2_tp2_equals_one_process(results, case):
     print(f"{case}: the largest difference is {where}, rel {rel:.2e}")  # shown with -s
     assert rel < RTOL, f"{case}: {where} differs by {rel:.2e}"
     layout = got["layout"]
-    want = {"full_shard": ("dp_shard", "tp"), "no_shard": ("dp_replicate", "dp_shard", "tp")}
+    want = {"full_shard": ("dp_shard", "tp"), "no_shard": ("dp_replicate", "dp_shard", "tp"),
+            "hybrid_shard": ("dp_replicate", "dp_shard", "tp")}  # fmt: skip
     assert layout["mesh_dims"] == want[case]  # sharded (or replicated) over dp, split over tp
     assert layout["tp_placement"] == str(Shard(0))  # the MLP's rows split over tp
     assert layout["tied"], "the embedding and the head were untied"

@@ -97,6 +97,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _has_2d_split(world: int, dp_shard: int) -> bool:
+    """Whether a hybrid strategy finds a (replicate > 1, shard > 1) split of `world`."""
+    return dp_shard != 1 and any(1 < d < world for d in divisors(world))
+
+
 def _hybrid_shard_degree(dp_shard: int, world: int, local_world: int, strategy: str) -> int:
     usable = [d for d in divisors(world) if 1 < d < world]
     if not usable:
@@ -156,10 +161,20 @@ def resolve_mesh(
                 f"({local_world} per node): a tensor-parallel group is {tp} ranks of one "
                 f"node. Choose tp in {fits or [1]}."
             )
+        dp_world = world_size // tp
+        if strategy in _HYBRID and dp_shard in (-1, 1) and not _has_2d_split(dp_world, dp_shard):
+            # With tp, hybrid over (replicate N, shard 1) is a real layout: N replicas,
+            # each split over its tp group (the issue's "replicate 2 x tp 2").
+            raf = (
+                strategy_reshards(strategy)
+                if reshard_after_forward is None
+                else reshard_after_forward
+            )
+            return MeshSpec(strategy, dp_world, 1, raf, "fsdp", tp)
         spec = resolve_mesh(
             strategy,
             dp_shard,
-            world_size // tp,
+            dp_world,
             local_world_size=local_world // tp,
             reshard_after_forward=reshard_after_forward,
         )

@@ -84,6 +84,9 @@ def test_the_mesh_puts_tp_innermost_and_checks_it_divides():
     spec = resolve_mesh("hybrid_shard", -1, 16, local_world_size=8, tp=2)
     assert (spec.dp_replicate, spec.dp_shard, spec.tp, spec.dp_size) == (2, 4, 2, 8)
     assert "x tp 2 = world 16" in str(spec)
+    # With tp, hybrid over (replicate 2, shard 1) is a real layout (refused without tp).
+    spec = resolve_mesh("hybrid_shard", -1, 4, tp=2)
+    assert (spec.dp_replicate, spec.dp_shard, spec.tp) == (2, 1, 2)
     with pytest.raises(
         ValueError, match=r"tp=4 does not divide the 6 ranks .* Choose tp in \[2, 3, 6\]"
     ):
