@@ -217,6 +217,7 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"residual_dropout": 0.0}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 4}),  # per-head q/k norms
 }
 
 

@@ -56,6 +56,7 @@ TP_STYLE_NAMES = (
     "colwise_gather_output",
     "rowwise_split_input",
     "embedding_rowwise",
+    "replicated_with_grad_allreduce",
 )
 """The plan words shardwise turns into torch's ParallelStyles (transformers' words)."""
 UserMesh = DeviceMesh | ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -57,6 +58,12 @@ def style_for(word: str) -> ParallelStyle:
         return ColwiseParallel(output_layouts=Replicate())
     if word in ("rowwise_split_input", "embedding_rowwise"):  # the input is whole on each rank
         return RowwiseParallel(input_layouts=Replicate())
+    if word == "replicated_with_grad_allreduce":
+        # A per-head norm after a column split: its weight is whole on every rank but each
+        # rank sees only its heads, so the gradient must be summed over tp. torch's
+        # SequenceParallel does exactly that (the weight is a Replicate DTensor whose
+        # gradient is reduced), and the heads dimension stands in for the sequence one.
+        return SequenceParallel(sequence_dim=1, use_local_output=True)
     raise NotImplementedError(
         f"tensor-parallel plan word {word!r} is not supported yet (shardwise knows "
         f"{', '.join(TP_STYLE_NAMES)}). Give that module a torch ParallelStyle in a "
@@ -93,13 +100,15 @@ def resolve_tp_plan(
     names = [n for n, _ in model.named_modules() if n]
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in tp_plan.items():
+        if not isinstance(style, ParallelStyle):
+            style = style_for(str(style))  # a word not built yet is refused first
         if not any(plan_matches(str(pattern), n) for n in names):
             raise ValueError(
                 f"ParallelConfig.tp_plan names {pattern!r}, which matches no module of "
                 f"{type(model).__name__} (e.g. {', '.join(names[:4])}, ...). Fix the name; "
                 "'*' stands for one name part, as in 'layers.*.mlp.up'."
             )
-        plan[str(pattern)] = style if isinstance(style, ParallelStyle) else style_for(str(style))
+        plan[str(pattern)] = style
     return plan
 
 

@@ -94,16 +94,17 @@ def test_the_mesh_puts_tp_innermost_and_checks_it_divides():
 
 
 def test_a_plan_word_not_built_yet_is_refused_not_skipped():
-    # Qwen3's per-head q/k norms need their gradient summed over tp; dropping the entry
-    # would train them on part of the heads only.
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    # Mixtral's experts are 3-D with gate and up packed together: a plain split would give
+    # one rank every gate and the other every up. Skipping the entry would train them whole
+    # on every rank while the attention is split.
+    from transformers import MixtralConfig, MixtralForCausalLM
 
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                          num_hidden_layers=1, num_attention_heads=4,
-                                          num_key_value_heads=2, head_dim=4))  # fmt: skip
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                              num_hidden_layers=1, num_attention_heads=4,
+                                              num_key_value_heads=2, num_local_experts=2))  # fmt: skip
     with pytest.raises(
         NotImplementedError,
-        match=r"plan word 'replicated_with_grad_allreduce' is not supported yet",
+        match=r"plan word '(moe_tp_experts|packed_colwise)' is not supported yet",
     ):
         check_tensor_parallel(model, ParallelConfig(tp=2))
 
