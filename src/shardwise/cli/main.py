@@ -206,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sequence length for the peak with activations (default: the model config's seq_len)",
     )
+    plan.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel degree (the same as the override parallel.tp=N)",
+    )
     plan.add_argument("overrides", nargs="*", help="section.key=value")
     plan.set_defaults(func=plan_command)
 

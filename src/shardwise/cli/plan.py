@@ -97,7 +97,12 @@ def plan_command(args: argparse.Namespace) -> int:
             f"--world={args.world}: the world size to plan for must be a positive integer "
             "(the total number of ranks, e.g. --world 8 for 8 GPUs)."
         )
-    config = load_config(args.config, args.overrides, cls=Config)
+    overrides = list(args.overrides)
+    if args.tp is not None:
+        if any(o.startswith("parallel.tp=") for o in overrides):
+            raise ValueError("--tp and parallel.tp=... both given: keep one of them.")
+        overrides.append(f"parallel.tp={args.tp}")
+    config = load_config(args.config, overrides, cls=Config)
     parallel = config.parallel
     spec = None
     if parallel.strategy != "auto" and parallel.device_mesh is None:

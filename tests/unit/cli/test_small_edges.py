@@ -184,7 +184,7 @@ def test_plan_shows_the_2d_layout_and_refuses_what_it_cannot_model(tmp_path, mon
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    argv = ["plan", "llm:llama", "--world", "8", "parallel.tp=2", "parallel.strategy=hybrid_shard"]
+    argv = ["plan", "llm:llama", "--world", "8", "--tp", "2", "parallel.strategy=hybrid_shard"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("hybrid_shard: 2 replica group(s) x 2 shard rank(s) x tp 2 = world 8")
