@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 import shardwise
 from shardwise.parallelize.tensor import SplitGradientError, check_tp_gradients
@@ -154,6 +155,7 @@ def _distributed_cases() -> dict:  # type: ignore[type-arg]
     shard = functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size)
     out["adamw"] = train(model, shard, adamw=True)
     out["engine"] = _engine_run()
+    out["engine_loss_parallel"] = _engine_run(loss_parallel=True)
     out["gain_between_split_layers"] = _gain_between_split_layers()
     return out
 
@@ -183,13 +185,17 @@ def _gain_between_split_layers() -> str:
     return "no error"
 
 
-def _engine_run() -> dict:  # type: ignore[type-arg]
-    """The Engine's own step (its clipping included) on a tp model."""
+def _engine_run(loss_parallel: bool = False) -> dict:  # type: ignore[type-arg]
+    """The Engine's own step (its clipping included) on a tp model; with loss_parallel the
+    head keeps its logits split and the cross-entropy runs on the split logits."""
     torch.manual_seed(0)
+    plan = dict(PLAN)
+    if loss_parallel:
+        plan["head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     engine = shardwise.Engine(
         TinyLM(),
         lambda params: torch.optim.SGD(params, lr=0.5),
-        shardwise.ParallelConfig(tp=2, tp_plan=PLAN),
+        shardwise.ParallelConfig(tp=2, tp_plan=plan, loss_parallel=loss_parallel),
         train=shardwise.TrainConfig(max_grad_norm=MAX_NORM),
     )
     info = shardwise.wrap_info(engine.model)
@@ -253,7 +259,28 @@ def _hf_cases() -> dict:  # type: ignore[type-arg]
         split = [n for n, p in model.named_parameters()
                  if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]  # fmt: skip
         out[name] = {**result, "tied": tied, "split": split}
+    out["llama_loss_parallel"] = _hf_engine_loss_parallel()
     return out
+
+
+def _hf_engine_loss_parallel() -> dict:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    config = shardwise.ParallelConfig(tp=2, loss_parallel=True)
+    engine = shardwise.Engine(
+        build_family("llama"),
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        config,
+        train=shardwise.TrainConfig(max_grad_norm=MAX_NORM),  # as the reference clips
+    )
+    info = shardwise.wrap_info(engine.model)
+    assert info is not None
+    losses = []
+    for batch in batches():
+        tokens, labels = split_batch(batch, info.dp_rank, info.dp_size)
+        logs = engine.train_step({"input_ids": tokens, "labels": labels})
+        losses.append(shardwise.mean_across_ranks(logs["loss"]))
+    return {"losses": losses, "params": {n: _full(p) for n, p in engine.model.named_parameters()},
+            "described": str(info)}  # fmt: skip
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -392,9 +419,10 @@ def test_a_dp2_tp2_checkpoint_loads_at_tp1_and_at_world_1_and_its_export_opens(t
         assert torch.equal(p.detach(), saved["saved"][n]), n
 
 
-def test_the_engine_steps_a_tp_model_as_one_process(results):
+@pytest.mark.parametrize("case", ["engine", "engine_loss_parallel"])
+def test_the_engine_steps_a_tp_model_as_one_process(results, case):
     ref, ranks = results
-    got = ranks[0]["engine"]
+    got = ranks[0][case]
     rel, where = _worst({**ref, "grads": {}}, {**got, "grads": {}})
     assert rel < RTOL, f"engine: {where} differs by {rel:.2e}"
 
@@ -486,3 +514,14 @@ def test_load_weights_fills_a_tp_model_exactly(tmp_path):
     for how, got in ranks[0].items():
         for n, p in plain.named_parameters():
             assert torch.equal(got[n], p.detach()), f"{how}: {n}"
+
+
+def test_loss_parallel_on_a_hugging_face_model_equals_one_process(hf_results):
+    """llama's head keeps its logits split over the vocabulary and its own loss function
+    runs on them inside torch's loss_parallel (the Engine enters it)."""
+    refs, ranks = hf_results
+    got = ranks[0]["llama_loss_parallel"]
+    rel, where = _worst({**refs["llama"], "grads": {}}, {**got, "grads": {}})
+    print(f"llama loss_parallel: the largest difference is {where}, rel {rel:.2e}")
+    assert rel < RTOL, f"llama loss_parallel: {where} differs by {rel:.2e}"
+    assert "tp: lm_head -> colwise (loss_parallel" in got["described"]

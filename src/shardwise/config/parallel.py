@@ -219,6 +219,11 @@ class ParallelConfig:
     a dict {module name or fnmatch pattern: 'colwise' | 'rowwise' | a torch ParallelStyle}
     or a callable (model, tp_mesh) covers your own models. A model with no plan is an
     error, never silently replicated."""
+    loss_parallel: bool = False
+    """With tp > 1: keep the output head's logits split over the vocabulary and compute the
+    cross-entropy on the split logits (torch's loss_parallel), instead of gathering whole
+    logits on every rank. The Engine enters torch's loss_parallel() around each step; a
+    loop of your own does it itself."""
     cp: int = 1
     """Context-parallel degree. Only 1 for now: anything else is refused (see the error)."""
     mixed_precision: PrecisionSetting = "fp32"
@@ -360,6 +365,11 @@ def _validate_tp(cfg: ParallelConfig) -> None:
     elif not callable(plan):
         raise TypeError(
             f"ParallelConfig.tp_plan={plan!r}: use 'auto', a dict or a callable (model, tp_mesh)."
+        )
+    if cfg.loss_parallel and cfg.tp == 1:
+        raise ValueError(
+            "ParallelConfig.loss_parallel=True needs tp > 1: it splits the output head's "
+            "logits over the tensor-parallel ranks. Set tp, or leave loss_parallel off."
         )
     if cfg.tp > 1:
         if cfg.strategy == "ddp":

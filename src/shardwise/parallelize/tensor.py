@@ -187,9 +187,46 @@ def check_tensor_parallel(model: nn.Module, config: ParallelConfig) -> TPPlan:
         return TPPlan(plan, {"(callable)": getattr(plan, "__name__", repr(plan))})
     source: Any = getattr(model, "_tp_plan", None) if config.tp_plan == "auto" else config.tp_plan
     words = {str(k): v if isinstance(v, str) else type(v).__name__ for k, v in source.items()}
+    if config.loss_parallel:
+        head = _split_logits_head(model, plan)
+        words[head] = "colwise (loss_parallel: logits split over the vocabulary)"
     splits_vocab = bool({"embedding_rowwise", "colwise_gather_output"} & set(words.values()))
     check_sizes(model, config.tp, splits_vocab)
     return TPPlan(plan, words)
+
+
+def _split_logits_head(model: nn.Module, plan: dict[str, ParallelStyle]) -> str:
+    """Under loss_parallel the output head keeps its logits split (Shard(-1), as a DTensor)
+    for torch's parallel cross-entropy. A Hugging Face model's head is found through
+    `get_output_embeddings()` and its plan entry replaced; a model of your own gives that
+    entry ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) itself."""
+    from torch.distributed.tensor import Shard
+
+    def splits_logits(style: ParallelStyle) -> bool:
+        return (
+            isinstance(style, ColwiseParallel)
+            and not style.use_local_output
+            and tuple(style.output_layouts) == (Shard(-1),)
+        )
+
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if isinstance(head, nn.Module):
+        name = next(n for n, m in model.named_modules() if m is head)
+        keys = [k for k in plan if plan_matches(k, name)]
+        if keys:
+            for key in keys:
+                plan[key] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+            return keys[0]
+    given = [k for k, style in plan.items() if splits_logits(style)]
+    if given:
+        return given[0]
+    raise ValueError(
+        "ParallelConfig.loss_parallel=True, but the plan has no output head that keeps its "
+        "logits split: give the head's tp_plan entry "
+        "ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) (a Hugging Face "
+        "model's own head is found by itself)."
+    )
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config.parallel import ParallelConfig
@@ -140,6 +141,30 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float | None) 
     return norm
 
 
+@contextlib.contextmanager
+def step_context(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Around one micro-batch's forward and backward: gradient sync on or off (DDP's
+    no_sync, FSDP2's set_requires_gradient_sync), and torch's loss_parallel when the model
+    was wrapped with `loss_parallel=True` (its logits stay split over tp)."""
+    info = wrap_info(model)
+    parallel_loss = info is not None and info.config.loss_parallel and info.config.tp > 1
+    with loss_parallel() if parallel_loss else contextlib.nullcontext():
+        if isinstance(model, DistributedDataParallel):
+            with contextlib.nullcontext() if sync else model.no_sync():
+                yield
+        elif isinstance(model, FSDPModule):
+            # Without sync FSDP2 keeps unsharded gradients locally until the last micro-batch.
+            model.set_requires_gradient_sync(sync)
+            yield
+        else:
+            yield
+
+
+def local_values(logs: dict[str, Any]) -> dict[str, Any]:
+    """Logged values as plain tensors: under loss_parallel the loss is a replicated DTensor."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in logs.items()}
+
+
 class Engine:
     """One object that steps a wrapped model: `train_step`, `val_step`, `test_step`."""
 
@@ -228,19 +253,6 @@ class Engine:
             return self.model(*batch)
         return self.model(batch)
 
-    @contextlib.contextmanager
-    def _gradient_sync(self, sync: bool) -> Iterator[None]:
-        model = self.model
-        if isinstance(model, DistributedDataParallel):
-            with contextlib.nullcontext() if sync else model.no_sync():
-                yield
-        elif isinstance(model, FSDPModule):
-            # Without sync FSDP2 keeps unsharded gradients locally until the last micro-batch.
-            model.set_requires_gradient_sync(sync)
-            yield
-        else:
-            yield
-
     # --- steps ------------------------------------------------------------------------
 
     def request_stop(self) -> None:
@@ -269,12 +281,13 @@ class Engine:
         update = force_update or self.micro_step + 1 >= tc.accumulate_steps
         if not self.model.training:  # train() walks every module: not on each micro-step
             self.model.train()
-        with self._gradient_sync(update or tc.sync_each_microbatch):
+        with step_context(self.model, update or tc.sync_each_microbatch):
             outputs = self.forward(batch, "loss")
             losses, passed = split_outputs(outputs)
             loss, logs = model_parse_losses(unwrap(self.model), losses)
             scaled = loss / tc.accumulate_steps
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        logs = local_values(logs)
         self._window.append(logs)
         self.micro_step += 1
         result: dict[str, Any]

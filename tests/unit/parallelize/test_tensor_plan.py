@@ -73,6 +73,7 @@ def test_tp_that_does_not_divide_the_kv_heads_fails_at_plan_time_in_one_line():
             r"tp_plan\['up'\]='diagonal': use one of colwise, rowwise",
         ),
         ({"tp": 2, "strategy": "auto"}, r"strategy='auto', tp=2\): the planner does not choose"),
+        ({"loss_parallel": True}, r"loss_parallel=True needs tp > 1"),
     ],
 )
 def test_config_refuses_what_cannot_work(kwargs, said):
@@ -129,3 +130,17 @@ def test_the_memory_planner_refuses_tp_rather_than_ignore_it():
         shardwise.simulate_step(MLP, config, world=4, batch=1, seq_len=8)
     with pytest.raises(NotImplementedError, match=r"choose_plan with ParallelConfig.tp=2"):
         shardwise.choose_plan(MLP, config, world=4, batch=1, seq_len=8)
+
+
+def test_loss_parallel_finds_the_head_or_says_how_to_give_it():
+    plan = check_tensor_parallel(_llama(), ParallelConfig(tp=2, loss_parallel=True))
+    assert isinstance(plan.apply, dict)
+    head = plan.apply["lm_head"]
+    assert isinstance(head, ColwiseParallel) and not head.use_local_output
+    assert plan.described["lm_head"].startswith("colwise (loss_parallel")
+    config = ParallelConfig(tp=2, loss_parallel=True, tp_plan={"up": "colwise", "down": "rowwise"})
+    with pytest.raises(
+        ValueError,
+        match=r"no output head that keeps its logits split: give the head's tp_plan entry ColwiseParallel\(output_layouts=Shard\(-1\), use_local_output=False\)",
+    ):
+        check_tensor_parallel(MLP(), config)
