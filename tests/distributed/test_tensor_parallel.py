@@ -205,7 +205,8 @@ def _engine_run(loss_parallel: bool = False) -> dict:  # type: ignore[type-arg]
         logs = engine.train_step(split_batch(batch, info.dp_rank, info.dp_size))
         losses.append(shardwise.mean_across_ranks(logs["loss"]))
     params = {n: _full(p) for n, p in engine.model.named_parameters()}
-    return {"losses": losses, "params": params}
+    val = engine.val_step(split_batch(batches()[0], info.dp_rank, info.dp_size))
+    return {"losses": losses, "params": params, "val": shardwise.mean_across_ranks(val)}
 
 
 # Hugging Face families, tiny, trained with their own plan (tp_plan="auto"). Gemma ties its
@@ -425,6 +426,11 @@ def test_the_engine_steps_a_tp_model_as_one_process(results, case):
     got = ranks[0][case]
     rel, where = _worst({**ref, "grads": {}}, {**got, "grads": {}})
     assert rel < RTOL, f"engine: {where} differs by {rel:.2e}"
+    trained = TinyLM()
+    trained.load_state_dict(ref["params"], strict=False)  # (the tied head follows emb)
+    with torch.no_grad():
+        want = float(trained(*batches()[0]))
+    assert abs(got["val"] - want) / want < RTOL, (got["val"], want)  # val_step, same weights
 
 
 # --- the Runner ----------------------------------------------------------------------------------

@@ -160,6 +160,17 @@ def step_context(model: nn.Module, sync: bool) -> Iterator[None]:
             yield
 
 
+def whole_loss(outputs: Any) -> Any:
+    """A prediction's loss as a plain tensor (a replicated DTensor under loss_parallel);
+    logits split over the vocabulary stay a DTensor."""
+    if isinstance(outputs, DTensor):
+        return outputs.full_tensor()
+    loss = getattr(outputs, "loss", None)
+    if isinstance(loss, DTensor):
+        outputs.loss = loss.full_tensor()
+    return outputs
+
+
 def local_values(logs: dict[str, Any]) -> dict[str, Any]:
     """Logged values as plain tensors: under loss_parallel the loss is a replicated DTensor."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in logs.items()}
@@ -373,8 +384,8 @@ class Engine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
-                return self.forward(batch, "predict")
+            with torch.no_grad(), step_context(self.model, sync=True):
+                return whole_loss(self.forward(batch, "predict"))
         finally:
             self.model.train(was_training)
 
