@@ -3,8 +3,9 @@
 Owns: reading a plan (a Hugging Face model's own `_tp_plan`, a dict, or a callable), turning
 plan words into torch's ParallelStyles, the checks a plan needs before any forward (every
 pattern names a module; attention heads, KV heads, the intermediate size and a split
-vocabulary divide by tp; tied weights stay tied), and applying the plan over the mesh's tp
-dimension.
+vocabulary divide by tp; tied weights stay tied), the output head under loss_parallel,
+applying the plan over the mesh's tp dimension, and the one check that needs a backward
+(`check_whole_gradients`: no parameter the plan leaves whole sits between split layers).
 
 Must not: write sharding or collectives (`parallelize_module` and DTensor do), or touch the
 data-parallel dimensions (fsdp.py shards over those, after this).
@@ -32,8 +33,8 @@ from shardwise.config.parallel import TP_STYLE_NAMES, ParallelConfig
 from shardwise.distributed.mesh import TP_DIM
 
 __all__ = [
+    "CheckedPlan",
     "SplitGradientError",
-    "TPPlan",
     "apply_tensor_parallel",
     "check_tensor_parallel",
     "check_tp_gradients",
@@ -172,19 +173,19 @@ def _retie(model: nn.Module, groups: list[list[str]]) -> None:
 
 
 @dataclass(frozen=True)
-class TPPlan:
+class CheckedPlan:
     """A checked plan: what to apply and how to describe it."""
 
     apply: dict[str, ParallelStyle] | Callable[..., object]
     described: dict[str, str]
 
 
-def check_tensor_parallel(model: nn.Module, config: ParallelConfig) -> TPPlan:
+def check_tensor_parallel(model: nn.Module, config: ParallelConfig) -> CheckedPlan:
     """Resolve and check `config.tp_plan` for `model`, before any mesh or group exists (the
     same on every rank, so a refusal never leaves the others waiting in group creation)."""
     plan = resolve_tp_plan(model, config.tp_plan)
     if callable(plan) and not isinstance(plan, Mapping):
-        return TPPlan(plan, {"(callable)": getattr(plan, "__name__", repr(plan))})
+        return CheckedPlan(plan, {"(callable)": getattr(plan, "__name__", repr(plan))})
     source: Any = getattr(model, "_tp_plan", None) if config.tp_plan == "auto" else config.tp_plan
     words = {str(k): v if isinstance(v, str) else type(v).__name__ for k, v in source.items()}
     if config.loss_parallel:
@@ -192,7 +193,7 @@ def check_tensor_parallel(model: nn.Module, config: ParallelConfig) -> TPPlan:
         words[head] = "colwise (loss_parallel: logits split over the vocabulary)"
     splits_vocab = bool({"embedding_rowwise", "colwise_gather_output"} & set(words.values()))
     check_sizes(model, config.tp, splits_vocab)
-    return TPPlan(plan, words)
+    return CheckedPlan(plan, words)
 
 
 def _split_logits_head(model: nn.Module, plan: dict[str, ParallelStyle]) -> str:
@@ -229,7 +230,7 @@ def _split_logits_head(model: nn.Module, plan: dict[str, ParallelStyle]) -> str:
     )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: CheckedPlan) -> None:
     """Split the planned layers over `tp_mesh` (torch's parallelize_module, or the user's
     callable), then tie again what the plan split alike."""
     ties = _tied_groups(model)
