@@ -463,7 +463,16 @@ else:
 """
 
 
-@pytest.mark.parametrize("phase", ["save_checkpoint", "load_checkpoint", "export_weights", "async"])
+@pytest.mark.parametrize(
+    "phase",
+    [
+        "save_checkpoint",
+        "load_checkpoint",
+        # The same guard on two more phases: about 16 s each, so in the slow tier.
+        pytest.param("export_weights", marks=pytest.mark.slow),
+        pytest.param("async", marks=pytest.mark.slow),
+    ],
+)
 def test_a_rank_stalled_inside_a_checkpoint_is_named_with_the_phase(tmp_path, phase):
     """Before: 'RuntimeError: Application timeout caused pair closure', naming no rank."""
     script = _script(tmp_path, SAVE_STALL)
