@@ -6,9 +6,11 @@ rank reads its half of every global batch and the two ranks of a tp group read t
 half. Compared with one process on the whole batch: the loss at every step, every gradient
 after the first step (loss-only parity misses a parameter a plan leaves whole between split
 layers), and the final parameters. The layout is shown to be real: the MLP's weights are
-split over the mesh dimension named tp, and the tie holds. All cases run in one spawned
-group of 4; the negative control (each rank of a tp group reading a different batch, as a
-sampler that ignores tp would give) must fail the same comparison.
+split over the mesh dimension named tp, and the tie holds; under sequence_parallel a norm
+inside a block holds half of each sequence. All cases run in one spawned group of 4; the
+negative controls (each rank of a tp group reading a different batch, as a sampler that
+ignores tp would give; norms on split tokens whose gradients nothing sums over tp) must fail
+the same comparison.
 """
 
 from __future__ import annotations
@@ -122,16 +124,20 @@ def _own_rows(batch, rank):  # type: ignore[no-untyped-def]
 def _distributed_cases() -> dict:  # type: ignore[type-arg]
     out = {}
     rank = dist.get_rank()
-    for name, strategy, wrong in [
-        ("full_shard", "full_shard", False),
-        ("no_shard", "no_shard", False),  # replicate 2 x tp 2
-        ("hybrid_shard", "hybrid_shard", False),  # replicate 2 x shard 1 x tp 2
-        ("tp_ranks_read_different_data", "full_shard", True),
+    for name, strategy, wrong, sp in [
+        ("full_shard", "full_shard", False, False),
+        ("no_shard", "no_shard", False, False),  # replicate 2 x tp 2
+        ("hybrid_shard", "hybrid_shard", False, False),  # replicate 2 x shard 1 x tp 2
+        ("full_shard_sp", "full_shard", False, True),
+        ("hybrid_shard_sp", "hybrid_shard", False, True),
+        ("tp_ranks_read_different_data", "full_shard", True, False),
     ]:
         torch.manual_seed(0)
-        model = shardwise.wrap(
-            TinyLM(), shardwise.ParallelConfig(strategy=strategy, tp=2, tp_plan=PLAN)
+        config = shardwise.ParallelConfig(
+            strategy=strategy, tp=2, tp_plan=PLAN, sequence_parallel=sp
         )
+        model = shardwise.wrap(TinyLM(), config)
+        tokens = _tokens_seen(model.blocks[0].norm)
         info = shardwise.wrap_info(model)
         assert info is not None
         dp_rank, dp_size = info.dp_rank, info.dp_size
@@ -147,17 +153,66 @@ def _distributed_cases() -> dict:  # type: ignore[type-arg]
             "dp": (info.dp_rank, info.dp_size),
             "described": str(info),
         }
-        out[name] = {**train(model, shard), "layout": layout}
+        out[name] = {**train(model, shard), "layout": {**layout, "norm_tokens": tokens[0]}}
+    out["sp_norm_gradients_not_summed"] = _sp_without_summed_norm_gradients()
     torch.manual_seed(0)
     model = shardwise.wrap(TinyLM(), shardwise.ParallelConfig(tp=2, tp_plan=PLAN))
     info = shardwise.wrap_info(model)
     assert info is not None
     shard = functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size)
     out["adamw"] = train(model, shard, adamw=True)
+    torch.manual_seed(0)
+    config = shardwise.ParallelConfig(tp=2, tp_plan=PLAN, sequence_parallel=True)
+    model = shardwise.wrap(TinyLM(), config)
+    out["adamw_sp"] = train(model, shard, adamw=True)
+    odd = torch.zeros(2, 5, dtype=torch.long)  # 5 tokens do not split over tp 2
+    try:
+        model(odd, odd)
+        out["odd_sequence"] = "no error"
+    except ValueError as exc:
+        out["odd_sequence"] = str(exc)
     out["engine"] = _engine_run()
     out["engine_loss_parallel"] = _engine_run(loss_parallel=True)
     out["gain_between_split_layers"] = _gain_between_split_layers()
     return out
+
+
+def _tokens_seen(norm: nn.Module) -> list[int]:
+    """How many tokens a norm's forward holds on this rank (sequence parallel: SEQ / tp)."""
+    seen: list[int] = []
+
+    def record(_: nn.Module, args: tuple, out: torch.Tensor) -> None:  # type: ignore[type-arg]
+        x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+        if not seen:
+            seen.append(x.shape[1])
+
+    norm.register_forward_hook(record)
+    return seen
+
+
+def _sp_without_summed_norm_gradients() -> dict:  # type: ignore[type-arg]
+    """A wrong setup: the norms run on split tokens as plain modules, so each rank of a tp
+    group trains them on the gradient of its own tokens only (nothing sums it over tp)."""
+    from unittest import mock
+
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from shardwise.parallelize import sequence
+
+    class Plain(ParallelStyle):
+        def __init__(self, **_: object) -> None:
+            super().__init__()
+
+        def _apply(self, module: nn.Module, device_mesh: object) -> nn.Module:
+            return module
+
+    torch.manual_seed(0)
+    config = shardwise.ParallelConfig(tp=2, tp_plan=PLAN, sequence_parallel=True)
+    with mock.patch.object(sequence, "SequenceParallel", Plain):
+        model = shardwise.wrap(TinyLM(), config)
+    info = shardwise.wrap_info(model)
+    assert info is not None
+    return train(model, functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size))
 
 
 class GainBlock(Block):
@@ -243,10 +298,13 @@ def hf_reference(name: str) -> dict:  # type: ignore[type-arg]
 
 def _hf_cases() -> dict:  # type: ignore[type-arg]
     out = {}
-    for name in FAMILIES:
+    for name, sp in [(f, False) for f in FAMILIES] + [(f, True) for f in FAMILIES]:
         torch.manual_seed(0)
-        config = shardwise.ParallelConfig(strategy="full_shard", tp=2, tp_plan="auto")
+        config = shardwise.ParallelConfig(
+            strategy="full_shard", tp=2, tp_plan="auto", sequence_parallel=sp
+        )
         model = shardwise.wrap(build_family(name), config)
+        tokens = _tokens_seen(model.model.layers[0].post_attention_layernorm)
         info = shardwise.wrap_info(model)
         assert info is not None
         shard = functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size)
@@ -259,7 +317,12 @@ def _hf_cases() -> dict:  # type: ignore[type-arg]
         tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         split = [n for n, p in model.named_parameters()
                  if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]  # fmt: skip
-        out[name] = {**result, "tied": tied, "split": split}
+        out[f"{name}_sp" if sp else name] = {
+            **result,
+            "tied": tied,
+            "split": split,
+            "norm_tokens": tokens[0],
+        }
     out["llama_loss_parallel"] = _hf_engine_loss_parallel()
     return out
 
@@ -303,7 +366,9 @@ def results() -> tuple[dict, list[dict]]:  # type: ignore[type-arg]
     return reference(), run_distributed(_distributed_cases, 4, timeout_s=300)
 
 
-@pytest.mark.parametrize("case", ["full_shard", "no_shard", "hybrid_shard"])
+@pytest.mark.parametrize(
+    "case", ["full_shard", "no_shard", "hybrid_shard", "full_shard_sp", "hybrid_shard_sp"]
+)
 def test_dp2_tp2_equals_one_process(results, case):
     ref, ranks = results
     got = ranks[0][case]
@@ -313,7 +378,9 @@ def test_dp2_tp2_equals_one_process(results, case):
     layout = got["layout"]
     want = {"full_shard": ("dp_shard", "tp"), "no_shard": ("dp_replicate", "dp_shard", "tp"),
             "hybrid_shard": ("dp_replicate", "dp_shard", "tp")}  # fmt: skip
-    assert layout["mesh_dims"] == want[case]  # sharded (or replicated) over dp, split over tp
+    assert layout["mesh_dims"] == want[case.removesuffix("_sp")]  # over dp, split over tp
+    # Sequence parallel is real: a norm inside a block holds half of each sequence's tokens.
+    assert layout["norm_tokens"] == (SEQ // 2 if case.endswith("_sp") else SEQ)
     assert layout["tp_placement"] == str(Shard(0))  # the MLP's rows split over tp
     assert layout["tied"], "the embedding and the head were untied"
     assert [r[case]["layout"]["dp"] for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
@@ -322,10 +389,11 @@ def test_dp2_tp2_equals_one_process(results, case):
     assert sum(float(g.norm()) ** 2 for g in ref["grads"].values()) ** 0.5 > 10 * MAX_NORM
 
 
-def test_the_comparison_catches_tp_ranks_reading_different_data(results):
+@pytest.mark.parametrize("wrong", ["tp_ranks_read_different_data", "sp_norm_gradients_not_summed"])
+def test_the_comparison_catches_a_wrong_setup(results, wrong):
     ref, ranks = results
-    rel, where = _worst(ref, ranks[0]["tp_ranks_read_different_data"])
-    print(f"wrong setup: the largest difference is {where}, rel {rel:.2e}")
+    rel, where = _worst(ref, ranks[0][wrong])
+    print(f"{wrong}: the largest difference is {where}, rel {rel:.2e}")
     assert rel > 1e-3, f"a wrong setup passed ({where}: {rel:.2e})"
 
 
@@ -336,11 +404,14 @@ def hf_results() -> tuple[dict, list[dict]]:  # type: ignore[type-arg]
     return refs, run_distributed(_hf_cases, 4, timeout_s=600)
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_hugging_face_families_with_their_own_plan_equal_one_process(hf_results, family):
+def test_hugging_face_families_with_their_own_plan_equal_one_process(hf_results, family, sp):
     refs, ranks = hf_results
-    got = ranks[0][family]
+    got = ranks[0][f"{family}_sp" if sp else family]
     rel, where = _worst(refs[family], got)
+    # Sequence parallel is real: a norm inside a decoder layer holds half of the tokens.
+    assert got["norm_tokens"] == (SEQ // 2 if sp else SEQ)
     print(f"{family}: the largest difference is {where}, rel {rel:.2e}")
     assert rel < RTOL, f"{family}: {where} differs by {rel:.2e}"
     assert any("self_attn" in n or "attention" in n for n in got["split"]), got["split"]
@@ -474,6 +545,14 @@ def test_the_runner_feeds_each_tp_group_one_part_of_the_batch(tmp_path):
     assert rel < RTOL, f"runner: {where} differs by {rel:.2e}"
 
 
+def test_sequence_parallel_refuses_a_sequence_that_does_not_split(results):
+    said = results[1][0]["odd_sequence"]
+    assert said.startswith(
+        "ParallelConfig.sequence_parallel=True with tp=2: this batch's sequence length 5"
+    ), said
+    assert "pad_to_multiple_of=2" in said
+
+
 def test_a_parameter_left_whole_between_split_layers_is_refused(results):
     """Loss-only parity misses it (each tp rank trains the gain on its half of the columns);
     the Engine compares the gradients of whole parameters across the tp group once."""
@@ -483,13 +562,14 @@ def test_a_parameter_left_whole_between_split_layers_is_refused(results):
     ), said
 
 
-def test_adamw_losses_equal_one_process(results):
+@pytest.mark.parametrize("case", ["adamw", "adamw_sp"])
+def test_adamw_losses_equal_one_process(results, case):
     """AdamW normalises tiny gradient differences, so parameters may drift by more than
     SGD's; the losses must still agree (the issue's bar: rel 1e-4)."""
     _, ranks = results
     torch.manual_seed(0)
     ref = train(TinyLM(), lambda b: b, adamw=True)
-    got = ranks[0]["adamw"]
+    got = ranks[0][case]
     worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
     print(f"adamw: the largest loss difference is rel {worst:.2e}")
     assert worst < 1e-4, f"AdamW loss differs by {worst:.2e}"

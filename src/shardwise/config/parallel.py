@@ -224,6 +224,12 @@ class ParallelConfig:
     cross-entropy on the split logits (torch's loss_parallel), instead of gathering whole
     logits on every rank. The Engine enters torch's loss_parallel() around each step; a
     loop of your own does it itself."""
+    sequence_parallel: bool = False
+    """With tp > 1: inside the decoder layers, what runs between split layers (norms,
+    residual adds, dropout) holds 1/tp of the tokens on each rank instead of all of them,
+    which divides that activation memory by tp. The first layer splits the sequence and the
+    last gathers it; every batch's sequence length must divide by tp. Not with a callable
+    tp_plan (it applies its own styles)."""
     cp: int = 1
     """Context-parallel degree. Only 1 for now: anything else is refused (see the error)."""
     mixed_precision: PrecisionSetting = "fp32"
@@ -339,8 +345,8 @@ def _validate_tp(cfg: ParallelConfig) -> None:
             f"ParallelConfig.cp={cfg.cp}: context parallelism is not built yet. torch's "
             "context parallel has no CPU attention path to prove it against one process, and "
             "eager attention under it is silently wrong; shardwise refuses it until a GPU "
-            "test exists. Use cp=1 (split long sequences with tp and sequence parallelism "
-            "when they come, or activation checkpointing now)."
+            "test exists. Use cp=1 (split long sequences with tp and sequence_parallel=True, "
+            "or activation checkpointing)."
         )
     cfg.tp = integral(cfg.tp, "ParallelConfig.tp")
     if cfg.tp < 1:
@@ -370,6 +376,18 @@ def _validate_tp(cfg: ParallelConfig) -> None:
         raise ValueError(
             "ParallelConfig.loss_parallel=True needs tp > 1: it splits the output head's "
             "logits over the tensor-parallel ranks. Set tp, or leave loss_parallel off."
+        )
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise ValueError(
+            "ParallelConfig.sequence_parallel=True needs tp > 1: it splits the sequence "
+            "over the tensor-parallel ranks. Set tp, or leave sequence_parallel off."
+        )
+    if cfg.sequence_parallel and callable(plan) and not isinstance(plan, Mapping):
+        raise ValueError(
+            "ParallelConfig.sequence_parallel=True with a callable tp_plan: shardwise adds "
+            "its sequence-parallel styles to a plan it reads ('auto' or a dict), not to what "
+            "a callable applies. Apply your own SequenceParallel styles in the callable and "
+            "leave sequence_parallel off, or give the plan as a dict."
         )
     if cfg.tp > 1:
         if cfg.strategy == "ddp":

@@ -193,6 +193,10 @@ def check_tensor_parallel(model: nn.Module, config: ParallelConfig) -> CheckedPl
         words[head] = "colwise (loss_parallel: logits split over the vocabulary)"
     splits_vocab = bool({"embedding_rowwise", "colwise_gather_output"} & set(words.values()))
     check_sizes(model, config.tp, splits_vocab)
+    if config.sequence_parallel:
+        from shardwise.parallelize.sequence import add_sequence_parallel
+
+        plan = add_sequence_parallel(model, plan, words)
     return CheckedPlan(plan, words)
 
 

@@ -190,6 +190,14 @@ def test_plan_shows_the_2d_layout_and_refuses_what_it_cannot_model(tmp_path, mon
     assert out.startswith("hybrid_shard: 2 replica group(s) x 2 shard rank(s) x tp 2 = world 8")
     assert re.search(r"model\.layers\.\*\.self_attn\.k_proj +colwise +2 module\(s\)", out)
     assert "memory: not shown under tensor parallelism yet" in out
+    assert main([*argv, "parallel.sequence_parallel=true"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"model\.layers\.\*\.input_layernorm +sequence_parallel +2 module", out)
+    assert re.search(r"model\.layers\.\*\.self_attn +gathers the sequence +2 module", out)
+    assert main([*argv, "parallel.sequence_parallel=true"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"model\.layers\.\*\.input_layernorm +sequence_parallel +2 module", out)
+    assert re.search(r"model\.layers\.\*\.self_attn +gathers the sequence +2 module", out)
     assert main([*argv, "--simulate"]) == 2
     assert (
         "--simulate with parallel.tp=2: the memory estimate and simulation do not model"

@@ -74,6 +74,11 @@ def test_tp_that_does_not_divide_the_kv_heads_fails_at_plan_time_in_one_line():
         ),
         ({"tp": 2, "strategy": "auto"}, r"strategy='auto', tp=2\): the planner does not choose"),
         ({"loss_parallel": True}, r"loss_parallel=True needs tp > 1"),
+        ({"sequence_parallel": True}, r"sequence_parallel=True needs tp > 1"),
+        (
+            {"tp": 2, "sequence_parallel": True, "tp_plan": lambda model, mesh: None},
+            r"sequence_parallel=True with a callable tp_plan: .* leave sequence_parallel off",
+        ),
     ],
 )
 def test_config_refuses_what_cannot_work(kwargs, said):
@@ -142,5 +147,41 @@ def test_loss_parallel_finds_the_head_or_says_how_to_give_it():
     with pytest.raises(
         ValueError,
         match=r"no output head that keeps its logits split: give the head's tp_plan entry ColwiseParallel\(output_layouts=Shard\(-1\), use_local_output=False\)",
+    ):
+        check_tensor_parallel(MLP(), config)
+
+
+def test_sequence_parallel_splits_tokens_inside_the_decoder_layers_only():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from shardwise.parallelize.sequence import HiddenStates
+
+    model = _llama(num_hidden_layers=3)
+    plan = check_tensor_parallel(model, ParallelConfig(tp=2, sequence_parallel=True))
+    styles = plan.apply
+    assert isinstance(styles, dict)
+    first, last = styles["model.layers.0"], styles["model.layers.2"]
+    assert isinstance(first, HiddenStates) and first.wanted == Shard(1) and first.out is None
+    assert isinstance(last, HiddenStates) and last.given is None
+    assert last.out == (Shard(1), Replicate())
+    assert "model.layers.1" not in styles  # the middle layers take and give split tokens
+    for i in range(3):  # norms run on their own tokens; attention and MLP gather them
+        assert isinstance(styles[f"model.layers.{i}.input_layernorm"], SequenceParallel)
+        assert isinstance(styles[f"model.layers.{i}.self_attn"], HiddenStates)
+        down = styles[f"model.layers.{i}.mlp.down_proj"]
+        assert isinstance(down, RowwiseParallel) and down.output_layouts == (Shard(1),)
+    for outside in ("model.norm", "model.embed_tokens", "lm_head"):
+        assert not isinstance(styles.get(outside), (SequenceParallel, HiddenStates))
+    assert plan.described["model.layers.*.input_layernorm"] == "sequence_parallel"
+
+
+def test_sequence_parallel_without_a_list_of_layers_is_refused():
+    config = ParallelConfig(
+        tp=2, sequence_parallel=True, tp_plan={"up": "colwise", "down": "rowwise"}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"sequence_parallel=True, but the plan splits no module inside a list of layers",
     ):
         check_tensor_parallel(MLP(), config)
