@@ -7,6 +7,8 @@
    (`shardwise.simulate.simulate_step`), measured by the same tracker. Reported: both peaks
    and their ratio. A strategy a world size cannot take (hybrid_shard at world 2) is listed
    as skipped, with the reason `resolve_mesh` gives.
+   The same under tensor parallelism: a small Llama with its own plan at tp 2, full_shard
+   and no_shard, sequence parallel on and off, AC none and full (fp32).
 2. Scale: Llama-3-8B and Llama-3-70B shapes (`transformers.LlamaForCausalLM`, built on meta,
    `use_cache=False` as in training) simulated at `--scale-worlds`, full_shard, bf16, AC full,
    batch 1 x 8192, each in a fresh subprocess: per-rank peak, categories at the peak, wall
@@ -16,6 +18,8 @@
    (selective per-op AC, which is not simulated, lies between AC none and AC full).
 4. use_cache: the 70B shape at world 8, AC full, with `use_cache=True` against False (the
    Hugging Face cache keeps every layer's K/V and grows again during the recompute).
+5. When tp pays: the 70B shape at world 64 and 512, FSDP alone against tp 8 with and
+   without sequence parallel, AC full and none.
 
 Prints text tables, then the JSON report (device, date, commit, command, figures).
 
@@ -152,6 +156,91 @@ def compare(cfg: GPTConfig, world: int, batch: int, strategies: tuple[str, ...])
     return rows
 
 
+# Tensor parallel: a small Llama (its own tp plan), simulated against a real gloo run.
+TP_CASES = [
+    (strategy, ac, sp)
+    for strategy in ("full_shard", "no_shard")
+    for ac in ("none", "full")
+    for sp in (False, True)
+]
+
+
+def _tiny_llama() -> torch.nn.Module:
+    import transformers
+
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+        )
+    )  # fmt: skip
+
+
+def _tp_config(strategy: str, ac: str, sp: bool) -> ParallelConfig:
+    return ParallelConfig(
+        strategy=strategy, tp=2, sequence_parallel=sp, activation_checkpointing=ac
+    )
+
+
+def _real_tp(cases: list[tuple[str, str, bool]], batch: int, seq_len: int) -> list[Any]:
+    out: list[Any] = []
+    for case in cases:
+        torch.manual_seed(0)
+        try:
+            out.append(real_step(_tiny_llama, _tp_config(*case), batch=batch, seq_len=seq_len))
+        except Exception as exc:
+            out.append({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+    return out
+
+
+def compare_tp(world: int, batch: int, seq_len: int = 64) -> list[dict]:
+    """Each TP_CASES layout at `world` (tp 2 over world // 2 data-parallel ranks): the real
+    peak (every rank) and the simulated one, in one spawned group."""
+    cases = TP_CASES if world > 2 else [c for c in TP_CASES if c[0] == "full_shard"]
+    t0 = time.perf_counter()
+    real_by_rank = run_distributed(_real_tp, world, args=(cases, batch, seq_len), timeout_s=1200)
+    real_s = round(time.perf_counter() - t0, 1)
+    rows = []
+    for i, (strategy, ac, sp) in enumerate(cases):
+        row: dict[str, Any] = {"world": world, "tp": 2, "strategy": strategy, "ac": ac, "sp": sp}
+        real = [r[i] for r in real_by_rank]
+        if any("error" in r for r in real):
+            row["error"] = next(r["error"] for r in real if "error" in r)
+        else:
+            sim = simulate_step(
+                _tiny_llama,
+                _tp_config(strategy, ac, sp),
+                world=world,
+                batch=batch,
+                seq_len=seq_len,
+            )
+            row.update(
+                real_peak=real[0]["peak"], real_peaks_by_rank=[r["peak"] for r in real],
+                sim_peak=sim.peak, ratio=round(sim.peak / real[0]["peak"], 4),
+                sim_at_peak=sim.at_peak, real_at_peak=real[0]["at_peak"],
+            )  # fmt: skip
+        row["real_group_s"] = real_s
+        rows.append(row)
+    return rows
+
+
+def compare_tp_table(rows: list[dict]) -> str:
+    lines = [
+        f"{'world':>5} {'layout':<22} {'AC':<5} {'real peak':>12} {'simulated':>12} {'sim/real':>8}"
+    ]
+    for r in rows:
+        layout = f"{r['strategy']} x tp {r['tp']}{' +sp' if r['sp'] else ''}"
+        head = f"{r['world']:>5} {layout:<22} {r['ac']:<5}"
+        if "error" in r:
+            lines.append(f"{head} failed: {r['error'][:200]}")
+            continue
+        lines.append(
+            f"{head} {format_bytes(r['real_peak']):>12} {format_bytes(r['sim_peak']):>12} "
+            f"{r['ratio']:>8.3f}"
+        )
+    return "\n".join(lines)
+
+
 def compare_table(rows: list[dict]) -> str:
     lines = [
         f"{'world':>5} {'strategy':<14} {'AC':<5} {'prec':<5} {'real peak':>12} "
@@ -212,7 +301,8 @@ def build():
     return transformers.LlamaForCausalLM(cfg)
 t0 = time.perf_counter()
 r = simulate_step(
-    build, ParallelConfig(strategy=spec["strategy"], mixed_precision=spec["precision"]),
+    build, ParallelConfig(strategy=spec["strategy"], mixed_precision=spec["precision"],
+                          tp=spec["tp"], sequence_parallel=spec["sp"]),
     world=spec["world"], batch=spec["batch"], seq_len=spec["seq_len"],
     activation_checkpointing=spec["ac"],
 )
@@ -233,6 +323,8 @@ def llama(
     precision: str = "bf16",
     use_cache: bool = False,
     layers: int | None = None,
+    tp: int = 1,
+    sp: bool = False,
 ) -> dict[str, Any]:
     """One simulation of a Llama-3 shape in a fresh subprocess."""
     shape = dict(LLAMA_SHAPES[model])
@@ -247,6 +339,8 @@ def llama(
         strategy=strategy,
         precision=precision,
         use_cache=use_cache,
+        tp=tp,
+        sp=sp,
     )
     row: dict[str, Any] = {"model": model, **{k: v for k, v in spec.items() if k != "shape"}}
     row["layers"] = shape["num_hidden_layers"]
@@ -272,13 +366,14 @@ def _main_categories(at_peak: dict[str, int], top: int = 5) -> str:
 
 def llama_table(rows: list[dict]) -> str:
     lines = [
-        f"{'model':<11} {'layers':>6} {'world':>5} {'batch':>5} {'AC':<5} {'cache':<5} "
-        f"{'per-rank peak':>13} {'wall s':>6} {'peak RSS':>10}  at peak (GiB)"
+        f"{'model':<11} {'layers':>6} {'world':>5} {'tp':>5} {'batch':>5} {'AC':<5} "
+        f"{'cache':<5} {'per-rank peak':>13} {'wall s':>6} {'peak RSS':>10}  at peak (GiB)"
     ]
     for r in rows:
+        tp = f"{r.get('tp', 1)}{'+sp' if r.get('sp') else ''}"
         head = (
-            f"{r['model']:<11} {r['layers']:>6} {r['world']:>5} {r['batch']:>5} {r['ac']:<5} "
-            f"{r['use_cache']!s:<5}"
+            f"{r['model']:<11} {r['layers']:>6} {r['world']:>5} {tp:>5} {r['batch']:>5} "
+            f"{r['ac']:<5} {r['use_cache']!s:<5}"
         )
         if "error" in r:
             lines.append(f"{head} failed: {r['error'][-300:]}")
@@ -299,7 +394,8 @@ def scale(worlds: list[int]) -> dict[str, list[dict]]:
 
     def run(model: str, world: int, **kw: Any) -> dict[str, Any]:
         # A spec asked for twice (with or without its defaults spelled out) runs once.
-        kw = {"batch": 1, "ac": "full", "use_cache": False, "layers": None, **kw}
+        kw = {"batch": 1, "ac": "full", "use_cache": False, "layers": None, "tp": 1, "sp": False,
+              **kw}  # fmt: skip
         key = json.dumps([model, world, kw], sort_keys=True)
         if key not in done:
             done[key] = llama(model, world, **kw)
@@ -315,7 +411,18 @@ def scale(worlds: list[int]) -> dict[str, list[dict]]:
         run("llama3-70b", 8, use_cache=True),
         run("llama3-70b", 8, use_cache=False),
     ]
-    return {"scale": table, "torchtitan": titan, "use_cache": cache}
+    return {"scale": table, "torchtitan": titan, "use_cache": cache, "tp": tp_scale(run)}
+
+
+def tp_scale(run: Any) -> list[dict[str, Any]]:
+    """When tp pays: the 70B shape at world 64 and 512, FSDP alone against tp 8 (with and
+    without sequence parallel), AC full and none, batch 1 x 8192 per data-parallel rank."""
+    return [
+        run("llama3-70b", world, ac=ac, tp=tp, sp=sp)
+        for world in (64, 512)
+        for ac in ("full", "none")
+        for tp, sp in ((1, False), (8, False), (8, True))
+    ]
 
 
 def torchtitan_lines(rows: list[dict]) -> list[str]:
@@ -362,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += compare(cfg, world, batch, strategies)
     print(f"simulated vs real, GPT {cfg}, batch {batch} per rank")
     print(compare_table(rows), flush=True)
+    tp_rows = [row for world in worlds for row in compare_tp(world, batch)]
+    print(f"\nsimulated vs real under tensor parallelism, Llama 4x128, batch {batch} x seq 64")
+    print(compare_tp_table(tp_rows), flush=True)
     report: dict[str, Any] = {
         "benchmark": "memory_sim",
         "device": f"{platform.processor() or platform.machine()} CPU, torch {torch.__version__}",
@@ -372,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         "worlds": worlds,
         "batch": batch,
         "rows": rows,
+        "tp_rows": tp_rows,
     }
     if do_scale:
         print("\nLlama-3 shapes: full_shard, bf16, seq 8192 (use_cache False unless said)")
@@ -380,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         report["torchtitan_published"] = TORCHTITAN
         print("\ntorchtitan / torchao, Llama 3 8B, 8 GPUs, FSDP, bf16, seq 8192, per-op SAC:")
         print("\n".join(torchtitan_lines(big["torchtitan"])))
+        print("\nWhen tp pays: Llama-3-70B, FSDP alone against tp 8 (batch 1 x 8192 per dp rank)")
+        print(llama_table(big["tp"]))
     report["bench_wall_s"] = round(time.perf_counter() - t_start, 1)
     report["bench_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     common.emit_json(report)

@@ -589,7 +589,15 @@ def _load_exported_into_tp(root: str) -> dict:  # type: ignore[type-arg]
     only_rank0 = f"{root}/plain" if dist.get_rank() == 0 else "/nonexistent"
     model = shardwise.wrap(TinyLM(), config, weights=only_rank0, broadcast_from_rank0=True)
     out["broadcast_from_rank0"] = {n: _full(p) for n, p in model.named_parameters()}
-    return out
+    with shardwise.init_empty():
+        meta = TinyLM()
+    model = shardwise.wrap(meta, config, weights=f"{root}/plain")
+    out["meta-built, wrap(weights=)"] = {n: _full(p) for n, p in model.named_parameters()}
+    with shardwise.init_empty():
+        meta = TinyLM()
+    model = shardwise.wrap(meta, config)  # initialised by the modules' reset_parameters
+    init = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+    return {"loaded": out, "initialised": {n: t.detach().clone() for n, t in init.items()}}
 
 
 def test_load_weights_fills_a_tp_model_exactly(tmp_path):
@@ -597,9 +605,15 @@ def test_load_weights_fills_a_tp_model_exactly(tmp_path):
     plain = TinyLM()
     shardwise.export_weights(plain, tmp_path / "plain")
     ranks = run_distributed(_load_exported_into_tp, 4, args=(str(tmp_path),), timeout_s=300)
-    for how, got in ranks[0].items():
+    for how, got in ranks[0]["loaded"].items():
         for n, p in plain.named_parameters():
             assert torch.equal(got[n], p.detach()), f"{how}: {n}"
+    # Initialised on meta: the ranks of a tp group (0 and 1) hold the same values of what
+    # the plan leaves whole, and different parts of what it splits.
+    a, b = ranks[0]["initialised"], ranks[1]["initialised"]
+    assert torch.equal(a["blocks.0.down.bias"], b["blocks.0.down.bias"])  # random, whole
+    assert not torch.equal(a["blocks.0.up.weight"], b["blocks.0.up.weight"])  # split
+    assert not any(t.isnan().any() for t in a.values())
 
 
 def test_loss_parallel_on_a_hugging_face_model_equals_one_process(hf_results):

@@ -115,6 +115,7 @@ def plan_command(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", PlanNotice)
         plan = plan_wrap(model, config.parallel)
     if spec is not None and spec.tp > 1:
+        args.optimizer_name = config.optimizer.name
         return _plan_tp(args, model, parallel, spec, plan)
     precision = config.parallel.precision
     compute = (
@@ -267,17 +268,34 @@ _NO_INPUT = (
 
 def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, plan: Any) -> int:
     """The 2-D layout: the mesh, each tp plan entry with its style and the modules it
-    names, then the data-parallel units. Memory is not shown: neither the estimate nor the
-    simulation models tensor parallelism yet, and a figure that ignores it would be wrong."""
+    names, then the data-parallel units; with --simulate, the simulated per-rank peak.
+    The instant estimate does not model tensor parallelism, so it is not shown (a figure
+    that ignored tp would be wrong)."""
     from shardwise.parallelize.tensor import check_tensor_parallel, plan_matches
 
-    if args.simulate or args.json:
-        raise ValueError(
-            f"{'--simulate' if args.simulate else '--json'} with parallel.tp={spec.tp}: the "
-            "memory estimate and simulation do not model tensor parallelism yet. Plan "
-            "without it to see the layout."
-        )
     tp = check_tensor_parallel(model, parallel)  # the same checks wrap runs, on meta
+    sim = None
+    if args.simulate:
+        from shardwise.memory.simulate import simulate_step
+
+        example = _example_input(args)
+        seq_len = args.seq_len
+        if seq_len is None and example is None:
+            from shardwise.memory.fake import default_seq_len
+
+            seq_len = default_seq_len(model)
+            if seq_len is None:
+                raise ValueError(_NO_INPUT.format(what="--simulate needs"))
+        sim = simulate_step(
+            _load_factory(args.target), parallel, world=args.world, batch=args.batch or 1,
+            seq_len=seq_len, example_input=example, optimizer=args.optimizer_name,
+        )  # fmt: skip
+    if args.json:
+        out: dict[str, Any] = {"mesh": str(spec), "tp_plan": tp.described, "plan": plan.to_dict()}
+        if sim is not None:
+            out["simulated"] = sim.to_dict()
+        print(json.dumps(out, indent=2))
+        return 0
     names = [n for n, _ in model.named_modules() if n]
     print(spec)
     print(f"tensor parallel over {spec.tp} adjacent ranks ({len(tp.described)} plan entries):")
@@ -287,10 +305,13 @@ def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, pla
     print()
     print(plan)
     print()
-    print(
-        "memory: not shown under tensor parallelism yet (the estimate and the simulation "
-        "do not model it)."
-    )
+    if sim is None:
+        print(
+            "memory: the instant estimate does not model tensor parallelism; add --simulate "
+            "(--seq-len N --batch B) for the simulated per-rank peak."
+        )
+    else:
+        print(sim)
     return 0
 
 

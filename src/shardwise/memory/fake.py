@@ -19,11 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import shardwise.parallelize.apply as apply_module
+from shardwise.distributed.mesh import MeshSpec
 
 ExampleInput = Callable[[], object]
 """A function returning one rank's example batch: a tensor (the model's one argument), a
@@ -91,14 +93,21 @@ def local_comm_hook(compress_to: torch.dtype | None) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def fake_world_patches() -> Iterator[list[Any]]:
+def fake_world_patches(
+    tp_mesh: DeviceMesh | None = None, fake_mode: Any = None
+) -> Iterator[list[Any]]:
     """While the simulation's own `wrap` runs: materialise meta models with fake storage
     (`shardwise.wrap` looks `materialize` up in parallelize/apply.py), and give DDP a
     communication hook that works over the fake group. Yields the DDP modules that got one.
+
+    Under tensor parallelism `wrap` builds its (replicate, shard, tp) mesh itself, which
+    cannot happen under fake tensors: `tp_mesh`, built before, is handed to it instead,
+    and `wrap` then runs on meta outside `fake_mode`, which only materialising enters.
     """
     hooked: list[Any] = []
     original_materialize = apply_module.materialize
     original_register = DistributedDataParallel.register_comm_hook
+    original_build = MeshSpec.build
 
     def register(self: DistributedDataParallel, state: object, hook: Callable[..., Any]) -> None:
         compress = {
@@ -113,13 +122,20 @@ def fake_world_patches() -> Iterator[list[Any]]:
         original_register(self, None, local_comm_hook(compress[hook]))
         hooked.append(self)
 
-    apply_module.materialize = fake_materialize
+    def materialize_fake(model: nn.Module, *args: Any, **kwargs: Any) -> list[str]:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            return fake_materialize(model, *args, **kwargs)
+
+    apply_module.materialize = materialize_fake
     DistributedDataParallel.register_comm_hook = register  # type: ignore[method-assign]
+    if tp_mesh is not None:
+        MeshSpec.build = lambda self, device_type: tp_mesh  # type: ignore[method-assign]
     try:
         yield hooked
     finally:
         apply_module.materialize = original_materialize
         DistributedDataParallel.register_comm_hook = original_register  # type: ignore[method-assign]
+        MeshSpec.build = original_build  # type: ignore[method-assign]
 
 
 def _vocab_size(model: nn.Module) -> int:

@@ -107,6 +107,8 @@ class SimReport:
     category_peaks: dict[str, int]
     fake: bool = True
     notes: list[str] = field(default_factory=list)
+    tp: int = 1
+    sequence_parallel: bool = False
 
     @property
     def model_states(self) -> int:
@@ -120,8 +122,11 @@ class SimReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
+        tp = ""
+        if self.tp > 1:
+            tp = f" x tp {self.tp}{' (sequence parallel)' if self.sequence_parallel else ''}"
         head = (
-            f"{self.strategy} at world {self.world_size}, batch {self.batch} x seq "
+            f"{self.strategy}{tp} at world {self.world_size}, batch {self.batch} x seq "
             f"{self.seq_len}, {self.precision}, AC {self.activation_checkpointing}, "
             f"{self.optimizer}: per-rank peak {format_bytes(self.peak)}"
         )
@@ -327,11 +332,14 @@ def _simulate_here(
             config.dp_shard,
             world,
             reshard_after_forward=config.reshard_after_forward,
+            tp=config.tp,
         )
         # DeviceMesh reads its layout with .tolist(): build it before entering fake mode.
         mesh = spec.build("cpu")
-        if mesh is not None:
+        if mesh is not None and spec.tp == 1:
             config = dataclasses.replace(config, device_mesh=mesh)
+        elif spec.tp > 1:  # the fake world has no nodes: fix the shard size resolved here
+            config = dataclasses.replace(config, dp_shard=spec.dp_shard)
         fake_mode = FakeTensorMode()
         with fake_mode, init_empty():
             model = model_factory()
@@ -342,8 +350,14 @@ def _simulate_here(
                     "simulate_step: seq_len=None and no example_input: give the sequence "
                     "length of the default (batch, seq_len) token input, or example_input."
                 )
-        with fake_mode, fake_world_patches() as hooked:
-            model = wrap(model, config)
+        if spec.tp > 1:
+            # fully_shard over a mesh with a tp dimension fails under fake tensors; on the
+            # meta device it works, and the sharded model is then materialised fake.
+            with fake_world_patches(mesh, fake_mode) as hooked:
+                model = wrap(model, config)
+        else:
+            with fake_mode, fake_world_patches() as hooked:
+                model = wrap(model, config)
         with fake_mode:
             if isinstance(model, DistributedDataParallel) and model not in hooked:
                 model.register_comm_hook(None, local_comm_hook(None))
@@ -370,6 +384,8 @@ def _simulate_here(
         at_peak=result["at_peak"],
         category_peaks=result["category_peaks"],
         notes=notes,
+        tp=spec.tp,
+        sequence_parallel=config.sequence_parallel,
     )
 
 
@@ -444,7 +460,6 @@ def simulate_step(
     """
     if world < 1:
         raise ValueError(f"simulate_step(world={world}): the world size must be >= 1.")
-    refuse_tensor_parallel(config, "simulate_step")
     if batch < 1:
         raise ValueError(f"simulate_step(batch={batch}): the micro-batch must be >= 1.")
     if isinstance(optimizer, str) and optimizer not in _OPTIMIZERS:

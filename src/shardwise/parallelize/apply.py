@@ -238,8 +238,10 @@ def wrap(
             tp=config.tp,
         )
     if spec.tp > 1:
-        _wrap_2d(model, config, info, spec, on_meta)
-        if weights is not None:  # after sharding: each rank reads (or is sent) its slices
+        mesh_2d = _wrap_2d(model, config, info, spec, on_meta)
+        if on_meta:
+            fill(model, mesh_2d)  # after sharding: each rank allocates only its parts
+        elif weights is not None:  # after sharding: each rank reads (or is sent) its slices
             load_weights(model, weights, broadcast_from_rank0=broadcast_from_rank0)
         return model
     plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
@@ -268,27 +270,29 @@ def wrap(
 
 def _wrap_2d(
     model: nn.Module, config: ParallelConfig, info: DistInfo, spec: MeshSpec, on_meta: bool
-) -> None:
+) -> DeviceMesh:
     """Tensor parallel over the mesh's tp dimension, then the strategy over the
-    data-parallel ones (torch's documented order: TP before FSDP).
+    data-parallel ones (torch's documented order: TP before FSDP); returns the mesh.
 
-    The model is moved to the device and takes rank 0's values whole first: TP cuts each
-    rank's slice from the same tensor. Not built yet for tp: a meta-built model and CPU
-    offload (each raises NotImplementedError)."""
-    if on_meta or config.offload_policy is not None:
+    A model built on the CPU is moved to the device and takes rank 0's values whole
+    first: TP cuts each rank's slice from the same tensor. A meta-built one is split and
+    sharded on meta and materialised by the caller. Not built yet for tp: CPU offload
+    (NotImplementedError)."""
+    if config.offload_policy is not None:
         raise NotImplementedError(
-            f"ParallelConfig.tp={spec.tp} with a meta-built model or cpu_offload is not "
-            "built yet (no test covers it): build the model on the CPU (weights= loads "
-            "into it after sharding), and leave cpu_offload off."
+            f"ParallelConfig.tp={spec.tp} with cpu_offload is not built yet (no test covers "
+            "it): leave cpu_offload off, or use tp=1."
         )
     tp_plan = check_tensor_parallel(model, config)  # before any group is made
     mesh = spec.build(info.device.type)
     assert mesh is not None  # tp > 1 is never ddp (refused by resolve_mesh)
     mark_before_sharding(model, keep=set())
-    unit_preparer(info.device, config.sync_module_states)([model])
+    if not on_meta:
+        unit_preparer(info.device, config.sync_module_states)([model])
     apply_tensor_parallel(model, mesh[TP_DIM], tp_plan)
     plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
     _prepare_blocks(model, plan, config)
     apply_fsdp(model, config, info, spec, plan, dp_mesh(spec, mesh))
     replicate_scalars(model, plan.replicated_params)
     setattr(model, INFO_ATTR, WrapInfo(config, info, spec, plan, mesh, tp_plan=tp_plan.described))
+    return mesh

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
+from shardwise.distributed.mesh import TP_DIM
 from shardwise.distributed.process_group import serves_cpu
 from shardwise.parallelize.weights import load_weights
 
@@ -73,12 +74,37 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _seed_for_rank(mesh: DeviceMesh | None, seed: int) -> None:
-    """Independent draws per shard, the same draws on replicas of a shard."""
+    """Independent draws per shard (and per tensor-parallel part), the same draws on
+    replicas of a shard."""
     shard_coordinate = 0
     if mesh is not None and dist.is_initialized():
         coords = mesh.get_coordinate() or [0]
-        shard_coordinate = int(coords[-1])
+        names = mesh.mesh_dim_names or ()
+        if TP_DIM in names:  # (.., shard, tp): number the (shard, tp) positions
+            tp = names.index(TP_DIM)
+            shard = int(coords[tp - 1]) if tp > 0 else 0
+            shard_coordinate = shard * mesh.size(tp) + int(coords[tp])
+        else:
+            shard_coordinate = int(coords[-1])
     torch.manual_seed(seed + 1_000_003 * shard_coordinate)
+
+
+def _same_on_tp_ranks(model: nn.Module, mesh: DeviceMesh | None) -> None:
+    """Initialised per tp rank, a parameter or buffer the plan leaves whole would differ
+    between the ranks of a tp group, which then train different copies of one weight:
+    each takes the first tp rank's values (a broadcast over the tp group)."""
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if mesh is None or TP_DIM not in names or not dist.is_initialized():
+        return
+    group = mesh[TP_DIM].get_group()
+    for t in [*model.parameters(), *model.buffers()]:
+        if isinstance(t, DTensor):
+            dims = t.device_mesh.mesh_dim_names or ()
+            if TP_DIM in dims and not isinstance(t.placements[dims.index(TP_DIM)], Replicate):
+                continue  # split over tp: each rank holds its own part
+        local = _local(t)
+        if local.is_floating_point() and local.numel():
+            dist.broadcast(local.data, group=group, group_src=0)
 
 
 def _forget_init_marks(model: nn.Module) -> None:
@@ -199,6 +225,7 @@ def materialize(
     else:
         _seed_for_rank(mesh, seed)
         used = _run_initialisers(model, param_init_fn)
+        _same_on_tp_ranks(model, mesh)
     untouched = _untouched(model)
     if untouched:
         raise InitializationError(

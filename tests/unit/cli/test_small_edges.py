@@ -189,7 +189,7 @@ def test_plan_shows_the_2d_layout_and_refuses_what_it_cannot_model(tmp_path, mon
     out = capsys.readouterr().out
     assert out.startswith("hybrid_shard: 2 replica group(s) x 2 shard rank(s) x tp 2 = world 8")
     assert re.search(r"model\.layers\.\*\.self_attn\.k_proj +colwise +2 module\(s\)", out)
-    assert "memory: not shown under tensor parallelism yet" in out
+    assert "the instant estimate does not model tensor parallelism; add --simulate" in out
     assert main([*argv, "parallel.sequence_parallel=true"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"model\.layers\.\*\.input_layernorm +sequence_parallel +2 module", out)
@@ -198,11 +198,9 @@ def test_plan_shows_the_2d_layout_and_refuses_what_it_cannot_model(tmp_path, mon
     out = capsys.readouterr().out
     assert re.search(r"model\.layers\.\*\.input_layernorm +sequence_parallel +2 module", out)
     assert re.search(r"model\.layers\.\*\.self_attn +gathers the sequence +2 module", out)
-    assert main([*argv, "--simulate"]) == 2
-    assert (
-        "--simulate with parallel.tp=2: the memory estimate and simulation do not model"
-        in capsys.readouterr().err
-    )
+    assert main([*argv, "--simulate", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "hybrid_shard x tp 2 at world 8, batch 1 x seq 16, fp32, AC none, adamw" in out
     assert main(["plan", "llm:llama", "--world", "8", "parallel.tp=4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config.num_key_value_heads=2 does not divide by 4" in err

@@ -124,17 +124,30 @@ def test_context_parallel_is_refused_with_the_reason():
     assert ParallelConfig(cp=1).cp == 1
 
 
-def test_the_memory_planner_refuses_tp_rather_than_ignore_it():
+def test_the_simulation_models_tp_and_the_planner_refuses_it_rather_than_ignore_it():
+    """Per rank at world 4: full_shard alone holds 1/4 of every parameter; with tp 2 the
+    split layers are cut in 4 (2 tp parts, each sharded over 2) and the norms, whole on tp,
+    in 2. Sequence parallel then lowers the activations. The simulation against a real run
+    at world 4 is bench/memory_sim.py's (equal on CPU)."""
     import shardwise
 
-    config = ParallelConfig(tp=2, tp_plan={"up": "colwise", "down": "rowwise"})
-    with pytest.raises(
-        NotImplementedError,
-        match=r"simulate_step with ParallelConfig.tp=2: the memory simulation does not model",
-    ):
-        shardwise.simulate_step(MLP, config, world=4, batch=1, seq_len=8)
+    def peak(**kw: object) -> shardwise.SimReport:
+        config = ParallelConfig(strategy="full_shard", **kw)  # type: ignore[arg-type]
+        return shardwise.simulate_step(
+            lambda: _llama(num_hidden_layers=2), config, world=4, batch=2, seq_len=32
+        )
+
+    fsdp, tp, sp = peak(), peak(tp=2), peak(tp=2, sequence_parallel=True)
+    model = _llama(num_hidden_layers=2)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    assert fsdp.at_peak["params"] == pytest.approx(total / 4, rel=0.02)
+    assert tp.at_peak["params"] == pytest.approx((total - norms) / 4 + norms / 2, rel=0.02)
+    assert tp.category_peaks["activations"] < fsdp.category_peaks["activations"]
+    assert sp.category_peaks["activations"] < tp.category_peaks["activations"]
+    assert str(sp).startswith("full_shard x tp 2 (sequence parallel) at world 4")
     with pytest.raises(NotImplementedError, match=r"choose_plan with ParallelConfig.tp=2"):
-        shardwise.choose_plan(MLP, config, world=4, batch=1, seq_len=8)
+        shardwise.choose_plan(MLP, ParallelConfig(tp=2), world=4, batch=1, seq_len=8)
 
 
 def test_loss_parallel_finds_the_head_or_says_how_to_give_it():
