@@ -280,7 +280,13 @@ FAMILIES = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"residual_dropout": 0.0}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 4}),  # per-head q/k norms
-}
+    # Mixtures of experts: 3-D experts with gate and up packed ('packed_colwise' under
+    # 'moe_tp_experts'); qwen3_moe's layer 0 is a dense MLP, its layer 1 has experts.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 4, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 8, "mlp_only_layers": [0]}),
+}  # fmt: skip
+MOE = ("mixtral", "qwen3_moe")
 
 
 def build_family(name: str) -> nn.Module:
@@ -322,9 +328,39 @@ def _hf_cases() -> dict:  # type: ignore[type-arg]
             "tied": tied,
             "split": split,
             "norm_tokens": tokens[0],
+            "experts": _experts_layout(model) if name in MOE else None,
         }
     out["llama_loss_parallel"] = _hf_engine_loss_parallel()
+    out["mixtral_gate_up_plain_shard"] = _mixtral_gate_up_plain_shard()
     return out
+
+
+def _experts_layout(model: nn.Module) -> dict:  # type: ignore[type-arg]
+    """Where the last layer's experts sit: the mesh and each weight's tp placement."""
+    experts = model.model.layers[-1].mlp.experts
+    out = {}
+    for name in ("gate_up_proj", "down_proj"):
+        p = getattr(experts, name)
+        dims = p.device_mesh.mesh_dim_names
+        out[name] = (dims, p.placements[dims.index("tp")])
+    return out
+
+
+def _mixtral_gate_up_plain_shard() -> dict:  # type: ignore[type-arg]
+    """A wrong layout: gate_up_proj split by a plain Shard(1), so one rank holds every
+    expert's gate columns and the other every up column."""
+    from shardwise.parallelize.moe import ExpertsParallel
+
+    torch.manual_seed(0)
+    model = build_family("mixtral")
+    experts = "model.layers.*.mlp.experts"
+    plan: dict = {k: v for k, v in model._tp_plan.items() if not k.startswith(experts)}  # type: ignore[type-arg]
+    plan[experts] = ExpertsParallel({"gate_up_proj": Shard(1), "down_proj": Shard(2)})
+    model = shardwise.wrap(model, shardwise.ParallelConfig(tp=2, tp_plan=plan))
+    info = shardwise.wrap_info(model)
+    assert info is not None
+    shard = functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size)
+    return train(model, shard, _hf_loss)
 
 
 def _hf_engine_loss_parallel() -> dict:  # type: ignore[type-arg]
@@ -418,6 +454,20 @@ def test_hugging_face_families_with_their_own_plan_equal_one_process(hf_results,
     assert got["whole_gradients"] == "equal", got["whole_gradients"]
     if family == "gemma":
         assert got["tied"], "gemma's embedding and output head were untied"
+    if family in MOE:  # each rank holds its part of every expert's gate AND up columns
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        (dims, gate_up), (_, down) = got["experts"]["gate_up_proj"], got["experts"]["down_proj"]
+        assert dims == ("dp_shard", "tp"), dims  # experts sharded over dp by FSDP, split over tp
+        assert gate_up == _StridedShard(1, split_factor=2), gate_up
+        assert down == Shard(2), down
+
+
+def test_a_plain_split_of_packed_experts_fails_the_comparison(hf_results):
+    refs, ranks = hf_results
+    rel, where = _worst(refs["mixtral"], ranks[0]["mixtral_gate_up_plain_shard"])
+    print(f"mixtral, gate_up_proj on Shard(1): the largest difference is {where}, rel {rel:.2e}")
+    assert rel > 1e-3, f"a wrong split of the experts passed ({where}: {rel:.2e})"
 
 
 # --- checkpoints and exports across layouts ---------------------------------------------------

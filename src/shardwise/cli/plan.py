@@ -107,7 +107,7 @@ def plan_command(args: argparse.Namespace) -> int:
     spec = None
     if parallel.strategy != "auto" and parallel.device_mesh is None:
         # The layout against the world size, before any model is built: one line.
-        spec = resolve_mesh(parallel.strategy, parallel.dp_shard, args.world, tp=parallel.tp)
+        spec = resolve_mesh(parallel.strategy, parallel.dp_shard, args.world, tp=parallel.tp_size)
     factory = _load_factory(args.target)
     with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere
         model = factory()

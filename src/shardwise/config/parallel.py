@@ -25,6 +25,7 @@ from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
 from shardwise.config.names import StrategySetting, closest, normalize_strategy
 from shardwise.config.precision import Precision, PrecisionSetting, resolve_precision
+from shardwise.config.tensor_parallel import TPPlan, validate_tp
 from shardwise.config.vocabulary import FOREIGN_WORDS, integral, policy_from_dict, translate
 
 # The fields' types name shardwise's own words and torch's current objects. Other systems'
@@ -47,18 +48,6 @@ ActivationCheckpointing = str | bool | int | None
 False or None (none)."""
 MemoryBudget = str | int | float | None
 """Bytes (int), a size ('70GiB'), a percentage ('85%'), a fraction in (0, 1], or None."""
-TPPlan = Literal["auto"] | Mapping[str, object] | Callable[..., object]
-"""`tp_plan`: 'auto' (the model's own), {module name or pattern: 'colwise' | 'rowwise' |
-a torch ParallelStyle}, or a callable (model, tp_mesh) that parallelises the model."""
-TP_STYLE_NAMES = (
-    "colwise",
-    "rowwise",
-    "colwise_gather_output",
-    "rowwise_split_input",
-    "embedding_rowwise",
-    "replicated_with_grad_allreduce",
-)
-"""The plan words shardwise turns into torch's ParallelStyles (transformers' words)."""
 UserMesh = DeviceMesh | ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None
 """`device_mesh`: your own mesh, one process group, or (shard group, replicate group)."""
 
@@ -209,11 +198,12 @@ class ParallelConfig:
     """Ranks each shard group spans. -1: all ranks for full_shard/shard_grad_op; for
     hybrid strategies the ranks of one node when that gives a 2-D mesh, else the most
     balanced split. Replication across groups is world_size // dp_shard."""
-    tp: int = 1
+    tp: int | Literal["auto"] = 1
     """Tensor-parallel degree: the layers `tp_plan` names are split over `tp` adjacent ranks
     (torch's parallelize_module, before sharding), and the strategy shards or replicates
     over the world_size // tp data-parallel ranks; the ranks of one tp group read the same
-    batch. 1: none."""
+    batch. 1: none. 'auto' (with strategy='auto'): the planner may choose tp 2, 4 or 8,
+    with sequence parallelism, when no layout without tp fits."""
     tp_plan: TPPlan = "auto"
     """With tp > 1: 'auto' takes the model's own plan (a Hugging Face model's `_tp_plan`);
     a dict {module name or fnmatch pattern: 'colwise' | 'rowwise' | a torch ParallelStyle}
@@ -333,80 +323,21 @@ class ParallelConfig:
         return self._forward_depth
 
     @property
+    def tp_size(self) -> int:
+        """`tp` as a number; 'auto' is the planner's to resolve first."""
+        if self.tp == "auto":
+            raise ValueError(
+                "ParallelConfig.tp='auto' is chosen by simulating the model, which this call "
+                "does not do. Resolve it first: config = shardwise.choose_plan(make_model, "
+                "config, world=..., batch=..., seq_len=...).config (or `shardwise plan --world "
+                "N --simulate parallel.strategy=auto parallel.tp=auto`)."
+            )
+        return self.tp
+
+    @property
     def checkpoint_every(self) -> int:
         """Activation-checkpoint every k-th planned block (0: none)."""
         return self._ac_every
-
-
-def _validate_tp(cfg: ParallelConfig) -> None:
-    """tp and tp_plan, as far as they can be checked without a model or a world size."""
-    if integral(cfg.cp, "ParallelConfig.cp") != 1:
-        raise NotImplementedError(
-            f"ParallelConfig.cp={cfg.cp}: context parallelism is not built yet. torch's "
-            "context parallel has no CPU attention path to prove it against one process, and "
-            "eager attention under it is silently wrong; shardwise refuses it until a GPU "
-            "test exists. Use cp=1 (split long sequences with tp and sequence_parallel=True, "
-            "or activation checkpointing)."
-        )
-    cfg.tp = integral(cfg.tp, "ParallelConfig.tp")
-    if cfg.tp < 1:
-        raise ValueError(f"ParallelConfig.tp={cfg.tp} must be >= 1 (1: no tensor parallelism).")
-    plan = cfg.tp_plan
-    if isinstance(plan, str):
-        if plan != "auto":
-            raise ValueError(
-                f"ParallelConfig.tp_plan={plan!r}: use 'auto' (the model's own plan), a dict "
-                "{module pattern: 'colwise' | 'rowwise' | ParallelStyle}, or a callable "
-                "(model, tp_mesh)."
-            )
-    elif isinstance(plan, Mapping):
-        from torch.distributed.tensor.parallel import ParallelStyle
-
-        for key, style in plan.items():
-            if not isinstance(style, ParallelStyle) and style not in TP_STYLE_NAMES:
-                raise ValueError(
-                    f"ParallelConfig.tp_plan[{key!r}]={style!r}: use one of "
-                    f"{', '.join(TP_STYLE_NAMES)} or a torch ParallelStyle."
-                )
-    elif not callable(plan):
-        raise TypeError(
-            f"ParallelConfig.tp_plan={plan!r}: use 'auto', a dict or a callable (model, tp_mesh)."
-        )
-    if cfg.loss_parallel and cfg.tp == 1:
-        raise ValueError(
-            "ParallelConfig.loss_parallel=True needs tp > 1: it splits the output head's "
-            "logits over the tensor-parallel ranks. Set tp, or leave loss_parallel off."
-        )
-    if cfg.sequence_parallel and cfg.tp == 1:
-        raise ValueError(
-            "ParallelConfig.sequence_parallel=True needs tp > 1: it splits the sequence "
-            "over the tensor-parallel ranks. Set tp, or leave sequence_parallel off."
-        )
-    if cfg.sequence_parallel and callable(plan) and not isinstance(plan, Mapping):
-        raise ValueError(
-            "ParallelConfig.sequence_parallel=True with a callable tp_plan: shardwise adds "
-            "its sequence-parallel styles to a plan it reads ('auto' or a dict), not to what "
-            "a callable applies. Apply your own SequenceParallel styles in the callable and "
-            "leave sequence_parallel off, or give the plan as a dict."
-        )
-    if cfg.tp > 1:
-        if cfg.strategy == "ddp":
-            raise ValueError(
-                f"ParallelConfig.tp={cfg.tp} with strategy='ddp': DistributedDataParallel "
-                "cannot hold tensor-parallel (DTensor) parameters. Use strategy='no_shard' "
-                "(it replicates as DDP does, over the data-parallel ranks) or a sharded "
-                "strategy."
-            )
-        if cfg.strategy == "auto":
-            raise ValueError(
-                f"ParallelConfig(strategy='auto', tp={cfg.tp}): the planner does not choose "
-                "among tensor-parallel layouts yet. Name the strategy (e.g. 'full_shard')."
-            )
-        if cfg.device_mesh is not None:
-            raise ValueError(
-                f"ParallelConfig.tp={cfg.tp} with a device_mesh: shardwise builds the "
-                "(replicate, shard, tp) mesh itself. Leave device_mesh=None."
-            )
 
 
 def validate_parallel_config(cfg: ParallelConfig) -> None:
@@ -422,7 +353,7 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             f"ParallelConfig.dp_shard={cfg.dp_shard} is not a valid group size. "
             "Use a positive number of ranks, or -1 to infer it."
         )
-    _validate_tp(cfg)
+    validate_tp(cfg)
     cfg._precision = resolve_precision(cfg.mixed_precision)
     _keep_fp32_from_fsdp1(cfg)
     cfg._offload = resolve_cpu_offload(cfg.cpu_offload)

@@ -157,7 +157,7 @@ class ShardwiseStrategy(ModelParallelStrategy):
                 "ShardwiseStrategy(config=...) expects a shardwise.ParallelConfig, got "
                 f"{type(self.config).__name__}."
             )
-        if self.config.tp > 1:
+        if self.config.tp != 1:
             raise NotImplementedError(
                 f"ParallelConfig.tp={self.config.tp} inside Lightning's Trainer is not "
                 "built yet: the host's sampler splits the data over every rank, while the ranks "

@@ -86,7 +86,7 @@ class ShardwiseDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         config = ParallelConfig(**kwargs)
-        if config.tp > 1:
+        if config.tp != 1:
             raise NotImplementedError(
                 f"ParallelConfig.tp={config.tp} inside mmengine's Runner is not "
                 "built yet: the host's sampler splits the data over every rank, while the ranks "

@@ -14,6 +14,10 @@ comes before any with it (then every second block, then every block), and within
 checkpointing level the strategies go by communication per step: ddp (one all-reduce) <
 shard_grad_op (gather once, reduce-scatter) < hybrid_shard (full sharding inside a group
 of ranks, an all-reduce across groups) < full_shard (gather twice across all ranks).
+With `tp="auto"`, tensor parallelism (2, 4 or 8 ranks of a node, with sequence
+parallelism) comes after every layout without it at the same checkpointing level: its
+collectives sit on each layer's critical path, where FSDP's mostly overlap. The instant
+estimate does not model tp, so tp rows are simulated only.
 
 Must not: wrap anything or touch the caller's process group (simulations run on fake
 tensors, in a subprocess when a process group exists).
@@ -37,7 +41,7 @@ from shardwise.distributed.mesh import resolve_mesh
 from shardwise.memory.activations import trace_activations
 from shardwise.memory.fake import ExampleInput
 from shardwise.memory.model_states import estimate_memory, estimate_peak, format_bytes
-from shardwise.memory.simulate import refuse_tensor_parallel, simulate_step
+from shardwise.memory.simulate import simulate_step
 from shardwise.plan.planner import PlanNotice, plan_wrap
 
 __all__ = ["AutoPlan", "Candidate", "NoPlanFitsError", "choose_plan", "resolve_budget"]
@@ -62,19 +66,27 @@ _SKIP_ABOVE = 1.25
 
 @dataclass(frozen=True)
 class Candidate:
-    """One row of the table: a strategy with an activation-checkpointing level."""
+    """One row of the table: a strategy with an activation-checkpointing level (and a
+    tensor-parallel degree, with sequence parallelism when tp > 1). The instant estimate
+    does not model tp: those rows have `estimate=None` and only a simulated peak."""
 
     strategy: StrategyName
     activation_checkpointing: str
-    estimate: int
+    estimate: int | None
     simulated: int | None = None
     fits: bool | None = None
     note: str = ""
+    tp: int = 1
+    sequence_parallel: bool = False
 
     @property
-    def peak(self) -> int:
+    def peak(self) -> int | None:
         """The simulated peak where there is one, else the instant estimate."""
         return self.simulated if self.simulated is not None else self.estimate
+
+    @property
+    def layout(self) -> str:
+        return self.strategy + (f" x tp {self.tp}" if self.tp > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,7 @@ class AutoPlan:
     rows: list[Candidate]
     chosen: Candidate | None
     base: ParallelConfig = field(repr=False)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def reason(self) -> str:
@@ -104,6 +117,8 @@ class AutoPlan:
             self.base,
             strategy=self.chosen.strategy,
             activation_checkpointing=self.chosen.activation_checkpointing,
+            tp=self.chosen.tp,
+            sequence_parallel=self.chosen.sequence_parallel or self.base.sequence_parallel,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,6 +131,7 @@ class AutoPlan:
             "rows": [dataclasses.asdict(r) for r in self.rows],
             "chosen": dataclasses.asdict(self.chosen) if self.chosen else None,
             "reason": self.reason,
+            "notes": self.notes,
         }
 
     def __str__(self) -> str:
@@ -128,22 +144,25 @@ class AutoPlan:
             f"strategy='auto' at world {self.world_size}, {shape}: budget "
             f"{format_bytes(self.budget)} per rank ({self.budget_source})"
         )
-        lines = [head, format_rows(self.rows, chosen=self.chosen), self.reason]
+        lines = [head, format_rows(self.rows, chosen=self.chosen), *self.notes, self.reason]
         return "\n".join(lines)
 
 
 def format_rows(rows: list[Candidate], *, chosen: Candidate | None = None) -> str:
     """The plan table: estimate, simulation (where run) and the fit of each row."""
-    header = f"  {'strategy':<18} {'AC':<8} {'estimate':>12} {'simulated':>12}  fits"
+    layouts = [r.layout + (" +sp" if r.sequence_parallel else "") for r in rows]
+    w = max([18, *(len(x) for x in layouts)])
+    header = f"  {'strategy':<{w}} {'AC':<8} {'estimate':>12} {'simulated':>12}  fits"
     out = [header]
-    for r in rows:
+    for r, layout in zip(rows, layouts, strict=True):
         sim = format_bytes(r.simulated) if r.simulated is not None else "-"
         fits = {True: "yes", False: "no", None: "-"}[r.fits]
         mark = "  <- chosen" if r is chosen else ""
         note = f"  ({r.note})" if r.note else ""
+        estimate = format_bytes(r.estimate) if r.estimate is not None else "-"
         out.append(
-            f"  {r.strategy:<18} {r.activation_checkpointing:<8} "
-            f"{format_bytes(r.estimate):>12} {sim:>12}  {fits}{mark}{note}"
+            f"  {layout:<{w}} {r.activation_checkpointing:<8} "
+            f"{estimate:>12} {sim:>12}  {fits}{mark}{note}"
         )
     return "\n".join(out)
 
@@ -189,19 +208,71 @@ def resolve_budget(value: object, device: torch.device | str | None = None) -> t
     return int(total * fraction), f"{what}{fraction:.0%} of {format_bytes(total)}, {source}"
 
 
-def _candidates(config: ParallelConfig, world: int) -> list[tuple[str, StrategyName]]:
-    if config.strategy == "auto":
-        strategies = []
-        for s in COMM_ORDER:
-            try:
-                resolve_mesh(s, config.dp_shard if s.startswith("hybrid") else -1, world)
-            except ValueError:
-                continue  # hybrid needs a 2-D mesh
-            strategies.append(s)
-    else:
-        strategies = [config.strategy]
+TP_CHOICES = (2, 4, 8)
+"""tp degrees `tp='auto'` may choose: within one node of up to 8 GPUs."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    activation_checkpointing: str
+    strategy: StrategyName
+    tp: int = 1
+    sequence_parallel: bool = False
+
+
+def _strategies(config: ParallelConfig, world: int, tp: int) -> list[StrategyName]:
+    if config.strategy != "auto":
+        return [config.strategy]
+    out: list[StrategyName] = []
+    for s in COMM_ORDER:
+        if tp > 1 and s == "ddp":
+            s = "no_shard"  # DDP cannot hold DTensors; no_shard replicates as it does
+        try:
+            resolve_mesh(s, config.dp_shard if s.startswith("hybrid") else -1, world, tp=tp)
+        except ValueError:
+            continue  # hybrid needs a 2-D mesh
+        out.append(s)
+    return out
+
+
+def _tp_degrees(config: ParallelConfig, world: int, meta_model: nn.Module) -> dict[int, str]:
+    """tp degree -> '' (usable) or why not. Fixed tp: itself. tp='auto': 1, then the
+    TP_CHOICES that divide the world and pass the plan's checks (heads, sizes)."""
+    if config.tp != "auto":
+        return {config.tp_size: ""}
+    from shardwise.parallelize.tensor import check_tensor_parallel
+
+    out = {1: ""}
+    for tp in TP_CHOICES:
+        if world % tp:
+            continue
+        try:
+            cfg = dataclasses.replace(config, strategy="full_shard", tp=tp, sequence_parallel=True)
+            check_tensor_parallel(meta_model, cfg)
+            out[tp] = ""
+        except (ValueError, NotImplementedError) as exc:
+            out[tp] = str(exc).split(". ")[0]
+    return out
+
+
+def _candidates(
+    config: ParallelConfig, world: int, meta_model: nn.Module
+) -> tuple[list[_Layout], list[str]]:
+    """Layouts in cost order, and a note per tp degree left out. Within one checkpointing
+    level, every layout without tp comes before any with it: tp's collectives sit on the
+    critical path of each layer (FSDP's mostly overlap), within one node; then by degree."""
+    degrees = _tp_degrees(config, world, meta_model)
     levels = AC_ORDER if config.activation_checkpointing == "auto" else (None,)
-    return [(ac or str(config.activation_checkpointing), s) for ac in levels for s in strategies]
+    sp = {tp: tp > 1 and (config.tp == "auto" or config.sequence_parallel) for tp in degrees}
+    layouts = [
+        _Layout(ac or str(config.activation_checkpointing), s, tp, sp[tp])
+        for ac in levels
+        for tp, why in degrees.items()
+        if not why
+        for s in _strategies(config, world, tp)
+    ]
+    skipped = [f"tp {tp} not considered: {why}" for tp, why in degrees.items() if why]
+    return layouts, skipped
 
 
 class InstantPeak:
@@ -276,19 +347,31 @@ def choose_plan(
     With `simulate=False` the estimate decides. Raises `NoPlanFitsError` when nothing
     fits; returns the `AutoPlan` otherwise (`.config` is the resolved config).
     """
-    refuse_tensor_parallel(config, "choose_plan")
     limit, source = resolve_budget(config.memory_budget if budget is None else budget, device)
     with torch.device("meta"):
         meta_model = model_factory()
     rows: list[Candidate] = []
     chosen: Candidate | None = None
     estimator = InstantPeak(meta_model, world, batch, seq_len, optimizer, example_input)
-    for ac, strategy in _candidates(config, world):
-        cfg = dataclasses.replace(config, strategy=strategy, activation_checkpointing=ac)
-        estimate = estimator(cfg)
-        row = Candidate(strategy, ac, estimate)
+    layouts, skipped = _candidates(config, world, meta_model)
+    for layout in layouts:
+        cfg = dataclasses.replace(
+            config,
+            strategy=layout.strategy,
+            activation_checkpointing=layout.activation_checkpointing,
+            tp=layout.tp,
+            sequence_parallel=layout.sequence_parallel,
+        )
+        estimate = estimator(cfg) if layout.tp == 1 else None  # the estimate has no tp
+        row = Candidate(
+            layout.strategy,
+            layout.activation_checkpointing,
+            estimate,
+            tp=layout.tp,
+            sequence_parallel=layout.sequence_parallel,
+        )
         if chosen is None:
-            if estimate > _SKIP_ABOVE * limit:
+            if estimate is not None and estimate > _SKIP_ABOVE * limit:
                 row = dataclasses.replace(
                     row, fits=False, note=f"estimate over {_SKIP_ABOVE:.2f}x budget: not simulated"
                 )
@@ -303,6 +386,8 @@ def choose_plan(
                     optimizer=optimizer,
                 )
                 row = dataclasses.replace(row, simulated=sim.peak, fits=sim.peak <= limit)
+            elif estimate is None:
+                row = dataclasses.replace(row, note="tp is only simulated: not checked")
             else:
                 row = dataclasses.replace(row, fits=estimate <= limit)
             if row.fits:
@@ -319,6 +404,7 @@ def choose_plan(
         rows=rows,
         chosen=chosen,
         base=config,
+        notes=skipped,
     )
     if chosen is None:
         raise NoPlanFitsError(plan_)
@@ -334,22 +420,36 @@ def _reason(plan: AutoPlan) -> str:
             if cheaper
             else "; it is the cheapest candidate"
         )
-        return (
-            f"chosen: strategy={chosen.strategy!r}, activation_checkpointing="
-            f"{chosen.activation_checkpointing!r}, per-rank peak {format_bytes(chosen.peak)} "
-            f"<= budget {format_bytes(limit)}{why}."
+        tp = (
+            f", tp={chosen.tp}, sequence_parallel={chosen.sequence_parallel}"
+            if chosen.tp > 1
+            else ""
         )
-    best = min(rows, key=lambda r: r.peak)
-    over = best.peak / limit
+        return (
+            f"chosen: strategy={chosen.strategy!r}{tp}, activation_checkpointing="
+            f"{chosen.activation_checkpointing!r}, per-rank peak "
+            f"{format_bytes(chosen.peak or 0)} <= budget {format_bytes(limit)}{why}."
+        )
+    measured = [r for r in rows if r.peak is not None]
+    if not measured:
+        return (
+            "No plan fits: no candidate has a peak (tp layouts are only simulated; run with "
+            "the simulation)."
+        )
+    best = min(measured, key=lambda r: r.peak or 0)
+    peak = best.peak or 0
+    over = peak / limit
     more_ranks = plan.world_size * max(2, int(over + 0.999))
     return (
-        f"No plan fits: the smallest per-rank peak is {format_bytes(best.peak)} "
+        f"No plan fits: the smallest per-rank peak is {format_bytes(peak)} "
         f"({'simulated' if best.simulated is not None else 'estimated'}, "
-        f"strategy={best.strategy!r}, activation_checkpointing="
-        f"{best.activation_checkpointing!r}), {over:.2f}x the budget of "
+        f"strategy={best.strategy!r}{f', tp={best.tp}' if best.tp > 1 else ''}, "
+        f"activation_checkpointing={best.activation_checkpointing!r}), {over:.2f}x the budget of "
         f"{format_bytes(limit)} ({plan.budget_source}). To fit: shard over more ranks "
         f"(e.g. --world {more_ranks}; model states shrink with the shard group), offload "
-        "to CPU (cpu_offload=True), use a smaller micro-batch than "
+        "to CPU (cpu_offload=True), "
+        + ("let the planner split layers (tp='auto'), " if plan.base.tp == 1 else "")
+        + "use a smaller micro-batch than "
         f"{plan.batch} (activations shrink with it; keep the global batch with "
         "gradient accumulation), checkpoint activations (activation_checkpointing='full' "
         "or 'auto'), compute in bf16 (mixed_precision='bf16'), or raise memory_budget."

@@ -332,7 +332,7 @@ def _simulate_here(
             config.dp_shard,
             world,
             reshard_after_forward=config.reshard_after_forward,
-            tp=config.tp,
+            tp=config.tp_size,
         )
         # DeviceMesh reads its layout with .tolist(): build it before entering fake mode.
         mesh = spec.build("cpu")
@@ -419,17 +419,6 @@ def _simulate_in_subprocess(kwargs: dict[str, Any], timeout_s: float) -> SimRepo
     if status != "ok" or not isinstance(payload, SimReport):
         raise RuntimeError(f"simulate_step failed in its subprocess: {payload}")
     return payload
-
-
-def refuse_tensor_parallel(config: ParallelConfig, what: str) -> None:
-    """The simulation and the estimates do not model tensor parallelism yet: a figure that
-    ignored it would be wrong, so tp > 1 is refused instead."""
-    if config.tp > 1:
-        raise NotImplementedError(
-            f"{what} with ParallelConfig.tp={config.tp}: the memory simulation does not model "
-            "tensor parallelism yet, and a figure that ignored it would be wrong. Plan with "
-            "tp=1 for now."
-        )
 
 
 def simulate_step(

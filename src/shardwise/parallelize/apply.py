@@ -235,7 +235,7 @@ def wrap(
             info.world_size,
             local_world_size=info.local_world_size,
             reshard_after_forward=config.reshard_after_forward,
-            tp=config.tp,
+            tp=config.tp_size,
         )
     if spec.tp > 1:
         mesh_2d = _wrap_2d(model, config, info, spec, on_meta)

@@ -132,12 +132,10 @@ def _split_seq_io(style: ParallelStyle, where: str) -> ParallelStyle:
 def add_sequence_parallel(
     model: nn.Module, plan: dict[str, ParallelStyle], described: dict[str, str]
 ) -> dict[str, ParallelStyle]:
-    """`plan` (patterns → styles) as one style per module name, with the decoder layers
-    running on split sequences. Adds its entries to `described`."""
-    from shardwise.parallelize.tensor import plan_matches
-
+    """`plan` (one style per module name) with the decoder layers running on split
+    sequences, as a new dict. Adds its entries to `described`."""
     modules = dict(model.named_modules())
-    concrete = {n: s for k, s in plan.items() for n in modules if n and plan_matches(k, n)}
+    concrete = dict(plan)
     lists = _layer_lists(model, set(concrete))
     if not lists:
         raise ValueError(

@@ -1,8 +1,9 @@
 """Tensor parallelism: a model's plan applied with torch's `parallelize_module`, before sharding.
 
 Owns: reading a plan (a Hugging Face model's own `_tp_plan`, a dict, or a callable), turning
-plan words into torch's ParallelStyles, the checks a plan needs before any forward (every
-pattern names a module; attention heads, KV heads, the intermediate size and a split
+plan words into torch's ParallelStyles (an experts module's entries into moe.py's one style),
+the checks a plan needs before any forward (every pattern names a module, or a parameter of
+a 'moe_tp_experts' module; attention heads, KV heads, the intermediate sizes and a split
 vocabulary divide by tp; tied weights stay tied), the output head under loss_parallel,
 applying the plan over the mesh's tp dimension, and the one check that needs a backward
 (`check_whole_gradients`: no parameter the plan leaves whole sits between split layers).
@@ -29,8 +30,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from shardwise.config.parallel import TP_STYLE_NAMES, ParallelConfig
+from shardwise.config.parallel import ParallelConfig
+from shardwise.config.tensor_parallel import TP_STYLE_NAMES
 from shardwise.distributed.mesh import TP_DIM
+from shardwise.parallelize.moe import EXPERTS_WORD, ExpertsParallel
+from shardwise.parallelize.sequence import SEQ, HiddenStates, add_sequence_parallel
 
 __all__ = [
     "CheckedPlan",
@@ -80,37 +84,68 @@ def plan_matches(pattern: str, name: str) -> bool:
     )
 
 
+def per_module(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """`plan`'s patterns expanded to one style per module name."""
+    names = [n for n, _ in model.named_modules() if n]
+    return {n: style for key, style in plan.items() for n in names if plan_matches(key, n)}
+
+
 def resolve_tp_plan(
     model: nn.Module, tp_plan: object
 ) -> dict[str, ParallelStyle] | Callable[..., object]:
     """The plan to apply: patterns and torch ParallelStyles, or the user's callable."""
     if callable(tp_plan) and not isinstance(tp_plan, Mapping):
         return tp_plan
-    if tp_plan == "auto":
-        own = getattr(model, "_tp_plan", None)
-        if not own:
+    own = tp_plan == "auto"
+    if own:
+        tp_plan = getattr(model, "_tp_plan", None)
+        if not tp_plan:
             raise ValueError(
                 f"ParallelConfig.tp_plan='auto' but {type(model).__name__} has no "
                 "tensor-parallel plan of its own (only Hugging Face models that ship one do). "
                 f"Give it one, e.g. {_EXAMPLE}, or a callable (model, tp_mesh). A model is "
                 "never replicated silently under tp > 1."
             )
-        tp_plan = own
     if not isinstance(tp_plan, Mapping):
         raise TypeError(f"ParallelConfig.tp_plan={tp_plan!r}: a dict, 'auto' or a callable.")
-    names = [n for n, _ in model.named_modules() if n]
+    modules = {n: m for n, m in model.named_modules() if n}
     plan: dict[str, ParallelStyle] = {}
-    for pattern, style in tp_plan.items():
+    for pattern, style in _fold_experts({str(k): v for k, v in tp_plan.items()}).items():
         if not isinstance(style, ParallelStyle):
             style = style_for(str(style))  # a word not built yet is refused first
-        if not any(plan_matches(str(pattern), n) for n in names):
+        matched = {n: m for n, m in modules.items() if plan_matches(pattern, n)}
+        if not matched and own:
+            # A model's own plan covers every variant of its architecture: Qwen3-MoE's names
+            # a dense MLP (mlp.gate_proj) that a config with experts in every layer lacks.
+            continue
+        if not matched:
             raise ValueError(
                 f"ParallelConfig.tp_plan names {pattern!r}, which matches no module of "
-                f"{type(model).__name__} (e.g. {', '.join(names[:4])}, ...). Fix the name; "
-                "'*' stands for one name part, as in 'layers.*.mlp.up'."
+                f"{type(model).__name__} (e.g. {', '.join(list(modules)[:4])}, ...). Fix the "
+                "name; '*' stands for one name part, as in 'layers.*.mlp.up'."
             )
-        plan[str(pattern)] = style
+        if isinstance(style, ExpertsParallel):
+            for name, module in matched.items():
+                style.check_covers(module, name)
+        plan[pattern] = style
+    if own and not plan:
+        raise ValueError(
+            f"ParallelConfig.tp_plan='auto': no entry of {type(model).__name__}'s own plan "
+            f"matches one of its modules ({', '.join(list(tp_plan)[:3])}, ...), so nothing "
+            f"would be split. Give a plan of your own, e.g. {_EXAMPLE}."
+        )
     return plan
+
+
+def _fold_experts(entries: dict[str, object]) -> dict[str, object]:
+    """A 'moe_tp_experts' entry and the entries naming its parameters ('...experts.gate_up_proj':
+    'packed_colwise'), which are parameters, not modules, become one ExpertsParallel."""
+    out = dict(entries)
+    for key in [k for k, v in entries.items() if v == EXPERTS_WORD]:
+        mine = [k for k in out if k.startswith(f"{key}.") and "." not in k[len(key) + 1 :]]
+        words = {k[len(key) + 1 :]: str(out.pop(k)) for k in mine}
+        out[key] = ExpertsParallel(words)
+    return out
 
 
 # (config field, what each rank must hold whole)
@@ -118,6 +153,7 @@ _DIVISIBLE = (
     ("num_attention_heads", "attention heads"),
     ("num_key_value_heads", "key/value heads"),
     ("intermediate_size", "MLP columns"),
+    ("moe_intermediate_size", "expert columns"),  # Qwen3-MoE's experts (Mixtral's: the above)
 )
 
 
@@ -192,12 +228,32 @@ def check_tensor_parallel(model: nn.Module, config: ParallelConfig) -> CheckedPl
         head = _split_logits_head(model, plan)
         words[head] = "colwise (loss_parallel: logits split over the vocabulary)"
     splits_vocab = bool({"embedding_rowwise", "colwise_gather_output"} & set(words.values()))
-    check_sizes(model, config.tp, splits_vocab)
+    check_sizes(model, config.tp_size, splits_vocab)
     if config.sequence_parallel:
-        from shardwise.parallelize.sequence import add_sequence_parallel
-
-        plan = add_sequence_parallel(model, plan, words)
+        plan = add_sequence_parallel(model, per_module(model, plan), words)
+        _experts_on_split_sequence(plan)
     return CheckedPlan(plan, words)
+
+
+def _experts_on_split_sequence(plan: dict[str, ParallelStyle]) -> None:
+    """Under sequence_parallel the block holding the experts (the MoE MLP) gathers the
+    sequence on entry, as every split child of a layer does. But its router is whole (a plain
+    weight that cannot meet a DTensor input) and its experts flatten batch and sequence into
+    one token dimension, so their sum cannot come back split along the sequence as a
+    row-split projection's does (a reduce-scatter). So the block takes the gathered tokens as
+    a plain tensor, and its output, whole after the experts' sum, is cut back to this rank's
+    tokens (a local slice; its backward gathers the gradient)."""
+    for name, style in list(plan.items()):
+        if not isinstance(style, ExpertsParallel):
+            continue
+        block = name.rpartition(".")[0]
+        if not isinstance(plan.get(block), HiddenStates):
+            raise NotImplementedError(
+                f"ParallelConfig.sequence_parallel=True: the experts {name} do not sit "
+                "directly inside a decoder layer's child (as layers.*.mlp.experts), so "
+                "shardwise cannot gather and split their tokens. Leave sequence_parallel off."
+            )
+        plan[block] = HiddenStates(SEQ, Replicate(), out=(Replicate(), SEQ))
 
 
 def _split_logits_head(model: nn.Module, plan: dict[str, ParallelStyle]) -> str:
@@ -239,7 +295,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: CheckedPl
     callable), then tie again what the plan split alike."""
     ties = _tied_groups(model)
     if isinstance(plan.apply, dict):
-        parallelize_module(model, tp_mesh, plan.apply)
+        # One entry per module: torch warns of a pattern that misses in some layers (Qwen3-MoE's
+        # dense mlp.gate_proj in its layers with experts) as if a plan entry were skipped.
+        parallelize_module(model, tp_mesh, per_module(model, plan.apply))
     else:
         plan.apply(model, tp_mesh)
     _retie(model, ties)

@@ -147,7 +147,7 @@ def step_context(model: nn.Module, sync: bool) -> Iterator[None]:
     no_sync, FSDP2's set_requires_gradient_sync), and torch's loss_parallel when the model
     was wrapped with `loss_parallel=True` (its logits stay split over tp)."""
     info = wrap_info(model)
-    parallel_loss = info is not None and info.config.loss_parallel and info.config.tp > 1
+    parallel_loss = info is not None and info.config.loss_parallel and info.config.tp_size > 1
     with loss_parallel() if parallel_loss else contextlib.nullcontext():
         if isinstance(model, DistributedDataParallel):
             with contextlib.nullcontext() if sync else model.no_sync():

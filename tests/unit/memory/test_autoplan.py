@@ -140,3 +140,44 @@ def test_without_a_gpu_the_budget_says_it_judges_a_cpu_run():
 
     _, source = device_memory("cpu")
     assert "no GPU is visible, so this judges a CPU run; for a GPU job pass its memory" in source
+
+
+def _llama() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_tp_auto_comes_after_every_layout_without_tp_and_resolves_to_a_real_config() -> None:
+    """A budget between the best layout without tp and tp 2 with sequence parallel: the
+    planner walks every layout without tp first, then picks tp 2 (tp 4 would need 4 KV
+    heads), and the resolved config wraps as it was simulated."""
+    pytest.importorskip("transformers")
+    shape = dict(world=4, batch=8, seq_len=256)
+    plain = simulate_step(_llama, ParallelConfig(strategy="full_shard"), **shape).peak
+    tp2 = ParallelConfig(strategy="full_shard", tp=2, sequence_parallel=True)
+    split = simulate_step(_llama, tp2, **shape).peak
+    assert split < plain
+    config = ParallelConfig(strategy="auto", tp="auto", activation_checkpointing="none")
+    auto = choose_plan(_llama, config, budget=(plain + split) // 2, **shape)
+    layouts = [(r.strategy, r.tp) for r in auto.rows]
+    assert layouts[:4] == [("ddp", 1), ("shard_grad_op", 1), ("hybrid_shard", 1), ("full_shard", 1)]
+    assert all(not r.fits for r in auto.rows[:4])
+    assert auto.chosen is not None and auto.chosen.tp == 2 and auto.chosen.sequence_parallel
+    assert (
+        "tp 4 not considered: ParallelConfig.tp=4: LlamaForCausalLM's config.num_key_value_heads=2"
+        in str(auto)
+    )
+    resolved = auto.config
+    assert (resolved.tp, resolved.sequence_parallel) == (2, True)
+    assert "tp=2, sequence_parallel=True" in auto.reason
+    with pytest.raises(
+        ValueError, match=r"tp='auto', strategy='full_shard'\): the planner chooses"
+    ):
+        ParallelConfig(strategy="full_shard", tp="auto")
+    with pytest.raises(ValueError, match=r"tp='auto' is chosen by simulating the model"):
+        ParallelConfig(strategy="auto", tp="auto").tp_size  # noqa: B018

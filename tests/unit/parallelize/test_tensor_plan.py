@@ -72,7 +72,6 @@ def test_tp_that_does_not_divide_the_kv_heads_fails_at_plan_time_in_one_line():
             {"tp": 2, "tp_plan": {"up": "diagonal"}},
             r"tp_plan\['up'\]='diagonal': use one of colwise, rowwise",
         ),
-        ({"tp": 2, "strategy": "auto"}, r"strategy='auto', tp=2\): the planner does not choose"),
         ({"loss_parallel": True}, r"loss_parallel=True needs tp > 1"),
         ({"sequence_parallel": True}, r"sequence_parallel=True needs tp > 1"),
         (
@@ -99,20 +98,94 @@ def test_the_mesh_puts_tp_innermost_and_checks_it_divides():
         resolve_mesh("full_shard", -1, 6, tp=4)
 
 
-def test_a_plan_word_not_built_yet_is_refused_not_skipped():
-    # Mixtral's experts are 3-D with gate and up packed together: a plain split would give
-    # one rank every gate and the other every up. Skipping the entry would train them whole
-    # on every rank while the attention is split.
-    from transformers import MixtralConfig, MixtralForCausalLM
+def _moe(family: str = "mixtral", **sizes: object) -> nn.Module:
+    import transformers
 
-    model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                              num_hidden_layers=1, num_attention_heads=4,
-                                              num_key_value_heads=2, num_local_experts=2))  # fmt: skip
+    config = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2)  # fmt: skip
+    if family == "mixtral":
+        config["num_local_experts"] = 4
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**config, **sizes}))
+    config.update(num_experts=4, moe_intermediate_size=8, head_dim=4)
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**config, **sizes}))
+
+
+def test_a_plan_word_not_built_yet_is_refused_not_skipped():
+    # A packed Linear outside a 'moe_tp_experts' module: skipping it would train it whole on
+    # every rank while its neighbours are split.
     with pytest.raises(
-        NotImplementedError,
-        match=r"plan word '(moe_tp_experts|packed_colwise)' is not supported yet",
+        NotImplementedError, match=r"plan word 'packed_colwise' is not supported yet"
     ):
-        check_tensor_parallel(model, ParallelConfig(tp=2))
+        resolve_tp_plan(MLP(), {"up": "packed_colwise"})
+
+
+def test_the_experts_entries_of_a_mixture_of_experts_plan_become_one_style():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from shardwise.parallelize.moe import ExpertsParallel
+    from shardwise.parallelize.sequence import HiddenStates
+
+    # Mixtral's plan names the experts' parameters ('...experts.gate_up_proj': 'packed_colwise'),
+    # which are not modules: they are folded into the experts module's entry.
+    plan = check_tensor_parallel(_moe(), ParallelConfig(tp=2)).apply
+    assert isinstance(plan, dict)
+    experts = plan["model.layers.*.mlp.experts"]
+    assert isinstance(experts, ExpertsParallel)
+    assert experts.splits == {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+    assert not any(k.endswith("_proj") and ".experts." in k for k in plan)
+    # Qwen3-MoE's plan also names a dense MLP (mlp.gate_proj) that a config with experts in
+    # every layer lacks: the model's own plan may name what this config does not build.
+    qwen = resolve_tp_plan(_moe("qwen3_moe"), "auto")
+    assert isinstance(qwen, dict) and "model.layers.*.mlp.gate_proj" not in qwen
+    assert isinstance(qwen["model.layers.*.mlp.experts"], ExpertsParallel)
+    # Under sequence_parallel the MoE block takes whole tokens as a plain tensor (its router
+    # is whole) and cuts its summed output back to this rank's tokens.
+    sp = check_tensor_parallel(_moe(), ParallelConfig(tp=2, sequence_parallel=True)).apply
+    assert isinstance(sp, dict)
+    block = sp["model.layers.1.mlp"]
+    assert isinstance(block, HiddenStates) and block.local_input
+    assert (block.given, block.wanted, block.out) == (
+        Shard(1),
+        Replicate(),
+        (Replicate(), Shard(1)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "cls", "field"),
+    [
+        ("mixtral", "MixtralForCausalLM", "intermediate_size"),
+        ("qwen3_moe", "Qwen3MoeForCausalLM", "moe_intermediate_size"),
+    ],
+)
+def test_an_expert_size_that_does_not_divide_tp_fails_at_plan_time_in_one_line(family, cls, field):
+    with pytest.raises(ValueError) as caught:
+        check_tensor_parallel(_moe(family, **{field: 7}), ParallelConfig(tp=2, tp_plan="auto"))
+    said = str(caught.value)
+    assert "\n" not in said
+    assert said.startswith(f"ParallelConfig.tp=2: {cls}'s config.{field}=7 does not divide by 2"), (
+        said
+    )
+
+
+def test_experts_whose_parameters_the_plan_does_not_all_split_are_refused():
+    from shardwise.parallelize.moe import ExpertsParallel
+
+    half = ExpertsParallel({"gate_up_proj": "packed_colwise"})  # down_proj would stay whole
+    with pytest.raises(
+        ValueError,
+        match=r"'moe_tp_experts' module model.layers.0.mlp.experts has the parameters \['down_proj', 'gate_up_proj'\]",
+    ):
+        resolve_tp_plan(_moe(), {"model.layers.*.mlp.experts": half})
+    with pytest.raises(
+        NotImplementedError, match=r"word 'colwise' on a parameter of a 'moe_tp_experts'"
+    ):
+        ExpertsParallel({"gate_up_proj": "colwise", "down_proj": "rowwise"})
+    # A parameter's entry is read as one only under its experts module's entry.
+    with pytest.raises(
+        ValueError, match=r"names 'model.layers.\*.mlp.experts.down_proj', which matches no module"
+    ):
+        resolve_tp_plan(_moe(), {"model.layers.*.mlp.experts.down_proj": "rowwise"})
 
 
 def test_context_parallel_is_refused_with_the_reason():
@@ -124,7 +197,7 @@ def test_context_parallel_is_refused_with_the_reason():
     assert ParallelConfig(cp=1).cp == 1
 
 
-def test_the_simulation_models_tp_and_the_planner_refuses_it_rather_than_ignore_it():
+def test_the_simulation_models_tp_and_sequence_parallel():
     """Per rank at world 4: full_shard alone holds 1/4 of every parameter; with tp 2 the
     split layers are cut in 4 (2 tp parts, each sharded over 2) and the norms, whole on tp,
     in 2. Sequence parallel then lowers the activations. The simulation against a real run
@@ -146,8 +219,6 @@ def test_the_simulation_models_tp_and_the_planner_refuses_it_rather_than_ignore_
     assert tp.category_peaks["activations"] < fsdp.category_peaks["activations"]
     assert sp.category_peaks["activations"] < tp.category_peaks["activations"]
     assert str(sp).startswith("full_shard x tp 2 (sequence parallel) at world 4")
-    with pytest.raises(NotImplementedError, match=r"choose_plan with ParallelConfig.tp=2"):
-        shardwise.choose_plan(MLP, ParallelConfig(tp=2), world=4, batch=1, seq_len=8)
 
 
 def test_loss_parallel_finds_the_head_or_says_how_to_give_it():
