@@ -331,6 +331,7 @@ def _hf_cases() -> dict:  # type: ignore[type-arg]
             "experts": _experts_layout(model) if name in MOE else None,
         }
     out["llama_loss_parallel"] = _hf_engine_loss_parallel()
+    out["llama_loss_parallel_sp"] = _hf_engine_loss_parallel(sequence_parallel=True)
     out["mixtral_gate_up_plain_shard"] = _mixtral_gate_up_plain_shard()
     return out
 
@@ -363,9 +364,9 @@ def _mixtral_gate_up_plain_shard() -> dict:  # type: ignore[type-arg]
     return train(model, shard, _hf_loss)
 
 
-def _hf_engine_loss_parallel() -> dict:  # type: ignore[type-arg]
+def _hf_engine_loss_parallel(sequence_parallel: bool = False) -> dict:  # type: ignore[type-arg]
     torch.manual_seed(0)
-    config = shardwise.ParallelConfig(tp=2, loss_parallel=True)
+    config = shardwise.ParallelConfig(tp=2, loss_parallel=True, sequence_parallel=sequence_parallel)
     engine = shardwise.Engine(
         build_family("llama"),
         lambda p: torch.optim.SGD(p, lr=0.5),
@@ -666,12 +667,14 @@ def test_load_weights_fills_a_tp_model_exactly(tmp_path):
     assert not any(t.isnan().any() for t in a.values())
 
 
-def test_loss_parallel_on_a_hugging_face_model_equals_one_process(hf_results):
+@pytest.mark.parametrize("case", ["llama_loss_parallel", "llama_loss_parallel_sp"])
+def test_loss_parallel_on_a_hugging_face_model_equals_one_process(hf_results, case):
     """llama's head keeps its logits split over the vocabulary and its own loss function
-    runs on them inside torch's loss_parallel (the Engine enters it)."""
+    runs on them inside torch's loss_parallel (the Engine enters it); also with the
+    sequence split inside the decoder layers."""
     refs, ranks = hf_results
-    got = ranks[0]["llama_loss_parallel"]
+    got = ranks[0][case]
     rel, where = _worst({**refs["llama"], "grads": {}}, {**got, "grads": {}})
-    print(f"llama loss_parallel: the largest difference is {where}, rel {rel:.2e}")
-    assert rel < RTOL, f"llama loss_parallel: {where} differs by {rel:.2e}"
+    print(f"{case}: the largest difference is {where}, rel {rel:.2e}")
+    assert rel < RTOL, f"{case}: {where} differs by {rel:.2e}"
     assert "tp: lm_head -> colwise (loss_parallel" in got["described"]
