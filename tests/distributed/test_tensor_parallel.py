@@ -165,6 +165,11 @@ def _distributed_cases() -> dict:  # type: ignore[type-arg]
     config = shardwise.ParallelConfig(tp=2, tp_plan=PLAN, sequence_parallel=True)
     model = shardwise.wrap(TinyLM(), config)
     out["adamw_sp"] = train(model, shard, adamw=True)
+    try:  # refused before any group is made, the same on every rank
+        shardwise.wrap(TinyLM(), shardwise.ParallelConfig(tp=2, tp_plan=PLAN, cpu_offload=True))
+        out["offload"] = "no error"
+    except NotImplementedError as exc:
+        out["offload"] = str(exc)
     odd = torch.zeros(2, 5, dtype=torch.long)  # 5 tokens do not split over tp 2
     try:
         model(odd, odd)
@@ -594,6 +599,11 @@ def test_the_runner_feeds_each_tp_group_one_part_of_the_batch(tmp_path):
     assert len(got["losses"]) == STEPS, got["losses"]
     rel, where = _worst({**want, "grads": {}}, {**got, "grads": {}})
     assert rel < RTOL, f"runner: {where} differs by {rel:.2e}"
+
+
+def test_cpu_offload_with_tp_is_refused_with_the_reason(results):
+    said = results[1][0]["offload"]
+    assert said.startswith("ParallelConfig.tp=2 with cpu_offload is not built yet"), said
 
 
 def test_sequence_parallel_refuses_a_sequence_that_does_not_split(results):

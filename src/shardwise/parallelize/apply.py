@@ -280,8 +280,10 @@ def _wrap_2d(
     (NotImplementedError)."""
     if config.offload_policy is not None:
         raise NotImplementedError(
-            f"ParallelConfig.tp={spec.tp} with cpu_offload is not built yet (no test covers "
-            "it): leave cpu_offload off, or use tp=1."
+            f"ParallelConfig.tp={spec.tp} with cpu_offload is not built yet: tp cuts each "
+            "rank's slice from the model on its device, so the whole model would sit on the "
+            "GPU before anything is offloaded, and no GPU test covers the combination. Leave "
+            "cpu_offload off (tp and sequence_parallel divide the memory instead), or use tp=1."
         )
     tp_plan = check_tensor_parallel(model, config)  # before any group is made
     mesh = spec.build(info.device.type)
