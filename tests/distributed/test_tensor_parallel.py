@@ -309,10 +309,11 @@ def hf_reference(name: str) -> dict:  # type: ignore[type-arg]
 
 def _hf_cases() -> dict:  # type: ignore[type-arg]
     out = {}
-    for name, sp in [(f, False) for f in FAMILIES] + [(f, True) for f in FAMILIES]:
+    cases = [(f, False, "none") for f in FAMILIES] + [(f, True, "none") for f in FAMILIES]
+    for name, sp, ac in [*cases, ("llama", True, "full"), ("mixtral", True, "full")]:
         torch.manual_seed(0)
         config = shardwise.ParallelConfig(
-            strategy="full_shard", tp=2, tp_plan="auto", sequence_parallel=sp
+            strategy="full_shard", tp=2, sequence_parallel=sp, activation_checkpointing=ac
         )
         model = shardwise.wrap(build_family(name), config)
         tokens = _tokens_seen(model.model.layers[0].post_attention_layernorm)
@@ -328,7 +329,7 @@ def _hf_cases() -> dict:  # type: ignore[type-arg]
         tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         split = [n for n, p in model.named_parameters()
                  if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())]  # fmt: skip
-        out[f"{name}_sp" if sp else name] = {
+        out[f"{name}{'_sp' if sp else ''}{'_ac' if ac == 'full' else ''}"] = {
             **result,
             "tied": tied,
             "split": split,
@@ -675,6 +676,17 @@ def test_load_weights_fills_a_tp_model_exactly(tmp_path):
     assert torch.equal(a["blocks.0.down.bias"], b["blocks.0.down.bias"])  # random, whole
     assert not torch.equal(a["blocks.0.up.weight"], b["blocks.0.up.weight"])  # split
     assert not any(t.isnan().any() for t in a.values())
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_sequence_parallel_under_activation_checkpointing_equals_one_process(hf_results, family):
+    """The recompute runs the sequence split's gathers and reduce-scatters again."""
+    refs, ranks = hf_results
+    got = ranks[0][f"{family}_sp_ac"]
+    rel, where = _worst(refs[family], got)
+    print(f"{family} sp + AC full: the largest difference is {where}, rel {rel:.2e}")
+    assert rel < RTOL, f"{family} sp + AC full: {where} differs by {rel:.2e}"
+    assert got["norm_tokens"] == SEQ // 2
 
 
 @pytest.mark.parametrize("case", ["llama_loss_parallel", "llama_loss_parallel_sp"])
