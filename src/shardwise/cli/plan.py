@@ -271,6 +271,7 @@ def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, pla
     names, then the data-parallel units; with --simulate, the simulated per-rank peak.
     The instant estimate does not model tensor parallelism, so it is not shown (a figure
     that ignored tp would be wrong)."""
+    from shardwise.memory.model_states import format_memory, memory_json
     from shardwise.parallelize.tensor import check_tensor_parallel, plan_matches
 
     tp = check_tensor_parallel(model, parallel)  # the same checks wrap runs, on meta
@@ -290,8 +291,10 @@ def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, pla
             _load_factory(args.target), parallel, world=args.world, batch=args.batch or 1,
             seq_len=seq_len, example_input=example, optimizer=args.optimizer_name,
         )  # fmt: skip
+    estimates = _tp_estimates(model, parallel, spec, plan, tp, args.world, args.optimizer_name)
     if args.json:
         out: dict[str, Any] = {"mesh": str(spec), "tp_plan": tp.described, "plan": plan.to_dict()}
+        out["memory"] = json.loads(memory_json(estimates))
         if sim is not None:
             out["simulated"] = sim.to_dict()
         print(json.dumps(out, indent=2))
@@ -305,14 +308,41 @@ def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, pla
     print()
     print(plan)
     print()
+    if estimates:
+        print(f"world size {args.world}, tp {spec.tp}, optimizer {args.optimizer_name}")
+        print(format_memory(estimates))
+        print()
     if sim is None:
         print(
-            "memory: the instant estimate does not model tensor parallelism; add --simulate "
-            "(--seq-len N --batch B) for the simulated per-rank peak."
+            "peak with activations: the instant estimate does not model them under tensor "
+            "parallelism; add --simulate (--seq-len N --batch B) for the simulated peak."
         )
     else:
         print(sim)
     return 0
+
+
+def _tp_estimates(
+    model: Any, parallel: Any, spec: Any, plan: Any, tp: Any, world: int, optimizer: str
+) -> list[Any]:
+    """Model states per rank under tp, for each FSDP strategy the world takes (none for a
+    callable plan, whose splits shardwise cannot read)."""
+    from shardwise.memory.model_states import dtype_bytes, estimate_memory, tp_shares
+    from shardwise.parallelize.tensor import split_parameters
+
+    split = split_parameters(model, tp)
+    if split is None:
+        return []
+    precision = parallel.precision
+    compute = (
+        dtype_bytes(str(precision.param_dtype).removeprefix("torch."))
+        if precision.is_mixed
+        else None
+    )
+    return estimate_memory(
+        plan, world, optimizer=optimizer, compute_dtype_bytes=compute, tp=spec.tp,
+        tp_share=tp_shares(model, plan, split, spec.tp),
+    )  # fmt: skip
 
 
 def _example_input(args: argparse.Namespace) -> Any:

@@ -17,7 +17,8 @@ of ranks, an all-reduce across groups) < full_shard (gather twice across all ran
 With `tp="auto"`, tensor parallelism (2, 4 or 8 ranks of a node, with sequence
 parallelism) comes after every layout without it at the same checkpointing level: its
 collectives sit on each layer's critical path, where FSDP's mostly overlap. The instant
-estimate does not model tp, so tp rows are simulated only.
+estimate has no activations under tp, so tp rows are simulated, unless their model states
+alone exceed the budget.
 
 Must not: wrap anything or touch the caller's process group (simulations run on fake
 tensors, in a subprocess when a process group exists).
@@ -362,7 +363,8 @@ def choose_plan(
             tp=layout.tp,
             sequence_parallel=layout.sequence_parallel,
         )
-        estimate = estimator(cfg) if layout.tp == 1 else None  # the estimate has no tp
+        estimate = estimator(cfg) if layout.tp == 1 else None  # no activations under tp
+        states = _tp_states(meta_model, cfg, world, optimizer) if layout.tp > 1 else None
         row = Candidate(
             layout.strategy,
             layout.activation_checkpointing,
@@ -374,6 +376,10 @@ def choose_plan(
             if estimate is not None and estimate > _SKIP_ABOVE * limit:
                 row = dataclasses.replace(
                     row, fits=False, note=f"estimate over {_SKIP_ABOVE:.2f}x budget: not simulated"
+                )
+            elif states is not None and states > limit:
+                row = dataclasses.replace(
+                    row, fits=False, note="model states alone over budget: not simulated"
                 )
             elif simulate:
                 sim = simulate_step(
@@ -409,6 +415,31 @@ def choose_plan(
     if chosen is None:
         raise NoPlanFitsError(plan_)
     return plan_
+
+
+def _tp_states(meta_model: nn.Module, cfg: ParallelConfig, world: int, optimizer: str) -> int:
+    """Model states plus the gathered layer per rank under tp (a lower bound of the peak:
+    no activations), or 0 where the plan's splits cannot be read (a callable plan)."""
+    from shardwise.memory.model_states import tp_shares
+    from shardwise.parallelize.tensor import check_tensor_parallel, split_parameters
+
+    split = split_parameters(meta_model, check_tensor_parallel(meta_model, cfg))
+    if split is None:
+        return 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanNotice)
+        plan = plan_wrap(meta_model, cfg)
+    compute = cfg.precision.param_dtype if cfg.precision.is_mixed else None
+    (states,) = estimate_memory(
+        plan,
+        world,
+        optimizer=optimizer,
+        compute_dtype_bytes=compute.itemsize if compute else None,
+        strategies=(cfg.strategy,),
+        tp=cfg.tp_size,
+        tp_share=tp_shares(meta_model, plan, split, cfg.tp_size),
+    )
+    return states.peak
 
 
 def _reason(plan: AutoPlan) -> str:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from torch import nn
+
 from shardwise.config.names import STRATEGIES
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.memory.activations import ActivationTrace
@@ -59,6 +61,20 @@ def format_bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+def tp_shares(model: nn.Module, plan: WrapPlan, split: set[int], tp: int) -> dict[str, float]:
+    """Per unit (by fqn): the fraction of its parameters one tp rank holds, when the
+    parameters whose ids are in `split` are cut into `tp` parts and the rest stay whole.
+    Each parameter belongs to the deepest unit whose module contains it."""
+    prefixes = sorted(((m, u.fqn) for u in plan.units for m in u.modules), key=lambda x: -len(x[0]))
+    whole: dict[str, int] = {}
+    held: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        fqn = next((f for m, f in prefixes if not m or name.startswith(f"{m}.")), "")
+        whole[fqn] = whole.get(fqn, 0) + p.numel()
+        held[fqn] = held.get(fqn, 0.0) + p.numel() / (tp if id(p) in split else 1)
+    return {f: held[f] / whole[f] for f in whole if whole[f]}
+
+
 def estimate_memory(
     plan: WrapPlan,
     world_size: int,
@@ -66,21 +82,29 @@ def estimate_memory(
     optimizer: str = "adamw",
     compute_dtype_bytes: int | None = None,
     strategies: tuple[str, ...] = STRATEGIES,
+    tp: int = 1,
+    tp_share: dict[str, float] | None = None,
 ) -> list[MemoryEstimate]:
     """An estimate per strategy that fits `world_size` (hybrid needs a 2-D mesh).
 
     Parameters and gradients are counted in their stored dtype, optimizer state in fp32
-    (`OPTIMIZER_STATES[optimizer]` tensors per trainable parameter).
+    (`OPTIMIZER_STATES[optimizer]` tensors per trainable parameter). With `tp > 1`,
+    `tp_share` (from `tp_shares`) says what fraction of each unit one tp rank holds; the
+    strategy then shards that over the world_size // tp data-parallel ranks (ddp is not
+    offered with tp).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(
             f"estimate_memory(optimizer={optimizer!r}): use one of {sorted(OPTIMIZER_STATES)}."
         )
+    if tp > 1 and tp_share is None:
+        raise ValueError("estimate_memory(tp>1) needs tp_share: see tp_shares().")
+    share = {u.fqn: (tp_share or {}).get(u.fqn, 1.0) for u in plan.units}
     states = OPTIMIZER_STATES[optimizer]
-    stored = sum(sum(u.bytes_by_dtype.values()) for u in plan.units)
-    trainable = sum(u.trainable_params for u in plan.units)
+    stored = sum(sum(u.bytes_by_dtype.values()) * share[u.fqn] for u in plan.units)
+    trainable = sum(u.trainable_params * share[u.fqn] for u in plan.units)
     trainable_bytes = sum(
-        round(sum(u.bytes_by_dtype.values()) * u.trainable_params / u.num_params)
+        round(sum(u.bytes_by_dtype.values()) * u.trainable_params / u.num_params * share[u.fqn])
         for u in plan.units
         if u.num_params
     )
@@ -88,14 +112,19 @@ def estimate_memory(
     def compute_bytes(unit_params: int, unit_bytes: int) -> int:
         return unit_params * compute_dtype_bytes if compute_dtype_bytes else unit_bytes
 
-    units = [compute_bytes(u.num_params, sum(u.bytes_by_dtype.values())) for u in plan.units]
+    units = [
+        round(compute_bytes(u.num_params, sum(u.bytes_by_dtype.values())) * share[u.fqn])
+        for u in plan.units
+    ]
     root = units[-1] if units else 0
     largest = max(units[:-1], default=0)
-    largest_numel = max((u.num_params for u in plan.units[:-1]), default=0)
+    largest_numel = max((round(u.num_params * share[u.fqn]) for u in plan.units[:-1]), default=0)
     out = []
     for strategy in strategies:
+        if tp > 1 and strategy == "ddp":
+            continue  # DDP cannot hold tp's DTensors (no_shard replicates instead)
         try:
-            spec = resolve_mesh(strategy, -1, world_size)
+            spec = resolve_mesh(strategy, -1, world_size, tp=tp)
         except ValueError:
             continue  # e.g. hybrid at a world size with no 2-D mesh
         shard = spec.dp_shard
@@ -113,9 +142,9 @@ def estimate_memory(
                 world_size=world_size,
                 dp_replicate=spec.dp_replicate,
                 dp_shard=shard,
-                params=-(-stored // shard),
+                params=-(-round(stored) // shard),
                 grads=-(-trainable_bytes // shard),
-                optimizer=-(-(trainable * 4 * states) // shard),
+                optimizer=-(-round(trainable * 4 * states) // shard),
                 gathered=gathered,
                 unit_buffers=(
                     (largest if spec.reshard_after_forward else 0) + 4 * largest_numel

@@ -44,6 +44,7 @@ __all__ = [
     "check_tp_gradients",
     "check_whole_gradients",
     "resolve_tp_plan",
+    "split_parameters",
     "style_for",
 ]
 
@@ -301,6 +302,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: CheckedPl
     else:
         plan.apply(model, tp_mesh)
     _retie(model, ties)
+
+
+def split_parameters(model: nn.Module, plan: CheckedPlan) -> set[int] | None:
+    """The ids of the parameters `plan` splits over tp, read from its styles on the unsplit
+    model (None for a callable plan, whose splits are unknown): a column split cuts a
+    linear's weight and bias, a row split its weight (the bias stays whole), experts every
+    parameter; norms under sequence parallel stay whole."""
+    if not isinstance(plan.apply, dict):
+        return None
+    out: set[int] = set()
+    for name, style in per_module(model, plan.apply).items():
+        own = dict(model.get_submodule(name).named_parameters(recurse=False))
+        if isinstance(style, ExpertsParallel | ColwiseParallel):
+            out.update(id(p) for p in own.values())
+        elif isinstance(style, RowwiseParallel) and "weight" in own:
+            out.add(id(own["weight"]))
+    return out
 
 
 class SplitGradientError(RuntimeError):

@@ -189,7 +189,8 @@ def test_plan_shows_the_2d_layout_and_refuses_what_it_cannot_model(tmp_path, mon
     out = capsys.readouterr().out
     assert out.startswith("hybrid_shard: 2 replica group(s) x 2 shard rank(s) x tp 2 = world 8")
     assert re.search(r"model\.layers\.\*\.self_attn\.k_proj +colwise +2 module\(s\)", out)
-    assert "the instant estimate does not model tensor parallelism; add --simulate" in out
+    assert "peak with activations: the instant estimate does not model them under tensor" in out
+    assert re.search(r"full_shard +1x4 ", out) and "world size 8, tp 2, optimizer adamw" in out
     assert main([*argv, "parallel.sequence_parallel=true"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"model\.layers\.\*\.input_layernorm +sequence_parallel +2 module", out)

@@ -175,6 +175,10 @@ def test_tp_auto_comes_after_every_layout_without_tp_and_resolves_to_a_real_conf
     resolved = auto.config
     assert (resolved.tp, resolved.sequence_parallel) == (2, True)
     assert "tp=2, sequence_parallel=True" in auto.reason
+    with pytest.raises(NoPlanFitsError) as nothing:  # model states alone exceed it
+        choose_plan(_llama, config, budget=64 * 1024, **shape)
+    notes = {r.note for r in nothing.value.plan.rows if r.tp == 2}
+    assert notes == {"model states alone over budget: not simulated"}
     with pytest.raises(
         ValueError, match=r"tp='auto', strategy='full_shard'\): the planner chooses"
     ):

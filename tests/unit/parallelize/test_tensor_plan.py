@@ -219,6 +219,20 @@ def test_the_simulation_models_tp_and_sequence_parallel():
     assert tp.category_peaks["activations"] < fsdp.category_peaks["activations"]
     assert sp.category_peaks["activations"] < tp.category_peaks["activations"]
     assert str(sp).startswith("full_shard x tp 2 (sequence parallel) at world 4")
+    # The instant estimate of model states under tp agrees with the simulation.
+    from shardwise.memory.model_states import estimate_memory, tp_shares
+    from shardwise.parallelize.tensor import split_parameters
+    from shardwise.plan.planner import plan_wrap
+
+    config = ParallelConfig(strategy="full_shard", tp=2)
+    plan = plan_wrap(model, config)
+    split = split_parameters(model, check_tensor_parallel(model, config))
+    assert split is not None
+    shares = tp_shares(model, plan, split, 2)
+    (states,) = estimate_memory(plan, 4, tp=2, tp_share=shares, strategies=("full_shard",))
+    assert states.params == pytest.approx(tp.at_peak["params"], rel=0.01)
+    assert states.optimizer == pytest.approx(tp.at_peak["optimizer"], rel=0.01)
+    assert states.grads == pytest.approx(tp.category_peaks["grads"], rel=0.01)
 
 
 def test_loss_parallel_finds_the_head_or_says_how_to_give_it():
