@@ -7,6 +7,7 @@
   `rss_peak_bytes` (peak RSS of a rank, restarted just before what is measured);
 - the JSON report: `git`, `git_commit`, `command_line`, `device_description`,
   `report_header`, `dated_header`, `emit_json`;
+- the memory benchmarks' model and report head: `memory_gpt_sizes`, `model_report`;
 - the command line: `arg_parser`, `add_gpt_args`, `gpt_args`, `SMOKE_GPT`,
   `parse_with_smoke`, `add_dir_arg`, `work_dir`;
 - child processes: `child_env`.
@@ -277,6 +278,28 @@ def add_gpt_args(parser: argparse.ArgumentParser) -> None:
 def gpt_args(args: argparse.Namespace) -> dict[str, int]:
     """The values of `add_gpt_args`' flags, by field name."""
     return {name: getattr(args, name) for name in GPT_ARGS}
+
+
+def memory_gpt_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The memory benchmarks' GPT (GPTConfig fields): a 32k vocabulary, 512 tokens and 16
+    heads, sized by --d-model and --n-layers."""
+    return {
+        "vocab_size": 32_000,
+        "seq_len": 512,
+        "d_model": args.d_model,
+        "n_heads": 16,
+        "n_layers": args.n_layers,
+    }
+
+
+def model_report(benchmark: str, world: int, params: int) -> dict[str, Any]:
+    """A memory benchmark's report head: the header, the world and the fp32 model's size."""
+    return {
+        **report_header(benchmark, command_line(f"bench/{benchmark}.py")),
+        "world": world,
+        "params": params,
+        "model_MiB": mib(params * 4),
+    }
 
 
 def parse_with_smoke(

@@ -87,17 +87,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.d_model, args.n_layers, args.shard_mib = 256, 2, 1
-    cfg = GPTConfig(
-        vocab_size=32_000, seq_len=512, d_model=args.d_model, n_heads=16, n_layers=args.n_layers
-    )
+    cfg = GPTConfig(**common.memory_gpt_sizes(args))
     with torch.device("meta"):
         params = GPT(cfg).num_params()
     model_bytes = params * 4
     result: dict[str, Any] = {
-        **common.report_header("export_memory", common.command_line("bench/export_memory.py")),
-        "world": args.world,
-        "params": params,
-        "model_MiB": common.mib(model_bytes),
+        **common.model_report("export_memory", args.world, params),
         "max_shard_MiB": args.shard_mib,
     }
     with tempfile.TemporaryDirectory(prefix="export-memory-") as root:

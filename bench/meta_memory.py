@@ -107,18 +107,11 @@ def main() -> None:
         parser.error(f"--modes: unknown {unknown}; choose from {MODES}")
     if args.smoke:
         args.d_model, args.n_layers = 256, 2
-    cfg = GPTConfig(
-        vocab_size=32_000, seq_len=512, d_model=args.d_model, n_heads=16, n_layers=args.n_layers
-    )
+    cfg = GPTConfig(**common.memory_gpt_sizes(args))
     with torch.device("meta"):
         params = GPT(cfg).num_params()
     model_bytes = params * 4
-    result: dict[str, Any] = {
-        **common.report_header("meta_memory", common.command_line("bench/meta_memory.py")),
-        "world": args.world,
-        "params": params,
-        "model_MiB": common.mib(model_bytes),
-    }
+    result: dict[str, Any] = common.model_report("meta_memory", args.world, params)
     with tempfile.TemporaryDirectory(prefix="shardwise-meta-memory-") as tmp:
         weights = None
         if any(m.startswith("meta_load") for m in modes):

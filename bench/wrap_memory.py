@@ -57,18 +57,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.d_model, args.n_layers = 256, 2
-    cfg = GPTConfig(
-        vocab_size=32_000, seq_len=512, d_model=args.d_model, n_heads=16, n_layers=args.n_layers
-    )
+    cfg = GPTConfig(**common.memory_gpt_sizes(args))
     with torch.device("meta"):
         params = GPT(cfg).num_params()
     model_bytes = params * 4
-    result: dict[str, Any] = {
-        **common.report_header("wrap_memory", common.command_line("bench/wrap_memory.py")),
-        "world": args.world,
-        "params": params,
-        "model_MiB": common.mib(model_bytes),
-    }
+    result: dict[str, Any] = common.model_report("wrap_memory", args.world, params)
     for mode in MODES:
         ranks = run_distributed(_rank, args.world, args=(cfg, mode), timeout_s=1200)
         result[f"{mode}_peak_MiB_per_rank"] = [common.mib(r["peak"]) for r in ranks]
