@@ -163,18 +163,20 @@ class Config:
 # --- from plain data -------------------------------------------------------------------------
 
 
-def _type_name(tp: Any) -> str:
+def _type_name(tp: Any, none: str = "null") -> str:
+    """A type as people read it: "int | null" in errors about YAML values; the config
+    reference passes none="None"."""
     if tp is type(None):
-        return "null"
+        return none
     if isinstance(tp, list):  # Callable's parameters
-        return f"[{', '.join(_type_name(a) for a in tp)}]"
+        return f"[{', '.join(_type_name(a, none) for a in tp)}]"
     origin = get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in get_args(tp))
+        return " | ".join(_type_name(a, none) for a in get_args(tp))
     if origin is not None:
-        args = ", ".join("..." if a is Ellipsis else _type_name(a) for a in get_args(tp))
+        args = ", ".join("..." if a is Ellipsis else _type_name(a, none) for a in get_args(tp))
         return f"{getattr(origin, '__name__', str(origin))}[{args}]"
     return getattr(tp, "__name__", str(tp))
 
@@ -503,25 +505,11 @@ def _reference_type(tp: Any) -> str:
     arms = list(get_args(tp)) if get_origin(tp) in (Union, types.UnionType) else [tp]
     values = [v for a in arms if get_origin(a) is Literal for v in get_args(a)]
     rest = [a for a in arms if get_origin(a) is not Literal]
-    names = " | ".join(_reference_name(a) for a in rest)
+    names = " | ".join(_type_name(a, none="None") for a in rest)
     if not values:
         return names
     choices = "one of: " + ", ".join(str(v) for v in values)
     return f"{choices}; or {names}" if names else choices
-
-
-def _reference_name(tp: Any) -> str:
-    if tp is type(None):
-        return "None"
-    if isinstance(tp, list):  # Callable's parameters
-        return f"[{', '.join(_reference_name(a) for a in tp)}]"
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return " | ".join(_reference_name(a) for a in get_args(tp))
-    if origin is not None:
-        args = ", ".join("..." if a is Ellipsis else _reference_name(a) for a in get_args(tp))
-        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
-    return getattr(tp, "__name__", str(tp))
 
 
 def reference_markdown(cls: type = Config) -> str:
