@@ -213,14 +213,6 @@ TP_CHOICES = (2, 4, 8)
 """tp degrees `tp='auto'` may choose: within one node of up to 8 GPUs."""
 
 
-@dataclass(frozen=True)
-class _Layout:
-    activation_checkpointing: str
-    strategy: StrategyName
-    tp: int = 1
-    sequence_parallel: bool = False
-
-
 def _strategies(config: ParallelConfig, world: int, tp: int) -> list[StrategyName]:
     if config.strategy != "auto":
         return [config.strategy]
@@ -258,15 +250,18 @@ def _tp_degrees(config: ParallelConfig, world: int, meta_model: nn.Module) -> di
 
 def _candidates(
     config: ParallelConfig, world: int, meta_model: nn.Module
-) -> tuple[list[_Layout], list[str]]:
-    """Layouts in cost order, and a note per tp degree left out. Within one checkpointing
-    level, every layout without tp comes before any with it: tp's collectives sit on the
-    critical path of each layer (FSDP's mostly overlap), within one node; then by degree."""
+) -> tuple[list[Candidate], list[str]]:
+    """Rows to fill (no figures yet) in cost order, and a note per tp degree left out.
+    Within one checkpointing level, every layout without tp comes before any with it: tp's
+    collectives sit on the critical path of each layer (FSDP's mostly overlap), within one
+    node; then by degree."""
     degrees = _tp_degrees(config, world, meta_model)
     levels = AC_ORDER if config.activation_checkpointing == "auto" else (None,)
     sp = {tp: tp > 1 and (config.tp == "auto" or config.sequence_parallel) for tp in degrees}
     layouts = [
-        _Layout(ac or str(config.activation_checkpointing), s, tp, sp[tp])
+        Candidate(
+            s, ac or str(config.activation_checkpointing), None, tp=tp, sequence_parallel=sp[tp]
+        )
         for ac in levels
         for tp, why in degrees.items()
         if not why
@@ -355,29 +350,22 @@ def choose_plan(
     chosen: Candidate | None = None
     estimator = InstantPeak(meta_model, world, batch, seq_len, optimizer, example_input)
     layouts, skipped = _candidates(config, world, meta_model)
-    for layout in layouts:
+    for row in layouts:
         cfg = dataclasses.replace(
             config,
-            strategy=layout.strategy,
-            activation_checkpointing=layout.activation_checkpointing,
-            tp=layout.tp,
-            sequence_parallel=layout.sequence_parallel,
+            strategy=row.strategy,
+            activation_checkpointing=row.activation_checkpointing,
+            tp=row.tp,
+            sequence_parallel=row.sequence_parallel,
         )
-        estimate = estimator(cfg) if layout.tp == 1 else None  # no activations under tp
-        states = _tp_states(meta_model, cfg, world, optimizer) if layout.tp > 1 else None
-        row = Candidate(
-            layout.strategy,
-            layout.activation_checkpointing,
-            estimate,
-            tp=layout.tp,
-            sequence_parallel=layout.sequence_parallel,
-        )
+        estimate = estimator(cfg) if row.tp == 1 else None  # no activations under tp
+        row = dataclasses.replace(row, estimate=estimate)
         if chosen is None:
             if estimate is not None and estimate > _SKIP_ABOVE * limit:
                 row = dataclasses.replace(
                     row, fits=False, note=f"estimate over {_SKIP_ABOVE:.2f}x budget: not simulated"
                 )
-            elif states is not None and states > limit:
+            elif row.tp > 1 and _tp_states(meta_model, cfg, world, optimizer) > limit:
                 row = dataclasses.replace(
                     row, fits=False, note="model states alone over budget: not simulated"
                 )
