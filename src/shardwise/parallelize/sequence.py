@@ -13,6 +13,9 @@ takes its positions and causal mask from that tensor's length. Inside each layer
 - a child with parameters the plan leaves whole (a norm) runs on its split tokens through
   torch's SequenceParallel, which sums its weight's gradient over tp.
 
+An experts block (moe.py) gathers its tokens as a plain tensor and cuts its summed output
+back to this rank's tokens (see `_block_style`).
+
 Must not: write collectives (DTensor's redistribute moves the data), or change the layers
 outside the decoder (the embedding, the final norm and the head see whole sequences).
 """
@@ -30,6 +33,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+from shardwise.parallelize.moe import ExpertsParallel
 
 __all__ = ["HiddenStates", "add_sequence_parallel"]
 
@@ -166,7 +171,7 @@ def add_sequence_parallel(
                 if name in concrete:
                     concrete[name] = _split_seq_io(concrete[name], name)
                 elif inside:  # attention, MLP: whole tokens in, split tokens out
-                    concrete[name] = HiddenStates(SEQ, Replicate(), local_input=False)
+                    concrete[name] = _block_style(name, inside, concrete)
                     described.setdefault(_pattern(list_name, child), "gathers the sequence")
                     for n in inside:
                         if isinstance(concrete[n], RowwiseParallel):
@@ -175,7 +180,31 @@ def add_sequence_parallel(
                     concrete[name] = SequenceParallel(use_local_output=True)
                     described.setdefault(_pattern(list_name, child), "sequence_parallel")
         described[f"{list_name}.*"] = "sequence split at the first, gathered after the last"
+    for name, style in concrete.items():
+        if isinstance(style, ExpertsParallel) and not isinstance(
+            concrete.get(name.rpartition(".")[0]), HiddenStates
+        ):
+            raise NotImplementedError(
+                f"ParallelConfig.sequence_parallel=True: the experts {name} do not sit "
+                "directly inside a decoder layer's child (as layers.*.mlp.experts), so "
+                "shardwise cannot gather and split their tokens. Leave sequence_parallel off."
+            )
     return concrete
+
+
+def _block_style(name: str, inside: list[str], concrete: dict[str, ParallelStyle]) -> HiddenStates:
+    """A layer's child that holds split layers gathers the sequence on entry. One holding
+    experts directly (the MoE MLP) differs: its router is whole (a plain weight that cannot
+    meet a DTensor input) and its experts flatten batch and sequence into one token
+    dimension, so their sum cannot come back split along the sequence as a row-split
+    projection's does (a reduce-scatter). It takes the gathered tokens as a plain tensor,
+    and its output, whole after the experts' sum, is cut back to this rank's tokens (a
+    local slice; its backward gathers the gradient)."""
+    if any(
+        isinstance(concrete[n], ExpertsParallel) and n.rpartition(".")[0] == name for n in inside
+    ):
+        return HiddenStates(SEQ, Replicate(), out=(Replicate(), SEQ))
+    return HiddenStates(SEQ, Replicate(), local_input=False)
 
 
 def _pattern(list_name: str, child: str) -> str:

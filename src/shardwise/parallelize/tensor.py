@@ -34,7 +34,7 @@ from shardwise.config.parallel import ParallelConfig
 from shardwise.config.tensor_parallel import TP_STYLE_NAMES
 from shardwise.distributed.mesh import TP_DIM
 from shardwise.parallelize.moe import EXPERTS_WORD, ExpertsParallel
-from shardwise.parallelize.sequence import SEQ, HiddenStates, add_sequence_parallel
+from shardwise.parallelize.sequence import add_sequence_parallel
 
 __all__ = [
     "CheckedPlan",
@@ -232,29 +232,7 @@ def check_tensor_parallel(model: nn.Module, config: ParallelConfig) -> CheckedPl
     check_sizes(model, config.tp_size, splits_vocab)
     if config.sequence_parallel:
         plan = add_sequence_parallel(model, per_module(model, plan), words)
-        _experts_on_split_sequence(plan)
     return CheckedPlan(plan, words)
-
-
-def _experts_on_split_sequence(plan: dict[str, ParallelStyle]) -> None:
-    """Under sequence_parallel the block holding the experts (the MoE MLP) gathers the
-    sequence on entry, as every split child of a layer does. But its router is whole (a plain
-    weight that cannot meet a DTensor input) and its experts flatten batch and sequence into
-    one token dimension, so their sum cannot come back split along the sequence as a
-    row-split projection's does (a reduce-scatter). So the block takes the gathered tokens as
-    a plain tensor, and its output, whole after the experts' sum, is cut back to this rank's
-    tokens (a local slice; its backward gathers the gradient)."""
-    for name, style in list(plan.items()):
-        if not isinstance(style, ExpertsParallel):
-            continue
-        block = name.rpartition(".")[0]
-        if not isinstance(plan.get(block), HiddenStates):
-            raise NotImplementedError(
-                f"ParallelConfig.sequence_parallel=True: the experts {name} do not sit "
-                "directly inside a decoder layer's child (as layers.*.mlp.experts), so "
-                "shardwise cannot gather and split their tokens. Leave sequence_parallel off."
-            )
-        plan[block] = HiddenStates(SEQ, Replicate(), out=(Replicate(), SEQ))
 
 
 def _split_logits_head(model: nn.Module, plan: dict[str, ParallelStyle]) -> str:
