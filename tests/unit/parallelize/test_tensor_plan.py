@@ -283,3 +283,58 @@ def test_sequence_parallel_without_a_list_of_layers_is_refused():
         match=r"sequence_parallel=True, but the plan splits no module inside a list of layers",
     ):
         check_tensor_parallel(MLP(), config)
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 32), nn.Linear(32, 8)
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(2))
+
+
+@pytest.mark.parametrize(
+    ("plan", "said"),
+    [
+        (
+            {"layers.0": "colwise", "layers.*.up": "colwise"},
+            r"the plan gives the whole layer layers\.0 a style; shardwise splits sequences only "
+            r"around the layers' children",
+        ),
+        (
+            {"layers.*.up": "colwise", "layers.*.norm": "replicated_with_grad_allreduce"},
+            r"layers\.0\.norm has the style SequenceParallel, which shardwise cannot place on a "
+            r"split sequence yet",
+        ),
+    ],
+)
+def test_sequence_parallel_refuses_a_plan_it_cannot_place(plan, said):
+    config = ParallelConfig(tp=2, sequence_parallel=True, tp_plan=plan)
+    with pytest.raises(NotImplementedError, match=said):
+        check_tensor_parallel(_Stack(), config)
+
+
+def test_sequence_parallel_refuses_experts_outside_a_layers_child():
+    from shardwise.parallelize.moe import ExpertsParallel
+    from shardwise.parallelize.sequence import add_sequence_parallel
+
+    model = _Stack()
+    model.experts = nn.Linear(8, 8)  # outside the layers: no block gathers its tokens
+    plan = {"layers.0.up": ColwiseParallel(), "experts": ExpertsParallel({"weight": "rowwise"})}
+    with pytest.raises(
+        NotImplementedError, match=r"the experts experts do not sit directly inside"
+    ):
+        add_sequence_parallel(model, plan, {})
+
+
+def test_the_tp_estimate_needs_the_shares_of_what_the_plan_splits():
+    from shardwise.memory.model_states import estimate_memory
+    from shardwise.plan.planner import plan_wrap
+
+    plan = plan_wrap(_Stack(), ParallelConfig())
+    with pytest.raises(ValueError, match=r"estimate_memory\(tp>1\) needs tp_share"):
+        estimate_memory(plan, 4, tp=2)
