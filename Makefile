@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench lint typecheck unit layout bench gpu-check soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats lint typecheck unit layout bench gpu-check soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ test-models: $(STAMP)
 # shardwise inside mmengine's Runner and Lightning's Trainer, against their own DDP.
 test-integrations: $(STAMP)
 	$(VENV)/bin/pytest -q -m integrations tests/integrations tests/docs/test_host_examples.py tests/e2e/test_bench_smoke.py
+
+# Losses from statistics of the whole batch (a mixture of experts' load balancing, masked
+# means) under every layout at world 4 (about 1 min); .ci/run runs it after `test`.
+test-batch-stats: $(STAMP)
+	$(VENV)/bin/pytest -q -m batch_stats tests/distributed/test_batch_statistics.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

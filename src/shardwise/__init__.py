@@ -38,9 +38,11 @@ from shardwise.distributed import (
 )
 from shardwise.memory import AutoPlan, NoPlanFitsError, SimReport, choose_plan, simulate_step
 from shardwise.parallelize import (
+    BatchStatisticNotice,
     InitializationError,
     WeightsError,
     WrapInfo,
+    global_batch_sum,
     init_empty,
     load_weights,
     sync_module_states,
@@ -69,6 +71,7 @@ __all__ = [
     "PRESETS",
     "STRATEGIES",
     "AutoPlan",
+    "BatchStatisticNotice",
     "CheckpointError",
     "DistInfo",
     "Engine",
@@ -95,6 +98,7 @@ __all__ = [
     "clip_grad_norm_",
     "export_weights",
     "get_dist_info",
+    "global_batch_sum",
     "guard",
     "init_distributed",
     "init_empty",

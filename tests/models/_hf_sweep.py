@@ -21,12 +21,18 @@ they do not ("rounding-set": key biases, fused qkv biases, and the odd parameter
 downstream of them) must lie within ROUNDING_FACTOR times their spread of the sliced
 run, and the reloaded model's logits must still match.
 
+Mixtures of experts train with their load-balancing loss on. That loss is formed from the
+routing statistics of the whole batch (shardwise sums them over the ranks), so the sliced
+reference forms it the same way, from every slice's router logits together; the routers'
+first-step gradients are compared as well as the losses and final parameters.
+
 Run as a script to print the Markdown results table: `python tests/models/_hf_sweep.py`.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import traceback
 import warnings
@@ -40,6 +46,7 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import shardwise
 from shardwise.testing.parity import (
@@ -113,6 +120,8 @@ DECODER = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, attention_dropout=0.0,
 )  # fmt: skip
+MOE = dict(DECODER, num_experts_per_tok=2, output_router_logits=True)
+AUX = "output_router_logits=True (the load-balancing loss)"
 BERT_LIKE = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
@@ -158,6 +167,10 @@ class Spec:
     loss_per_slice: bool = False
     """The loss is defined per (micro-)batch, as a contrastive loss over in-batch negatives
     is: the only reference is the ranks' slices accumulated in one process."""
+    router: str = ""
+    """A mixture of experts trained with its load-balancing loss on: the suffix of its
+    routers' parameter names, whose first-step gradients are compared too. The sliced
+    reference forms that loss from the statistics of the whole batch, as the ranks do."""
 
     def build(self) -> nn.Module:
         return getattr(tf, self.cls)(self.config())
@@ -264,11 +277,23 @@ SPECS = [
     Spec("starcoder2", "Starcoder2ForCausalLM", _config(
         "Starcoder2Config", **DECODER, residual_dropout=0.0, embedding_dropout=0.0,
         bos_token_id=0, eos_token_id=0), causal_lm),
+    # Mixtures of experts, each with its load-balancing loss on (transformers' default is
+    # off) at the family's own coefficient.
     Spec("mixtral", "MixtralForCausalLM", _config(
-        "MixtralConfig", **DECODER, num_local_experts=4, num_experts_per_tok=2), causal_lm),
+        "MixtralConfig", **MOE, num_local_experts=4), causal_lm, router="mlp.gate.weight",
+         needed=AUX),
     Spec("qwen2_moe", "Qwen2MoeForCausalLM", _config(
-        "Qwen2MoeConfig", **DECODER, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32), causal_lm),
+        "Qwen2MoeConfig", **MOE, num_experts=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32), causal_lm, router="mlp.gate.weight", needed=AUX),
+    Spec("qwen3_moe", "Qwen3MoeForCausalLM", _config(
+        "Qwen3MoeConfig", **MOE, head_dim=8, num_experts=4, moe_intermediate_size=32),
+         causal_lm, router="mlp.gate.weight", needed=AUX + "; head_dim=8"),
+    Spec("olmoe", "OlmoeForCausalLM", _config(
+        "OlmoeConfig", **MOE, num_experts=4, eos_token_id=2), causal_lm,
+         router="mlp.gate.weight", needed=AUX + "; eos id inside the tiny vocab"),
+    Spec("granitemoe", "GraniteMoeForCausalLM", _config(
+        "GraniteMoeConfig", **MOE, num_local_experts=4), causal_lm,
+         router="block_sparse_moe.router.weight", needed=AUX),
     Spec("xlm_roberta", "XLMRobertaForMaskedLM", _config("XLMRobertaConfig", **BERT_LIKE),
          masked_lm, needed="labels at every position"),
     Spec("deberta_v2", "DebertaV2ForMaskedLM", _config("DebertaV2Config", **BERT_LIKE),
@@ -382,16 +407,46 @@ def train_single(spec: Spec, order: tuple[int, ...] | None) -> dict[str, Any]:
     out: dict[str, Any] = {"init": checksum(model)}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for batch in batches(spec):
+    for step, batch in enumerate(batches(spec)):
         opt.zero_grad(set_to_none=True)
         if order is None:
             loss = model(**batch).loss
         else:
-            loss = sum(model(**rank_slice(batch, r, WORLD)).loss for r in order) / WORLD
+            loss = sliced_loss(spec, model, batch, order)
         loss.backward()
+        if step == 0:
+            out["router_grads"] = router_grads(spec, model)
         opt.step()
         losses.append(float(loss.detach()))
     out.update(losses=losses, params=full_parameters(model), logits=eval_logits(model, spec))
+    return out
+
+
+def sliced_loss(spec: Spec, model: nn.Module, batch: Inputs, order: tuple[int, ...]) -> Any:
+    """The mean of the ranks' slices' losses; a mixture of experts' load-balancing loss
+    from the routing statistics of the whole batch instead of each slice's (the family's
+    own function on every slice's router logits, as the ranks compute it together)."""
+    outputs = [model(**rank_slice(batch, r, WORLD)) for r in order]
+    loss = sum(o.loss for o in outputs) / WORLD
+    if not spec.router:
+        return loss
+    coef = model.router_aux_loss_coef
+    own = sum(o.aux_loss for o in outputs) / WORLD
+    whole = tuple(
+        torch.cat(layer) for layer in zip(*(o.router_logits for o in outputs), strict=True)
+    )
+    family = sys.modules[type(model).__module__]
+    aux = family.load_balancing_loss_func(whole, model.num_experts, model.num_experts_per_tok)
+    return loss - coef * own + coef * aux
+
+
+def router_grads(spec: Spec, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The routers' gradients, whole (every rank must call this on a sharded model)."""
+    out = {}
+    for name, p in shardwise.unwrap(model).named_parameters():
+        if spec.router and name.endswith(spec.router):
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            out[name] = grad.detach().float().cpu().clone()
     return out
 
 
@@ -423,10 +478,12 @@ def distributed(
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out["stage"] = "train"
     losses = []
-    for batch in batches(spec):
+    for step, batch in enumerate(batches(spec)):
         opt.zero_grad(set_to_none=True)
         loss = model(**rank_slice(batch, 0 if wrong_slices else rank, world)).loss
         loss.backward()
+        if step == 0:
+            out["router_grads"] = router_grads(spec, model)
         opt.step()
         total = loss.detach().clone()
         dist.all_reduce(total)  # SUM; gloo has no AVG
@@ -557,6 +614,9 @@ def parity(record: dict[str, Any]) -> Parity:
                 rtol=RTOL,
                 label=label,
             )
+    for label, run in (("vs whole batch", whole), ("vs slices", sliced)):
+        if run is not None:
+            _compare_router_grads(run["router_grads"], got["router_grads"], label)
     bounded = {}
     for name in sorted(rounding):
         assert whole is not None
@@ -570,6 +630,20 @@ def parity(record: dict[str, Any]) -> Parity:
             )
         bounded[name] = (spread, diff)
     return Parity(reports.get("vs whole batch"), reports["vs slices"], bounded)
+
+
+def _compare_router_grads(
+    want: dict[str, torch.Tensor], got: dict[str, torch.Tensor], label: str
+) -> None:
+    if set(want) != set(got):
+        raise ParityError(f"{label}: router gradients of {sorted(got)}, want {sorted(want)}")
+    for name, grad in want.items():
+        r = rel(got[name], grad)
+        if not r <= RTOL:
+            raise ParityError(
+                f"{label}: the first step's gradient of {name!r} differs (rel {r:.2e} > "
+                f"rtol {RTOL:.0e})"
+            )
 
 
 def _without(params: dict[str, torch.Tensor], names: Container[str]) -> dict[str, torch.Tensor]:

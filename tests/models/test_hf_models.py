@@ -91,6 +91,22 @@ def test_parity_check_fails_on_wrong_training(results):
         parity(off)
 
 
+def test_parity_check_fails_on_a_router_gradient_off(results):
+    """The mixtures of experts' first-step router gradients are compared, not only present:
+    one off by 2*RTOL fails (each rank's own load-balancing statistics were off by 0.2-0.5)."""
+    moe = [name for name in NAMES if BY_NAME[name].router]
+    assert len(moe) >= 4, moe
+    record = results["mixtral"]
+    _distributed_ok(record)
+    grads = record["distributed"]["router_grads"]
+    assert len(grads) == 2, grads  # one router per layer
+    off = copy.deepcopy(record)
+    name = next(iter(grads))
+    off["distributed"]["router_grads"][name] *= 1 + 2 * RTOL
+    with pytest.raises(ParityError, match=f"first step's gradient of '{name}' differs"):
+        parity(off)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_export_reloads_with_from_pretrained(results, name):
     _distributed_ok(results[name])

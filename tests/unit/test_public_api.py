@@ -72,6 +72,9 @@ PUBLIC: dict[str, str] = {
     "print0": "function",
     # issue 24: one process's gradient norm over mixed meshes
     "clip_grad_norm_": "function",
+    # issue 32: losses from statistics of the whole batch
+    "global_batch_sum": "function",
+    "BatchStatisticNotice": "exception",
 }
 
 OLD_PATHS: dict[str, list[str]] = {

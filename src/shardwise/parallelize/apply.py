@@ -25,11 +25,13 @@ from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import TP_DIM, MeshSpec, dp_mesh, from_user_mesh, resolve_mesh
 from shardwise.distributed.process_group import DistInfo, env_world_size, get_dist_info, serves_cpu
 from shardwise.parallelize.autocast import apply_autocast, tf32_advice
-from shardwise.parallelize.ddp import apply_ddp
+from shardwise.parallelize.ddp import apply_ddp, ddp_group
 from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, unit_preparer
+from shardwise.parallelize.global_batch import groups_of
 from shardwise.parallelize.materialize import has_meta
 from shardwise.parallelize.materialize import materialize as materialize  # memory/fake.py swaps it
 from shardwise.parallelize.recompute import apply_activation_checkpointing
+from shardwise.parallelize.router_loss import prepare as prepare_batch_statistics
 from shardwise.parallelize.tensor import apply_tensor_parallel, check_tensor_parallel
 from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding
@@ -156,10 +158,12 @@ def wrap(
     Order (each step needs the previous one): refuse already-wrapped models → move to
     this rank's device → make every rank hold rank 0's weights (before sharding, so each
     shard is cut from the same tensor) → plan units → activation checkpointing on the
-    planned blocks → shard (post-order, root last) → wire prefetch. At world size 1 the
-    model comes back unwrapped, with its precision applied through autocast, unless
-    `config.force_wrap`. Build the optimizer *after* this call, from the returned
-    model's parameters.
+    planned blocks → shard (post-order, root last) → wire prefetch → make the
+    data-parallel groups current in training forwards (for losses built from statistics
+    of the whole batch: `global_batch_sum`, a mixture of experts' load balancing). At
+    world size 1 the model comes back unwrapped, with its precision applied through
+    autocast, unless `config.force_wrap`. Build the optimizer *after* this call, from the
+    returned model's parameters.
 
     A model built on the meta device (`with shardwise.init_empty(): ...`) is sharded
     first and then materialised: each rank allocates only its shards and fills them from
@@ -251,6 +255,7 @@ def wrap(
             model.to(info.device)
         fill(model)  # DDP replicates: every rank holds the full model anyway
         wrapped = apply_ddp(model, config, info, plan, user_mesh)
+        prepare_batch_statistics(wrapped, model, groups_of(None, ddp_group(wrapped)))
         setattr(wrapped, INFO_ATTR, WrapInfo(config, info, spec, plan))
         return wrapped
 
@@ -264,6 +269,7 @@ def wrap(
     mesh = apply_fsdp(model, config, info, spec, plan, user_mesh, prepare=prepare)
     fill(model, mesh)  # after sharding: each rank allocates and fills only its shards
     replicate_scalars(model, plan.replicated_params)
+    prepare_batch_statistics(model, model, groups_of(mesh))
     setattr(model, INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))
     return model
 
@@ -294,7 +300,9 @@ def _wrap_2d(
     apply_tensor_parallel(model, mesh[TP_DIM], tp_plan)
     plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
     _prepare_blocks(model, plan, config)
-    apply_fsdp(model, config, info, spec, plan, dp_mesh(spec, mesh))
+    data_parallel = dp_mesh(spec, mesh)
+    apply_fsdp(model, config, info, spec, plan, data_parallel)
     replicate_scalars(model, plan.replicated_params)
+    prepare_batch_statistics(model, model, groups_of(data_parallel))
     setattr(model, INFO_ATTR, WrapInfo(config, info, spec, plan, mesh, tp_plan=tp_plan.described))
     return mesh

@@ -75,6 +75,13 @@ def apply_ddp(
     return ddp
 
 
+def ddp_group(ddp: nn.Module) -> torch.distributed.ProcessGroup:
+    """The process group a DistributedDataParallel module averages its gradients over."""
+    group = ddp.process_group
+    assert isinstance(group, torch.distributed.ProcessGroup)
+    return group
+
+
 def _buffer_words(config: ParallelConfig) -> dict[str, Any]:
     """`broadcast_buffers=False` when the user turned it off; nothing otherwise: torch
     deprecates the word (a FutureWarning on every run), and its default, buffers synced

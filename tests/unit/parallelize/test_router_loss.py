@@ -1,0 +1,169 @@
+"""The load-balancing loss on whole-batch statistics, in one process: it is each transformers
+family's own loss (value and gradient), it replaces a family's function only where a probe
+shows that, the replacement runs the family's function outside a wrapped training forward,
+and a mixture of experts whose statistics nothing sums is stated once. The distributed
+equality is tests/distributed/test_batch_statistics.py (`make test-batch-stats`)."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise
+from shardwise.parallelize import router_loss
+from shardwise.parallelize.global_batch import BatchGroups
+from shardwise.testing.models import GPT, GPTConfig
+
+pytest.importorskip("transformers")
+
+# nllb_moe's function is written differently (one concatenation, a [top_k, experts] mean)
+# and is the same loss: the probe, not the source text, decides.
+SWITCH_FORM = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "gpt_oss", "dbrx", "jamba",
+               "granitemoe", "phimoe", "jetmoe", "nllb_moe"]  # fmt: skip
+OTHER_FORM = ["switch_transformers", "doge"]
+
+
+def _family(name: str):  # type: ignore[no-untyped-def]
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def _original(name: str):  # type: ignore[no-untyped-def]
+    fn = getattr(_family(name), router_loss.FUNCTION)
+    return getattr(fn, "__shardwise_original__", fn)
+
+
+def _logits(rows: int = 12, experts: int = 8, layers: int = 3, seed: int = 0):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(rows, experts, generator=g, requires_grad=True) for _ in range(layers))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "mask"])
+@pytest.mark.parametrize("family", SWITCH_FORM)
+def test_the_loss_is_each_familys_own_value_and_gradient(family, masked):
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1], [1, 1, 1, 1]]) if masked else None
+    logits = _logits()
+    want = _original(family)(logits, 8, 3, mask)
+    got = router_loss.load_balancing_loss(logits, 8, 3, mask)
+    assert isinstance(got, torch.Tensor)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for a, b in zip(
+        torch.autograd.grad(got, logits), torch.autograd.grad(want, logits), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert router_loss._agrees(_original(family))
+
+
+@pytest.mark.parametrize("family", OTHER_FORM)
+def test_a_family_whose_function_is_another_loss_is_not_replaced(family):
+    assert not router_loss._agrees(_original(family))
+
+
+def test_no_router_logits_give_zero_as_transformers_does():
+    assert router_loss.load_balancing_loss(None, 4) == 0
+    assert router_loss.load_balancing_loss([torch.zeros(2, 4)], 4) == 0  # a list: not recorded
+
+
+def _mixtral() -> nn.Module:
+    import transformers
+
+    config = transformers.MixtralConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=32, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def test_install_replaces_the_family_function_which_stays_the_familys_outside_a_forward():
+    model = _mixtral()
+    module = _family("mixtral")
+    original = _original("mixtral")
+    replaced, differ = router_loss.install(model)
+    assert (replaced, differ) == (["transformers.models.mixtral.modeling_mixtral"], [])
+    installed = getattr(module, router_loss.FUNCTION)
+    assert installed is not original and installed.__shardwise_original__ is original
+    assert router_loss.install(model) == (replaced, [])  # once: not wrapped twice
+    assert getattr(module, router_loss.FUNCTION) is installed
+    logits = _logits(experts=4)
+    # Outside a wrapped model's training forward: the family's function itself runs.
+    with mock.patch.object(router_loss, "load_balancing_loss", side_effect=AssertionError):
+        assert torch.equal(installed(logits, 4, 2), original(logits, 4, 2))
+    # Inside one (groups of nothing: no process group here), the arguments arrive bound
+    # by name whichever way the family passed them.
+    with mock.patch.object(router_loss, "current", return_value=BatchGroups((), 2)):
+        by_position = installed(logits, 4, 2, None)
+        by_name = installed(gate_logits=logits, num_experts=4, top_k=2)
+        default_top_k = installed(logits, 4)
+    want = original(logits, 4, 2)
+    for got in (by_position, by_name, default_top_k):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_global_batch_sum_leaves_a_tensor_alone_outside_a_wrapped_model():
+    t = torch.arange(3.0)
+    assert shardwise.global_batch_sum(t) is t
+    assert shardwise.global_batch_sum(t, model=nn.Linear(1, 1)) is t
+    with pytest.raises(TypeError, match=r"global_batch_sum expects a tensor, got float\. Pass"):
+        shardwise.global_batch_sum(3.0)  # type: ignore[arg-type]
+
+
+class _Mixture(nn.Module):
+    def __init__(self, use_hook: bool) -> None:
+        super().__init__()
+        self.use_hook = use_hook
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_hook:
+            x = shardwise.global_batch_sum(x)
+        return sum(e(x) for e in self.experts)  # type: ignore[return-value]
+
+
+def test_moe_module_names_the_first_mixture_of_experts():
+    assert router_loss.moe_module(_Mixture(False)) == "experts"
+    assert router_loss.moe_module(_mixtral()) == "model.layers.0.mlp"  # MixtralSparseMoeBlock
+    assert router_loss.moe_module(GPT(GPTConfig())) is None
+
+
+def _forwards(model: nn.Module, steps: int, training: bool = True) -> list[str]:
+    """What `prepare` states over `steps` forwards of `model` over 2 pretend ranks."""
+    model.train(training)
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        mock.patch.object(router_loss.dist, "get_rank", return_value=0),
+    ):
+        warnings.simplefilter("always")
+        router_loss.prepare(model, model, BatchGroups((), 2))
+        for _ in range(steps):
+            model(torch.ones(2, 4))
+    return [str(w.message) for w in caught if w.category is shardwise.BatchStatisticNotice]
+
+
+def test_an_unseen_load_balancing_loss_is_stated_once_before_the_second_step():
+    assert _forwards(_Mixture(False), 1) == []  # the loss may be formed after the forward
+    (notice,) = _forwards(_Mixture(False), 4)
+    assert notice.startswith(
+        "shardwise: _Mixture has a mixture of experts (experts), and nothing in its first "
+        "training step summed a statistic over the global batch"
+    )
+    assert "each of the 2 data-parallel ranks computes it from its own rows" in notice
+    assert "category=shardwise.BatchStatisticNotice) silences this" in notice
+
+
+def test_nothing_is_stated_when_the_hook_was_used_or_nothing_trains():
+    assert _forwards(_Mixture(True), 3) == []
+    assert _forwards(_Mixture(False), 3, training=False) == []  # eval forwards: no step
+
+
+def test_a_family_with_another_function_is_named_in_the_statement():
+    model = _Mixture(False)
+    with mock.patch.object(router_loss, "install", return_value=([], ["transformers.x"])):
+        (notice,) = _forwards(model, 2)
+    assert (
+        "Its family's load_balancing_loss_func (transformers.x) is not the Switch-style" in notice
+    )
