@@ -9,11 +9,13 @@ every global batch, and compared with one process on the whole batch: the loss a
 step, every gradient after the first step (the routers' included) and the final
 parameters. The same comparison rejects the old behaviour (each rank's statistics alone).
 
-A mixture of experts of our own computes the same loss in its own code: with
-`shardwise.global_batch_sum` it equals one process (also when activation checkpointing
-recomputes its blocks inside backward); without it, it does not, and wrap's statement says
-so once. A masked loss normalised by the batch's token count is the other statistic the
-hook makes whole. All cases run in one spawned group of 4 (`make test-batch-stats`).
+A mixture of experts of our own computes the same loss in its own code, beside a router
+z-loss (a mean over tokens, equal over equal slices): with `shardwise.global_batch_sum` it
+equals one process (also when activation checkpointing recomputes its blocks inside
+backward); without it, it does not, and a statement says so once. A masked loss normalised
+by the batch's token count is the other statistic the hook makes whole. BatchNorm keeps each
+rank's statistics (measured, and stated once). All cases run in one spawned group of 4
+(`make test-batch-stats`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.distributed.tensor import DTensor
 import shardwise
 from shardwise.parallelize import router_loss
 from shardwise.testing import run_distributed
+from shardwise.testing.models import ConvNet
 from shardwise.testing.parity import split_batch
 
 pytestmark = pytest.mark.batch_stats
@@ -79,13 +82,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
 
 
-def train(model: nn.Module, rank_batch, loss_of) -> dict:  # type: ignore[no-untyped-def]
+def train(model: nn.Module, rank_batch, loss_of, data=batches) -> dict:  # type: ignore[no-untyped-def]
     """3 SGD steps: each step's loss (averaged over the ranks), the first step's
     gradients and the final parameters, all whole."""
     user = shardwise.unwrap(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, first_grads = [], {}
-    for step, batch in enumerate(batches()):
+    for step, batch in enumerate(data()):
         opt.zero_grad(set_to_none=True)
         loss = loss_of(model, rank_batch(batch))
         loss.backward()
@@ -105,11 +108,12 @@ def train(model: nn.Module, rank_batch, loss_of) -> dict:  # type: ignore[no-unt
 
 # --- a mixture of experts of our own, whose code computes the load-balancing loss ----------
 
-D, EXPERTS, TOP_K, AUX = 8, 4, 2, 0.1
+D, EXPERTS, TOP_K, AUX, Z = 8, 4, 2, 0.1, 0.01
 
 
 class Experts(nn.Module):
-    """A router and EXPERTS small MLPs; top-2 routing; its Switch-style statistics."""
+    """A router and EXPERTS small MLPs; top-2 routing; its Switch-style statistics and its
+    router z-loss (the mean over tokens of the squared log-sum-exp of the router logits)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -119,9 +123,10 @@ class Experts(nn.Module):
             for _ in range(EXPERTS)
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = x.reshape(-1, D)
-        probs = torch.softmax(self.router(flat), dim=-1)
+        logits = self.router(flat)
+        probs = torch.softmax(logits, dim=-1)
         weights, chosen = torch.topk(probs, TOP_K, dim=-1)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
@@ -129,7 +134,8 @@ class Experts(nn.Module):
             out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, slot, None])
         counts = torch.zeros(EXPERTS).scatter_add(0, chosen.reshape(-1), torch.ones(chosen.numel()))
         stats = torch.cat([counts, probs.sum(0), torch.tensor([float(flat.shape[0])])])
-        return x + out.reshape(x.shape), stats
+        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+        return x + out.reshape(x.shape), stats, z_loss
 
 
 class Block(nn.Module):
@@ -138,13 +144,15 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(D)
         self.moe = Experts()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.moe(self.norm(x))
 
 
 class OwnMoE(nn.Module):
-    """A language model whose forward returns cross-entropy + AUX x load-balancing loss;
-    `whole_batch` sums the routing statistics with shardwise.global_batch_sum first."""
+    """A language model whose forward returns cross-entropy + AUX x load-balancing loss +
+    Z x router z-loss; `whole_batch` sums the routing statistics with
+    shardwise.global_batch_sum first. The z-loss is a mean over tokens, each rank's own: over
+    equal slices their mean is the whole batch's, so it needs nothing."""
 
     def __init__(self, whole_batch: bool) -> None:
         super().__init__()
@@ -154,16 +162,17 @@ class OwnMoE(nn.Module):
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h, stats = self.emb(tokens), torch.zeros(2 * EXPERTS + 1)
+        h, stats, z_loss = self.emb(tokens), torch.zeros(2 * EXPERTS + 1), torch.zeros(())
         for block in self.blocks:
-            h, layer_stats = block(h)
-            stats = stats + layer_stats
+            h, layer_stats, layer_z = block(h)
+            stats, z_loss = stats + layer_stats, z_loss + layer_z
         if self.whole_batch:
             stats = shardwise.global_batch_sum(stats)
         counts, probs, rows = stats[:EXPERTS], stats[EXPERTS:-1], stats[-1]
         aux = EXPERTS * torch.sum((counts / rows) * (probs / rows))
         logits = self.head(h)[:, :-1].flatten(0, 1)
-        return nn.functional.cross_entropy(logits, tokens[:, 1:].flatten()) + AUX * aux
+        ce = nn.functional.cross_entropy(logits, tokens[:, 1:].flatten())
+        return ce + AUX * aux + Z * z_loss
 
 
 def _own_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -193,6 +202,21 @@ class MaskedLM(nn.Module):
         return total / count
 
 
+# --- BatchNorm: each rank normalises by its own rows ------------------------------------
+
+
+def images() -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(2)
+    return [
+        (torch.randn(BATCH, 3, 6, 6, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def _cnn_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return model(*batch)
+
+
 def references() -> dict:  # type: ignore[type-arg]
     out = {}
     for name in FAMILIES:
@@ -201,6 +225,8 @@ def references() -> dict:  # type: ignore[type-arg]
     for name, build in (("own", OwnMoE), ("masked", MaskedLM)):
         torch.manual_seed(0)
         out[name] = train(build(True), lambda b: b, _own_loss)
+    torch.manual_seed(0)
+    out["batchnorm"] = train(ConvNet(), lambda b: b, _cnn_loss, data=images)
     return out
 
 
@@ -237,6 +263,9 @@ def _cases() -> dict:  # type: ignore[type-arg]
     out["own/no_hook"] = _wrapped(functools.partial(OwnMoE, False), full, _own_loss)
     out["masked/hook"] = _wrapped(functools.partial(MaskedLM, True), full, _own_loss)
     out["masked/no_hook"] = _wrapped(functools.partial(MaskedLM, False), full, _own_loss)
+    for strategy in ("ddp", "full_shard"):
+        config = shardwise.ParallelConfig(strategy=strategy)
+        out[f"batchnorm/{strategy}"] = _wrapped(ConvNet, config, _cnn_loss, data=images)
     return out
 
 
@@ -285,6 +314,7 @@ def test_the_comparison_catches_each_rank_using_its_own_statistics(results):
     assert rel > 0.2, f"the per-rank loss passed ({where}: {rel:.2e})"
     loss_rel, _ = _worst({**refs["olmoe"], "grads": {}, "params": {}},
                          {**ranks[0]["olmoe/per_rank"], "grads": {}, "params": {}})  # fmt: skip
+    print(f"olmoe, each rank's own statistics: the loss, rel {loss_rel:.2e}")
     assert loss_rel < 1e-3  # the loss alone hides it: the gradient is what differs
 
 
@@ -319,3 +349,19 @@ def test_a_padding_normalised_loss_differs_without_the_hook(results):
     print(f"masked mean per rank: {where}, rel {rel:.2e}")
     assert rel > 1e-3, f"the per-rank mean matched one process ({where}: {rel:.2e})"
     assert ranks[0]["masked/no_hook"]["notices"] == []  # no experts: nothing to state
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
+def test_batchnorm_normalises_each_ranks_rows_and_says_so(results, strategy):
+    refs, ranks = results
+    got = ranks[0][f"batchnorm/{strategy}"]
+    # The head and the norms' scales: the convolutions' biases before a BatchNorm get a
+    # gradient of zero in exact arithmetic (the norm removes any shift), so only rounding.
+    for only in ("head.weight", "features.1.weight"):
+        rel, where = _worst(refs["batchnorm"], got, only=only)
+        print(f"BatchNorm, {strategy}: {where}, rel {rel:.2e}")
+        assert rel > 1e-2, f"per-rank BatchNorm matched one process ({where}: {rel:.2e})"
+    (notice,) = got["notices"]
+    assert notice.startswith("shardwise: ConvNet has BatchNorm layers in training mode "
+                             "(features.1, features.4): each of the 4 data-parallel ranks")  # fmt: skip
+    assert all(r[f"batchnorm/{strategy}"]["notices"] == [] for r in ranks[1:])

@@ -1,20 +1,20 @@
 """Applying a plan: `wrap(model, config)` and what it leaves behind.
 
 apply.py holds wrap's one documented order; ddp.py and fsdp.py apply the two engines;
-recompute.py and autocast.py apply activation checkpointing and autocast; global_batch.py
-and router_loss.py make losses built from statistics of the batch (a mixture of experts'
-load balancing) whole-batch ones; materialize.py builds meta models for real; weights.py
-loads safetensors into local shards; wrapped.py is the record of what wrap did, read by
-every layer above.
+recompute.py and autocast.py apply activation checkpointing and autocast; batch_stats.py,
+global_batch.py and router_loss.py make losses built from statistics of the batch (a mixture
+of experts' load balancing) whole-batch ones and say what stays per rank; materialize.py
+builds meta models for real; weights.py loads safetensors into local shards; wrapped.py is
+the record of what wrap did, read by every layer above.
 """
 
 from shardwise.parallelize.apply import check_not_wrapped, wrap
 from shardwise.parallelize.autocast import apply_autocast
+from shardwise.parallelize.batch_stats import BatchStatisticNotice
 from shardwise.parallelize.fsdp import sync_module_states
 from shardwise.parallelize.global_batch import global_batch_sum
 from shardwise.parallelize.materialize import InitializationError, has_meta, init_empty, materialize
 from shardwise.parallelize.recompute import apply_activation_checkpointing, is_checkpointed
-from shardwise.parallelize.router_loss import BatchStatisticNotice
 from shardwise.parallelize.weights import INDEX_FILE, SINGLE_FILE, WeightsError, load_weights
 from shardwise.parallelize.wrapped import (
     WrapInfo,

@@ -25,13 +25,13 @@ from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import TP_DIM, MeshSpec, dp_mesh, from_user_mesh, resolve_mesh
 from shardwise.distributed.process_group import DistInfo, env_world_size, get_dist_info, serves_cpu
 from shardwise.parallelize.autocast import apply_autocast, tf32_advice
+from shardwise.parallelize.batch_stats import prepare as prepare_batch_statistics
 from shardwise.parallelize.ddp import apply_ddp, ddp_group
 from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, unit_preparer
 from shardwise.parallelize.global_batch import groups_of
 from shardwise.parallelize.materialize import has_meta
 from shardwise.parallelize.materialize import materialize as materialize  # memory/fake.py swaps it
 from shardwise.parallelize.recompute import apply_activation_checkpointing
-from shardwise.parallelize.router_loss import prepare as prepare_batch_statistics
 from shardwise.parallelize.tensor import apply_tensor_parallel, check_tensor_parallel
 from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding

@@ -11,9 +11,8 @@ gradient off by 0.35-0.55 relative at world 4).
 Owns: that loss computed as statistics → `global_batch_sum` → product
 (`load_balancing_loss`), putting it in place of a family's own function while a wrapped
 model's training forward runs (`install`: everywhere else the family's function runs as it
-is), the probe that shows a family's function is this loss before it is replaced (a family
-whose function differs keeps it and is reported), and the one statement for a mixture of
-experts whose auxiliary loss shardwise cannot see (`BatchStatisticNotice`).
+is), and the probe that shows a family's function is this loss before it is replaced (a
+family whose function differs keeps it; batch_stats.py states it).
 
 Must not: import transformers (a family is found through its model's classes), reduce
 anything itself (global_batch.py does), or replace a function the probe has not passed.
@@ -23,30 +22,20 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from shardwise.parallelize.global_batch import BatchGroups, attach, current, global_batch_sum
+from shardwise.parallelize.global_batch import current, global_batch_sum
 
-__all__ = ["BatchStatisticNotice", "install", "load_balancing_loss", "prepare"]
+__all__ = ["FUNCTION", "install", "load_balancing_loss", "routing_statistics"]
 
 FUNCTION = "load_balancing_loss_func"
 """The name of transformers' load-balancing function in a family's modeling module."""
 _ORIGINAL = "__shardwise_original__"
-_MOE_CLASS = re.compile(r"moe|expert|router", re.IGNORECASE)
-
-
-class BatchStatisticNotice(UserWarning):
-    """A loss computed from statistics of each rank's rows that shardwise cannot make
-    whole-batch: the layout trains another model than one process would (rank 0, once)."""
 
 
 def routing_statistics(
@@ -120,22 +109,27 @@ def _dispatching(original: Callable[..., Any]) -> Callable[..., Any]:
 def _agrees(original: Callable[..., Any]) -> bool:
     """Does a family's function compute `load_balancing_loss`, value and gradient, on a
     probe with and without a padding mask? (Only then may it be replaced.)"""
-    g = torch.Generator().manual_seed(0)
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    for m in (None, mask):
-        logits = tuple(torch.randn(6, 5, generator=g, requires_grad=True) for _ in range(2))
-        try:
-            want = original(logits, 5, 2, m)
-            got = load_balancing_loss(logits, 5, 2, m)
-        except Exception:  # another signature or contract: not this loss
-            return False
-        if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):
-            return False
-        want_grad = torch.autograd.grad(want, logits)
-        got_grad = torch.autograd.grad(got, logits)
-        close = functools.partial(torch.allclose, rtol=1e-5, atol=1e-7)
-        if not close(want, got) or not all(map(close, want_grad, got_grad)):
-            return False
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # Real CPU tensors, also when wrap runs inside the memory simulation's fake mode or a
+    # meta-device context.
+    with unset_fake_temporarily(), torch.device("cpu"), torch.enable_grad():
+        g = torch.Generator().manual_seed(0)
+        mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+        for m in (None, mask):
+            logits = tuple(torch.randn(6, 5, generator=g, requires_grad=True) for _ in range(2))
+            try:
+                want = original(logits, 5, 2, m)
+                got = load_balancing_loss(logits, 5, 2, m)
+            except Exception:  # another signature or contract: not this loss
+                return False
+            if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):
+                return False
+            want_grad = torch.autograd.grad(want, logits)
+            got_grad = torch.autograd.grad(got, logits)
+            close = functools.partial(torch.allclose, rtol=1e-5, atol=1e-7)
+            if not close(want, got) or not all(map(close, want_grad, got_grad)):
+                return False
     return True
 
 
@@ -157,76 +151,3 @@ def install(model: nn.Module) -> tuple[list[str], list[str]]:
         else:
             differ.append(name)
     return replaced, differ
-
-
-def user_class(module: nn.Module) -> type:
-    """The module's own class: fully_shard swaps a module's class for `FSDP<Class>`."""
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
-
-
-def moe_module(model: nn.Module) -> str | None:
-    """The first submodule that looks like a mixture of experts (a class named for MoE,
-    experts or a router, or a child named `experts`), the model itself last, or None."""
-    named = list(model.named_modules())
-    for fqn, module in named[1:] + named[:1]:
-        if _MOE_CLASS.search(user_class(module).__name__) or fqn.rsplit(".", 1)[-1] == "experts":
-            return fqn or user_class(module).__name__
-    return None
-
-
-def prepare(wrapped: nn.Module, model: nn.Module, batch: BatchGroups) -> None:
-    """What `wrap` does about batch statistics once the layout is built: make the
-    data-parallel groups current in `wrapped`'s training forwards, replace the families'
-    load-balancing functions, and arrange the statement for a mixture of experts whose
-    auxiliary loss is left to each rank's rows."""
-    if batch.size == 1:
-        return
-    attach(wrapped, batch)
-    replaced, differ = install(model)
-    where = moe_module(model)
-    if where is None or (replaced and not differ):
-        return
-    _state_at_second_step(wrapped, model, where, batch, differ)
-
-
-def _state_at_second_step(
-    wrapped: nn.Module, model: nn.Module, where: str, batch: BatchGroups, differ: list[str]
-) -> None:
-    """Before the second training forward (the first step's loss may be formed after the
-    forward, from what it returned): if nothing used `global_batch_sum` so far, say once
-    what differs from one process and how to make it equal."""
-    forwards = 0
-
-    def check(module: nn.Module, args: Any, kwargs: Any) -> None:
-        nonlocal forwards
-        if not module.training:
-            return
-        forwards += 1
-        if forwards != 2:
-            return
-        handle.remove()
-        if batch.used == 0 and dist.get_rank() == 0:
-            warnings.warn(_statement(model, where, batch.size, differ), BatchStatisticNotice, 2)
-
-    handle = wrapped.register_forward_pre_hook(check, with_kwargs=True)
-
-
-def _statement(model: nn.Module, where: str, dp: int, differ: list[str]) -> str:
-    own = (
-        f" Its family's {FUNCTION} ({', '.join(differ)}) is not the Switch-style loss "
-        "shardwise computes on whole-batch statistics, so it is left as it is."
-        if differ
-        else ""
-    )
-    return (
-        f"shardwise: {user_class(model).__name__} has a mixture of experts ({where}), and nothing "
-        f"in its first training step summed a statistic over the global batch "
-        f"(shardwise.global_batch_sum).{own} If it computes an auxiliary (load-balancing) "
-        f"loss from routing statistics of the batch, each of the {dp} data-parallel ranks "
-        "computes it from its own rows, and the router's gradient differs from one "
-        "process (by 0.35-0.55 relative at world 4, measured; see docs/parity.md). Sum "
-        "the statistics with shardwise.global_batch_sum(...) before forming the loss, and "
-        "this layout trains what one process would. A model without such a loss is "
-        "unaffected: warnings.filterwarnings('ignore', "
-        "category=shardwise.BatchStatisticNotice) silences this."
-    )
