@@ -346,6 +346,20 @@ def test_an_error_raised_in_every_rank_is_printed_once(tmp_path):
     assert "shardwise run: 2 rank(s) failed:\n  ranks 0, 1: ConfigError (shown above)" in out.stderr
 
 
+def test_a_layout_refused_in_every_rank_is_one_line_and_the_summary():
+    """Before: rank 0's 13-line traceback ending in a ValueError from distributed/mesh.py."""
+    cmd = [*SHARDWISE, "run", "--nproc", "2", "examples/train_lm.py", "parallel.dp_shard=3"]
+    out = run_in_session(cmd, timeout_s=240)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        "[rank0]: LayoutError: ParallelConfig.dp_shard=3 with strategy='full_shard': this "
+        "strategy shards over all 2 ranks, so dp_shard must be -1 or 2. To shard within "
+        "smaller groups, choose a divisor of the world size with a hybrid strategy.",
+        "shardwise run: 2 rank(s) failed:",
+        "  ranks 0, 1: LayoutError (shown above)",
+    ], out.stderr[-3000:]
+
+
 KILLED_PEER = """
 import signal
 info = shardwise.init_distributed()

@@ -9,7 +9,8 @@ back as `ProcessFailure.message`), local rank 0 prints its own error as it happe
 launcher prints the others once, grouped by message, with the ranks that raised each
 (cli/report.py).
 
-Errors that are the user's input, not the code's (`ConfigError`), and a lost peer or stall
+Errors that are the user's input, not the code's (`ConfigError`, and `LayoutError`: a
+ParallelConfig layout that does not fit the job, found in `wrap`), and a lost peer or stall
 (`StallError`, whose message already says where and what to do) print one line without a
 traceback; the traceback stays in the error file. Must not: change anything outside a worker
 of `shardwise run` (plain `python` and `torchrun` keep Python's own hook).
@@ -30,7 +31,7 @@ from shardwise.distributed.process_group import LAUNCHER_PID_ENV
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # Exception classes (by name, so this module imports nothing) shown as one line.
-_ONE_LINE = {"ConfigError", "StallError", "PeerExitedError"}
+_ONE_LINE = {"ConfigError", "LayoutError", "StallError", "PeerExitedError"}
 
 
 def short_error(exc: BaseException) -> bool:

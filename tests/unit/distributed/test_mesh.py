@@ -1,8 +1,12 @@
-"""Mesh resolution: degrees against the world size, inference of -1, and the errors."""
+"""Mesh resolution: degrees against the world size, inference of -1, and the errors.
+
+A layout the job cannot take is refused with `LayoutError` (a ValueError), which a worker of
+`shardwise run` shows in one line; a bad argument from shardwise's own code stays a ValueError.
+"""
 
 import pytest
 
-from shardwise.distributed import resolve_mesh
+from shardwise.distributed import LayoutError, resolve_mesh
 
 
 @pytest.mark.parametrize(
@@ -57,7 +61,7 @@ def test_reshard_override():
 
 def test_dp_shard_not_dividing_world():
     with pytest.raises(
-        ValueError,
+        LayoutError,
         match=r"ParallelConfig\.dp_shard=3 does not divide the world size 4\. Choose a divisor of 4 \(2\) or -1",
     ):
         resolve_mesh("hybrid_shard", 3, 4)
@@ -66,7 +70,7 @@ def test_dp_shard_not_dividing_world():
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_hybrid_with_no_2d_mesh(world):
     with pytest.raises(
-        ValueError,
+        LayoutError,
         match=rf"needs a 2-D mesh .* world size {world} has no such split\. Use 'full_shard'",
     ):
         resolve_mesh("hybrid_shard", -1, world)
@@ -74,7 +78,7 @@ def test_hybrid_with_no_2d_mesh(world):
 
 def test_hybrid_degenerate_split_refused():
     with pytest.raises(
-        ValueError,
+        LayoutError,
         match=r"dp_shard=4 .* gives a 1x4 mesh, which is not hybrid\. Choose dp_shard in \[2\], or use full_shard",
     ):
         resolve_mesh("hybrid_shard", 4, 4)
@@ -82,7 +86,7 @@ def test_hybrid_degenerate_split_refused():
 
 def test_full_shard_with_partial_dp_shard_points_to_hybrid():
     with pytest.raises(
-        ValueError,
+        LayoutError,
         match=r"dp_shard=2 with strategy='full_shard'.*use strategy='hybrid_shard' with dp_shard=2",
     ):
         resolve_mesh("full_shard", 2, 4)
@@ -90,7 +94,7 @@ def test_full_shard_with_partial_dp_shard_points_to_hybrid():
 
 def test_ddp_with_dp_shard():
     with pytest.raises(
-        ValueError, match=r"dp_shard=2 with strategy='ddp': this strategy replicates everything"
+        LayoutError, match=r"dp_shard=2 with strategy='ddp': this strategy replicates everything"
     ):
         resolve_mesh("ddp", 2, 4)
 
