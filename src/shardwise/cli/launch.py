@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardwise.cli.grace import GRACE_S
+
 
 def nproc_arg(value: str) -> int:
     if value == "auto":
@@ -103,6 +105,19 @@ def seconds_arg(value: str) -> float:
     return s
 
 
+def grace_arg(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        s = -1.0
+    if not 0 <= s < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"--grace={value!r}: use a number of seconds >= 0 (how long the other workers may "
+            "run on after one fails; 0 stops them at once)"
+        )
+    return s
+
+
 def _max_nodes(nnodes: str | int) -> int:
     return int(str(nnodes).rpartition(":")[2])
 
@@ -151,12 +166,14 @@ _LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def launch_torchrun(
-    torchrun_args: list[str], *, timeout_s: float | None = None, single_node: bool = True
+    torchrun_args: list[str], *, timeout_s: float | None = None, grace_s: float = GRACE_S
 ) -> int:
     """Run torch's elastic launcher in this process with `torchrun_args`.
 
-    Failures are reported by cli/report.py: each worker error once with its ranks, a rank
-    that ended by a signal named with it, and each restart with its attempt number.
+    When a worker fails, the others get `grace_s` seconds to end on their own before they
+    are stopped (cli/grace.py). Failures are reported by cli/report.py: each worker error
+    once with its ranks, a rank that ended by a signal named with it, the ranks stopped
+    because another ended in one line, and each restart with its attempt number.
     """
     import tempfile
 
@@ -164,6 +181,7 @@ def launch_torchrun(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from shardwise.cli.grace import FailureGrace
     from shardwise.cli.report import AgentLogReader, failures_from_torch, summary
     from shardwise.distributed.process_group import LAUNCHER_PID_ENV, TIMEOUT_ENV
     from shardwise.train.resume import PREEMPTED_EXIT_CODE
@@ -177,11 +195,14 @@ def launch_torchrun(
     with tempfile.TemporaryDirectory(prefix="shardwise-run-") as log_dir:
         # The workers' error files land here (attempt_N/LOCAL_RANK/error.json).
         args = get_args_parser().parse_args(["--log-dir", log_dir, *torchrun_args])
+        grace = FailureGrace(grace_s)
         try:
-            with AgentLogReader(Path(log_dir), single_node=single_node):
+            with grace, AgentLogReader(grace.attempts):
                 run(args)
         except ChildFailedError as exc:
-            print(summary(failures_from_torch(exc.failures)), file=sys.stderr, flush=True)
+            stopped = grace.attempts[-1].stopped if grace.attempts else None
+            report = summary(failures_from_torch(exc.failures), stopped=stopped)
+            print(report, file=sys.stderr, flush=True)
             return 1
         except SignalException as exc:
             # A scheduler reclaiming the node: torchrun forwarded the signal to the workers
@@ -254,9 +275,7 @@ def run_command(args: argparse.Namespace) -> int:
         check_layout(args.script_args, args.nproc * int(args.nnodes))
     target = ["-m", args.script] if args.module else [args.script]
     return launch_torchrun(
-        [*torchrun, *target, *args.script_args],
-        timeout_s=args.timeout,
-        single_node=_max_nodes(args.nnodes) == 1,
+        [*torchrun, *target, *args.script_args], timeout_s=args.timeout, grace_s=args.grace
     )
 
 

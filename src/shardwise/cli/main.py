@@ -18,8 +18,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from shardwise.cli.grace import GRACE_S
 from shardwise.cli.launch import (
     demo_command,
+    grace_arg,
     nnodes_arg,
     non_negative_arg,
     nproc_arg,
@@ -154,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds a collective may wait before the job fails, naming the stuck rank in "
         "steps wrapped by shardwise.distributed.guard (default 300; sets SHARDWISE_TIMEOUT_S)",
+    )
+    run.add_argument(
+        "--grace",
+        type=grace_arg,
+        default=GRACE_S,
+        help="seconds the other workers may run on after one fails, to end or fail on their "
+        f"own, before the launcher stops them (default {GRACE_S:g}; 0: at once, as torchrun)",
     )
     run.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"

@@ -3,7 +3,15 @@
 Owns: turning torch's elastic failures (`ChildFailedError.failures`, the per-rank error files
 that shardwise's worker hook writes, see distributed/worker_errors.py) into a few lines, and
 observing torch's elastic agent through its log records so that a restart under
-`--max-restarts` is announced with the rank that ended, how, and the attempt number.
+`--max-restarts` is announced with the same lines and the attempt number.
+
+The rules (docs/troubleshooting.md, "What the launcher reports"): a rank is a *cause* unless
+it was stopped because another one ended. A rank ended that way when the launcher stopped it
+(still running at the end of the grace, cli/grace.py), or when its own error is a lost peer
+(`PeerExitedError`) while another rank of this node failed on its own. Both are true of the
+same event, and which one a survivor shows depends on the machine's load, so both read
+"rank 0: stopped because rank 1 ended". Each distinct error of the causes is shown once with
+its ranks.
 
 How: the agent logs "failed (exitcode ...)" when a worker ends badly and "N/M attempts left;
 will restart worker group" before a restart. `AgentLogReader` is a logging filter on those two
@@ -13,14 +21,15 @@ through. Must not: change what the agent does (it only reads and reprints).
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardwise.cli.grace import Attempt
 
 __all__ = ["AgentLogReader", "Failure", "describe_exit", "failures_from_torch", "summary"]
 
@@ -64,10 +73,15 @@ def _read_error(data: Any) -> tuple[str, str]:
     return str(message), ""
 
 
-def _is_short(message: str) -> bool:
-    from shardwise.distributed.worker_errors import _ONE_LINE
+def _type_name(message: str) -> str:
+    """'ConfigError' from 'ConfigError: ...' (or from 'shardwise.x.ConfigError: ...')."""
+    return message.partition(":")[0].rpartition(".")[2]
 
-    return message.partition(":")[0].rpartition(".")[2] in _ONE_LINE
+
+def _is_short(message: str) -> bool:
+    from shardwise.distributed.worker_errors import is_one_line
+
+    return is_one_line(_type_name(message))
 
 
 def failures_from_torch(failures: Mapping[int, Any]) -> list[Failure]:
@@ -92,22 +106,36 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
-def summary(failures: Iterable[Failure], *, world: int | None = None) -> str:
-    """Each distinct error once, with the ranks that raised it.
+def _lost_peer(f: Failure) -> bool:
+    return _type_name(f.message) == "PeerExitedError"
 
-    A local rank 0 printed its own error as it happened, so its group points there instead
-    of printing it again. Workers ended by the launcher's SIGTERM after the first failure
-    are named as such, and a worker that ended by a signal or exit code without an error is
-    named with it.
+
+def summary(
+    failures: Iterable[Failure], *, world: int | None = None, stopped: Iterable[int] | None = None
+) -> str:
+    """Each distinct error once, with the ranks that raised it; then the ranks that were
+    stopped because those ended, in one line.
+
+    `stopped`: the ranks the launcher stopped (cli/grace.py's `Attempt.stopped`); None when
+    unknown, and then a rank ended by SIGTERM without an error of its own counts as stopped.
+    A local rank 0 printed its own error as it happened (unless the launcher reports that
+    kind, see worker_errors.py), so its group points there instead of printing it again. A
+    worker that ended by a signal or exit code without an error is named with it.
     """
     failures = list(failures)
+    stopped_set = None if stopped is None else set(stopped)
 
-    def stopped(f: Failure) -> bool:  # the agent's SIGTERM to the rest after a failure
+    def by_launcher(f: Failure) -> bool:
+        if stopped_set is not None:
+            return f.rank in stopped_set
         return not f.message and f.exitcode == -signal.SIGTERM
 
-    causes = [f for f in failures if not stopped(f)]
+    causes = [f for f in failures if not by_launcher(f) and not _lost_peer(f)]
+    if not causes:  # nothing else on this node to blame (the dead peer was on another node)
+        causes = [f for f in failures if not by_launcher(f)] or failures
+    cause_ranks = {f.rank for f in causes}
     groups: dict[str, list[Failure]] = {}
-    for f in causes or failures:
+    for f in causes:
         groups.setdefault(f.message or f"\0{f.exitcode}", []).append(f)
     of = f" of {world}" if world else ""
     lines = [f"shardwise run: {len(failures)}{of} rank(s) failed:"]
@@ -116,44 +144,38 @@ def summary(failures: Iterable[Failure], *, world: int | None = None) -> str:
         first = group[0]
         if not first.message:
             lines.append(f"  {_ranks(ranks)}: {describe_exit(first.exitcode)}")
-        elif any(f.local_rank == 0 for f in group):
-            lines.append(f"  {_ranks(ranks)}: {first.message.partition(':')[0]} (shown above)")
+        elif any(f.local_rank == 0 for f in group) and _shown_live(first.message):
+            lines.append(f"  {_ranks(ranks)}: {_type_name(first.message)} (shown above)")
         elif first.short or not first.traceback:
-            lines.append(f"  {_ranks(ranks)}: {first.message}")
+            head, *rest = first.message.splitlines() or [""]
+            lines.append(f"  {_ranks(ranks)}: {head}")
+            lines.extend("    " + line for line in rest)
         else:
             lines.append(f"  {_ranks(ranks)} raised:")
             lines.extend("    " + line for line in first.traceback.rstrip().splitlines())
-    rest = [f.rank for f in failures if stopped(f)] if causes else []
-    if rest:
-        lines.append(
-            f"  {_ranks(rest)}: stopped by the launcher (SIGTERM) after "
-            f"{_ranks([f.rank for f in causes])} ended"
-        )
+    after = [f.rank for f in failures if f.rank not in cause_ranks]
+    if after:
+        lines.append(f"  {_ranks(after)}: stopped because {_ranks(sorted(cause_ranks))} ended")
     return "\n".join(lines)
 
 
-def _attempt_failures(log_dir: Path, attempt: int) -> list[Failure]:
-    """The errors the workers of one attempt wrote (local ranks as ranks: one node's view)."""
-    out = []
-    for path in sorted(log_dir.glob(f"*/attempt_{attempt}/*/error.json")):
-        try:
-            message, tb = _read_error(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-        local = int(path.parent.name)
-        out.append(Failure(local, local, 1, message, tb, _is_short(message)))
-    return out
+def _shown_live(message: str) -> bool:
+    from shardwise.distributed.worker_errors import printed_by_worker
+
+    return printed_by_worker(_type_name(message))
 
 
 class AgentLogReader(logging.Filter):
-    """Reads torch's elastic agent log and announces failures and restarts in our words."""
+    """Reads torch's elastic agent log and announces failures and restarts in our words.
 
-    def __init__(self, log_dir: Path, *, single_node: bool) -> None:
+    `attempts`: the failed attempts as cli/grace.py records them (the list grows during the
+    run); a restart is announced with the last one's `summary`.
+    """
+
+    def __init__(self, attempts: Sequence[Attempt]) -> None:
         super().__init__()
-        self.log_dir = log_dir
-        self.single_node = single_node
+        self.attempts = attempts
         self.restarts = 0
-        self._failed: tuple[int, int, int] | None = None
         self._loggers: list[tuple[logging.Logger, int]] = []
         self._quiet: set[str] = set()  # loggers whose INFO we enabled only to read it
 
@@ -172,18 +194,15 @@ class AgentLogReader(logging.Filter):
             logger.removeFilter(self)
             logger.setLevel(level)
 
-    def _who(self, local_rank: int, pid: int) -> str:
-        if self.single_node:
-            return f"rank {local_rank} (pid {pid})"
-        return f"local rank {local_rank} on this node (pid {pid})"
-
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
         args = [str(a) for a in record.args] if isinstance(record.args, tuple) else []
-        if msg.startswith("failed (exitcode") and len(args) >= 3:
-            exitcode, local_rank, pid = (int(a) for a in args[:3])
-            self._failed = (exitcode, local_rank, pid)
+        if msg.startswith("failed (exitcode"):
             return False  # said by us: at a restart below, or in the final summary
+        if msg.startswith("Sending process") and "closing signal" in msg:
+            # Said by us too ("stopped because rank 1 ended"); torch's line, one per rank the
+            # launcher stopped, would show only where a rank outran the grace.
+            return False
         if "attempts left" in msg and len(args) >= 4:
             self._announce_restart(int(args[2]), int(args[3]))
             return False
@@ -191,16 +210,12 @@ class AgentLogReader(logging.Filter):
 
     def _announce_restart(self, left: int, max_restarts: int) -> None:
         lines = []
-        if self._failed is not None:
-            exitcode, local_rank, pid = self._failed
-            lines.append(f"shardwise run: {self._who(local_rank, pid)} {describe_exit(exitcode)}")
-        errors = [f for f in _attempt_failures(self.log_dir, self.restarts) if f.message]
-        if errors:
-            lines.append(summary(errors).partition("\n")[2])
+        if len(self.attempts) > self.restarts:
+            attempt = self.attempts[-1]
+            lines.append(summary(failures_from_torch(attempt.failures), stopped=attempt.stopped))
         self.restarts += 1
         lines.append(
             f"shardwise run: restarting the workers: restart {self.restarts} of {max_restarts} "
             f"({left - 1} left); a Runner with resume='latest' resumes from its last checkpoint"
         )
         print("\n".join(lines), file=sys.stderr, flush=True)
-        self._failed = None

@@ -12,8 +12,12 @@ launcher prints the others once, grouped by message, with the ranks that raised 
 Errors that are the user's input, not the code's (`ConfigError`, and `LayoutError`: a
 ParallelConfig layout that does not fit the job, found in `wrap`), and a lost peer or stall
 (`StallError`, whose message already says where and what to do) print one line without a
-traceback; the traceback stays in the error file. Must not: change anything outside a worker
-of `shardwise run` (plain `python` and `torchrun` keep Python's own hook).
+traceback; the traceback stays in the error file. A lost peer (`PeerExitedError`) is not
+printed by the worker at all: the launcher reports it, as "stopped because rank N ended"
+when rank N is on its node (cli/report.py). Printed by local rank 0 only when it raised
+before the launcher stopped it, it would make the report differ between a quiet machine and
+a busy one. Must not: change anything outside a worker of `shardwise run` (plain `python`
+and `torchrun` keep Python's own hook).
 """
 
 from __future__ import annotations
@@ -25,18 +29,36 @@ import time
 import traceback
 from types import TracebackType
 
-__all__ = ["install_if_launched", "record_error", "short_error"]
+__all__ = [
+    "install_if_launched",
+    "is_one_line",
+    "printed_by_worker",
+    "record_error",
+    "short_error",
+]
 
 from shardwise.distributed.process_group import LAUNCHER_PID_ENV
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # Exception classes (by name, so this module imports nothing) shown as one line.
 _ONE_LINE = {"ConfigError", "LayoutError", "StallError", "PeerExitedError"}
+# ... and those the launcher reports instead of the worker (see the module docstring).
+_LAUNCHER_REPORTS = {"PeerExitedError"}
+
+
+def is_one_line(type_name: str) -> bool:
+    """Whether an error of this class (by name) is shown as its message alone."""
+    return type_name in _ONE_LINE
+
+
+def printed_by_worker(type_name: str) -> bool:
+    """Whether local rank 0 prints an error of this class (by name) as it happens."""
+    return type_name not in _LAUNCHER_REPORTS
 
 
 def short_error(exc: BaseException) -> bool:
     """Whether `exc` is shown as its message alone (input errors, stalls, lost peers)."""
-    return any(cls.__name__ in _ONE_LINE for cls in type(exc).__mro__)
+    return any(is_one_line(cls.__name__) for cls in type(exc).__mro__)
 
 
 def record_error(exc: BaseException, path: str) -> None:
@@ -63,7 +85,7 @@ def _hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType |
         sys.__excepthook__(exc_type, exc, tb)
         return
     record_error(exc.with_traceback(tb), path)
-    if os.environ.get("LOCAL_RANK", "0") != "0":
+    if os.environ.get("LOCAL_RANK", "0") != "0" or not printed_by_worker(exc_type.__name__):
         return  # the launcher prints it once, with every rank that raised it
     if short_error(exc):  # (torch prefixes "[rankN]: " once the process group exists)
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

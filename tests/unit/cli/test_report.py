@@ -6,6 +6,7 @@ import logging
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from shardwise.cli.grace import Attempt
 from shardwise.cli.report import (
     AgentLogReader,
     Failure,
@@ -45,13 +46,64 @@ def test_an_error_that_local_rank_0_did_not_print_is_printed_whole_once():
 
 
 def test_a_killed_rank_is_named_with_its_signal_and_the_stopped_rest_as_such():
+    # Without the grace's record (stopped=None) a SIGTERM with no error counts as a stop.
     out = summary([Failure(0, 0, -15), Failure(1, 1, -9)])
     assert out.splitlines()[1:] == [
         "  rank 1: was killed by signal 9 (SIGKILL)",
-        "  rank 0: stopped by the launcher (SIGTERM) after rank 1 ended",
+        "  rank 0: stopped because rank 1 ended",
     ]
     # Only SIGTERMs (a preempted node): nothing else to blame, so they are named plainly.
     assert "rank 0: was killed by signal 15 (SIGTERM)" in summary([Failure(0, 0, -15)])
+    # With it, a SIGTERM the launcher did not send is a cause like any other signal.
+    out = summary([Failure(0, 0, -15), Failure(1, 1, -9)], stopped=set())
+    assert "  rank 0: was killed by signal 15 (SIGTERM)" in out and "stopped" not in out
+
+
+LOST_PEER = (
+    "PeerExitedError: rank 0: during step 3 the connection to another rank closed: that "
+    "rank's process ended (...).\nCollective error: Connection closed by peer [127.0.0.1]:1"
+)
+DEAD_PEER_REPORT = [
+    "shardwise run: 2 rank(s) failed:",
+    "  rank 1: was killed by signal 9 (SIGKILL)",
+    "  rank 0: stopped because rank 1 ended",
+]
+
+
+def test_a_survivors_lost_peer_and_a_launcher_stop_read_alike():
+    """Quiet machine: rank 0 raises PeerExitedError within the grace. Busy machine: it is
+    still running when the grace ends and the launcher stops it. One report for both."""
+    dead = Failure(1, 1, -9)
+    quiet = summary([Failure(0, 0, 1, LOST_PEER, "Traceback ...", True), dead], stopped=set())
+    busy = summary([Failure(0, 0, -15), dead], stopped={0})
+    assert quiet.splitlines() == busy.splitlines() == DEAD_PEER_REPORT
+
+
+def test_a_rank_the_launcher_stopped_is_no_cause_whatever_its_exit():
+    """A Runner turns the launcher's SIGTERM into a checkpoint and exit 75; a rank that
+    ignores SIGTERM dies by torch's SIGKILL 30 s later. Neither is why the job ended."""
+    stall = Failure(0, 0, 1, "StallError: rank 0: train step 3 stalled: rank(s) 1 ...", "", True)
+    for stopped_rank in (
+        Failure(1, 1, 75, "Preempted: stopped at step 3", "tb"),
+        Failure(1, 1, -9),
+    ):
+        out = summary([stall, stopped_rank], stopped={1})
+        assert out.splitlines()[1:] == [
+            "  rank 0: StallError (shown above)",
+            "  rank 1: stopped because rank 0 ended",
+        ]
+
+
+def test_a_lost_peer_with_nothing_else_to_blame_on_this_node_is_printed_whole():
+    """The dead peer was on another node: this node's report is the survivors' own error,
+    which local rank 0 did not print (the launcher reports lost peers)."""
+    out = summary([Failure(0, 0, 1, LOST_PEER, "Traceback ...", True), Failure(1, 1, -15)],
+                  stopped={1})  # fmt: skip
+    assert out.splitlines()[1:] == [
+        "  rank 0: " + LOST_PEER.splitlines()[0],
+        "    " + LOST_PEER.splitlines()[1],
+        "  rank 1: stopped because rank 0 ended",
+    ]
 
 
 def test_torch_reads_the_error_file_the_worker_hook_writes(tmp_path):
@@ -75,16 +127,21 @@ def _record(name: str, level: int, msg: str, *args: object) -> logging.LogRecord
     return logging.LogRecord(name, level, __file__, 1, msg, args, None)
 
 
-def test_a_restart_is_announced_with_the_rank_that_ended_and_its_error(tmp_path, capsys):
-    attempt = tmp_path / "run_x" / "attempt_0" / "1"
-    attempt.mkdir(parents=True)
+def test_a_restart_is_announced_with_the_report_of_the_attempt(tmp_path, capsys):
     try:
         raise RuntimeError("CUDA error: an illegal memory access")
     except RuntimeError as exc:
-        record_error(exc, str(attempt / "error.json"))
+        record_error(exc, str(tmp_path / "error.json"))
+    failures = {
+        3: ProcessFailure(
+            local_rank=1, pid=99, exitcode=1, error_file=str(tmp_path / "error.json")
+        ),
+        2: ProcessFailure(local_rank=0, pid=98, exitcode=-15, error_file=str(tmp_path / "no")),
+    }
     mp = "torch.distributed.elastic.multiprocessing.api"
     agent = "torch.distributed.elastic.agent.server.api"
-    with AgentLogReader(tmp_path, single_node=True) as reader:
+    attempts: list[Attempt] = []
+    with AgentLogReader(attempts) as reader:
         failed = _record(
             mp,
             logging.ERROR,
@@ -95,6 +152,11 @@ def test_a_restart_is_announced_with_the_rank_that_ended_and_its_error(tmp_path,
             "python",
         )
         assert not reader.filter(failed)  # torch's line is replaced by ours
+        closing = _record(
+            mp, logging.WARNING, "Sending process %s closing signal %s", 98, "SIGTERM"
+        )
+        assert not reader.filter(closing)  # "stopped because rank 3 ended" says it
+        attempts.append(Attempt(failures, frozenset({2})))  # as cli/grace.py records it
         restart = _record(
             agent,
             logging.INFO,
@@ -108,7 +170,8 @@ def test_a_restart_is_announced_with_the_rank_that_ended_and_its_error(tmp_path,
         assert not reader.filter(_record(agent, logging.INFO, "[default] Starting worker group"))
         assert reader.filter(_record(agent, logging.WARNING, "Received 15 death signal"))
     err = capsys.readouterr().err
-    assert "shardwise run: rank 1 (pid 99) exited with code 1" in err
-    assert "rank 1 raised:" in err and "an illegal memory access" in err
+    assert "shardwise run: 2 rank(s) failed:\n  rank 3 raised:" in err
+    assert "an illegal memory access" in err
+    assert "  rank 2: stopped because rank 3 ended\n" in err
     assert "restarting the workers: restart 1 of 2 (1 left)" in err
     assert logging.getLogger(agent).filters == []  # put back as it was

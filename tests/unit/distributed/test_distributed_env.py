@@ -181,6 +181,8 @@ def test_a_worker_whose_launcher_already_died_kills_itself(launcher):
         (["--max-restarts", "-1"], r"--max-restarts='-1': use a whole number >= 0"),
         (["--node-rank", "-2"], r"--node-rank='-2': use a whole number >= 0"),
         (["--timeout", "0"], r"--timeout='0': use a positive number of seconds"),
+        (["--grace", "-1"], r"--grace='-1': use a number of seconds >= 0"),
+        (["--grace", "inf"], r"--grace='inf': use a number of seconds >= 0"),
     ],
 )
 def test_run_rejects_bad_flags(capsys, flags, message):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from shardwise.config.run_file import ConfigError
-from shardwise.distributed import LayoutError, worker_errors
+from shardwise.distributed import LayoutError, PeerExitedError, worker_errors
 
 
 def _raise(exc: BaseException) -> BaseException:
@@ -45,6 +45,8 @@ def test_a_users_own_hook_is_kept(monkeypatch, tmp_path):
         ("0", ValueError("boom"), "Traceback"),
         # A layout refused in wrap() is the user's setting too: one line, no traceback.
         ("0", LayoutError("ParallelConfig.dp_shard=3 ..."), "LayoutError: ParallelConfig.dp_s"),
+        # A lost peer is the launcher's to report ("stopped because rank 1 ended").
+        ("0", PeerExitedError("rank 0: ...", what="step 3", rank=0, missing=None), ""),
     ],
 )
 def test_the_hook_records_every_error_and_prints_on_local_rank_0_only(
