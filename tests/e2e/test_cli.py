@@ -23,7 +23,7 @@ CFG = GPTConfig()
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True, timeout=240
     )
 
 

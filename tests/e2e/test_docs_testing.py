@@ -22,7 +22,7 @@ def test_every_command_in_the_testing_doc_runs():
         ".venv/bin/python tests/mutants.py --list",
         ".venv/bin/python tests/mutants.py --only latest_before_rename",
     ]
-    listed = run_in_session(shlex.split(commands[0]), timeout_s=60)
+    listed = run_in_session(shlex.split(commands[0]), timeout_s=240)
     assert listed.returncode == 0, listed.stderr
     assert "latest_before_rename: src/shardwise/" in listed.stdout
     one = run_in_session(shlex.split(commands[1]), timeout_s=240)

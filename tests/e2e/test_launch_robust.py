@@ -2,6 +2,11 @@
 
 Each test starts the launcher the way a user does (a subprocess, in its own session so a
 timeout kills everything) and writes its small worker script into tmp_path.
+
+No assertion here depends on how fast the machine is: an order between ranks that a test
+needs is made by the ranks themselves (one waits for the other's exit), and a limit on a
+run's time only ends a run that hangs, far above what a loaded machine takes (a stalled
+rank sleeps 600 s; the collective timeout a regression would wait for is 300 s).
 """
 
 from __future__ import annotations
@@ -102,7 +107,7 @@ def test_restart_reinitialises_when_a_peer_comes_up_late(tmp_path, share):
     cmd = [*SHARDWISE, "run", "--nproc", "2", "--max-restarts", "1", str(script), str(tmp_path)]
     proc = _start(cmd, tmp_path / "log", **env)
     try:
-        rc = proc.wait(timeout=120)
+        rc = proc.wait(timeout=240)
     finally:
         _kill_session(proc)
     log = (tmp_path / "log").read_text()
@@ -128,11 +133,11 @@ def test_workers_die_when_the_launcher_is_killed(tmp_path):
     proc = _start(cmd, tmp_path / "log")
     pids: list[int] = []
     try:
-        _wait_for([tmp_path / "pid0", tmp_path / "pid1"], 90, proc)
+        _wait_for([tmp_path / "pid0", tmp_path / "pid1"], 240, proc)
         pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
         os.kill(proc.pid, signal.SIGKILL)  # the launcher only, as an OOM killer would
         proc.wait()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # ends as soon as they are gone
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(_alive(p) for p in pids), f"workers {pids} outlived their launcher"
@@ -156,16 +161,14 @@ def test_a_stalled_rank_is_named_and_the_job_ends(tmp_path):
                 dist.all_reduce(torch.ones(1))
         """,
     )
-    start = time.monotonic()
-    out = run_in_session(
+    out = run_in_session(  # the stalled rank sleeps 600 s: the job must end well before
         [*SHARDWISE, "run", "--nproc", "2", "--timeout", "3", str(script), str(tmp_path)],
-        timeout_s=90,
+        timeout_s=240,
     )
-    elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stderr[-3000:]
     assert "StallError: rank 0: train step 1 stalled: rank(s) 1 did not arrive" in out.stderr
     assert "shardwise run --timeout SECONDS" in out.stderr
-    assert elapsed < 60, f"the job took {elapsed:.0f}s to end"
+    assert "  rank 1: stopped because rank 0 ended" in out.stderr
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
     assert not any(_alive(p) for p in pids)
 
@@ -202,16 +205,15 @@ shardwise.Runner(engine, data, config=cfg).fit()
 @pytest.mark.parametrize("strategy", ["full_shard", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_a_rank_stalled_inside_a_runner_step_is_named(tmp_path, strategy):
     script = _script(tmp_path, RUNNER_STALL)
-    start = time.monotonic()
-    out = run_in_session(
+    out = run_in_session(  # the stalled rank sleeps 600 s: the job must end well before
         [*SHARDWISE, "run", "--nproc", "2", "--timeout", "3", str(script), str(tmp_path),
          strategy],
-        timeout_s=90,
+        timeout_s=240,
     )  # fmt: skip
-    elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stderr[-3000:]
     assert "train step 3 stalled: rank(s) 1 did not arrive" in out.stderr, out.stderr[-3000:]
-    assert elapsed < 60, f"the job took {elapsed:.0f}s to end"
+    # Rank 1 was still in its step when the grace ran out: the launcher stopped it.
+    assert "  rank 1: stopped because rank 0 ended" in out.stderr, out.stderr[-3000:]
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
     assert not any(_alive(p) for p in pids)
 
@@ -255,7 +257,7 @@ def test_two_nodes_on_one_machine(tmp_path):
     """Two launchers with --nnodes MIN:MAX (elastic syntax) form one world of 2."""
     nodes = _two_nodes(tmp_path, "2:2")
     try:
-        codes = [p.wait(timeout=120) for p in nodes]
+        codes = [p.wait(timeout=240) for p in nodes]
     finally:
         _kill_session(*nodes)
     logs = [(tmp_path / f"node{n}.log").read_text()[-2000:] for n in (0, 1)]
@@ -277,11 +279,8 @@ def test_killing_one_node_ends_the_other(tmp_path):
         assert [s[:2] for s in seen] == [["2", "3.0"], ["2", "3.0"]]
         pids = [int(s[2]) for s in seen]
         os.kill(nodes[1].pid, signal.SIGKILL)
-        start = time.monotonic()
-        rc = nodes[0].wait(timeout=60)
-        took = time.monotonic() - start
+        rc = nodes[0].wait(timeout=240)  # ends a hang only; a loaded machine takes seconds
         assert rc == 1, (tmp_path / "node0.log").read_text()[-3000:]
-        assert took < 45, f"node 0 took {took:.0f}s to end"
         assert not any(_alive(p) for p in pids)
     finally:
         _kill_pids(pids)
@@ -318,7 +317,7 @@ def test_srun_style_tasks_form_a_job(tmp_path):
         for r in (0, 1)
     ]
     try:
-        codes = [t.wait(timeout=90) for t in tasks]
+        codes = [t.wait(timeout=240) for t in tasks]
     finally:
         _kill_session(*tasks)
     assert codes == [0, 0], [(tmp_path / f"task{r}.log").read_text()[-2000:] for r in (0, 1)]
@@ -339,7 +338,7 @@ def test_soak_restart_trial_resumes_bitwise():
 def test_an_error_raised_in_every_rank_is_printed_once(tmp_path):
     """A config typo raises in both ranks: its message once, then the ranks that raised it."""
     cmd = [*SHARDWISE, "run", "--nproc", "2", "examples/train_lm.py", "train.max_stepz=2"]
-    out = run_in_session(cmd, timeout_s=120)
+    out = run_in_session(cmd, timeout_s=240)
     assert out.returncode == 1, out.stderr[-3000:]
     assert out.stderr.count("unknown key 'train.max_stepz'") == 1, out.stderr
     assert "Traceback" not in out.stderr  # the user's input, not our code
@@ -470,7 +469,7 @@ if kind == "preempted":
 def test_every_exit_path_destroys_the_process_group(tmp_path, kind, code):
     """Before: an error path left with a live group, and gloo's threads aborted some exits."""
     script = _script(tmp_path, EXIT_PATHS)
-    out = run_in_session([sys.executable, str(script), str(tmp_path), kind], 60)
+    out = run_in_session([sys.executable, str(script), str(tmp_path), kind], 240)
     assert out.returncode == code, out.stderr[-2000:]
     assert "group alive at exit: False" in out.stdout, out.stdout + out.stderr[-2000:]
 
@@ -543,12 +542,9 @@ else:
 def test_a_rank_stalled_inside_a_checkpoint_is_named_with_the_phase(tmp_path, phase):
     """Before: 'RuntimeError: Application timeout caused pair closure', naming no rank."""
     script = _script(tmp_path, SAVE_STALL)
-    start = time.monotonic()
     cmd = [*SHARDWISE, "run", "--nproc", "2", "--timeout", "5", str(script), str(tmp_path), phase]
-    out = run_in_session(cmd, timeout_s=120)
-    elapsed = time.monotonic() - start
+    out = run_in_session(cmd, timeout_s=240)  # rank 1 sleeps 600 s: the job ends before
     assert out.returncode == 1, out.stderr[-3000:]
     named = "finishing an asynchronous checkpoint save" if phase == "async" else phase
     said = f"StallError: rank 0: {named} stalled: rank(s) 1 did not arrive"
     assert said in out.stderr, out.stderr[-3000:]
-    assert elapsed < 5 + 30 + 20, f"{elapsed:.0f} s"  # the timeout, the check, start-up
