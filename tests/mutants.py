@@ -121,6 +121,87 @@ MUTANTS: tuple[Mutant, ...] = (
         "            clip_grad_norm_(params, tc.max_grad_norm)\n",
         ("tests/distributed/test_engine.py::test_clipped_update_equals_one_process",),
     ),
+    # 8. Issue 32: losses from statistics of the whole batch.
+    Mutant(
+        "batch_statistic_not_summed",
+        "src/shardwise/parallelize/global_batch.py",
+        "    batch.used += 1\n    return _sum_over(tensor, batch.groups)\n",
+        "    batch.used += 1\n    return tensor\n",
+        (
+            "tests/distributed/test_batch_statistics.py::test_the_load_balancing_loss_trains_as_one_process",
+            "tests/distributed/test_batch_statistics.py::test_global_batch_sum_makes_a_models_own_statistics_whole",
+        ),
+    ),
+    Mutant(
+        "family_loss_left_per_rank",
+        "src/shardwise/parallelize/router_loss.py",
+        "        if current() is None:\n",
+        "        if True:\n",
+        (
+            "tests/distributed/test_batch_statistics.py::test_the_load_balancing_loss_trains_as_one_process",
+        ),
+    ),
+    Mutant(
+        "recompute_not_summed",
+        "src/shardwise/parallelize/global_batch.py",
+        "    if active is None and torch._C._current_graph_task_id() != -1:\n",
+        "    if False:\n",
+        (
+            "tests/distributed/test_batch_statistics.py::test_global_batch_sum_makes_a_models_own_statistics_whole",
+        ),
+    ),
+    # A ratio of sums (the load-balancing loss, a masked mean) is the same summed over the
+    # tp replicas too, so the numbers cannot see this one: the count of ranks summed over does.
+    Mutant(
+        "statistics_summed_over_tp",
+        "src/shardwise/parallelize/apply.py",
+        "    prepare_batch_statistics(model, model, groups_of(data_parallel))\n",
+        "    prepare_batch_statistics(model, model, groups_of(mesh))\n",
+        (
+            "tests/distributed/test_batch_statistics.py::test_the_load_balancing_loss_trains_as_one_process",
+        ),
+    ),
+    Mutant(
+        "family_replaced_without_the_probe",
+        "src/shardwise/parallelize/router_loss.py",
+        "        elif _agrees(original):\n",
+        "        elif True:\n",
+        (
+            "tests/unit/parallelize/test_router_loss.py::test_install_leaves_a_family_whose_function_is_another_loss",
+        ),
+    ),
+    Mutant(
+        "statistics_summed_in_eval",
+        "src/shardwise/parallelize/global_batch.py",
+        "        current = batch if module.training else None\n",
+        "        current = batch\n",
+        (
+            "tests/unit/parallelize/test_batch_stats.py::test_eval_forwards_leave_statistics_per_rank",
+        ),
+    ),
+    Mutant(
+        "statement_on_every_rank",
+        "src/shardwise/parallelize/batch_stats.py",
+        "            if unseen_moe and batch.used == 0 and dist.get_rank() == 0:\n",
+        "            if unseen_moe and batch.used == 0:\n",
+        ("tests/unit/parallelize/test_batch_stats.py::test_a_statement_is_made_on_rank_0_only",),
+    ),
+    Mutant(
+        "batchnorm_in_eval_stated",
+        "src/shardwise/parallelize/batch_stats.py",
+        "        if isinstance(m, _BatchNorm) and not isinstance(m, SyncBatchNorm) and m.training\n",
+        "        if isinstance(m, _BatchNorm) and not isinstance(m, SyncBatchNorm)\n",
+        (
+            "tests/unit/parallelize/test_batch_stats.py::test_batchnorm_in_eval_mode_or_synced_is_not_stated",
+        ),
+    ),
+    Mutant(
+        "sweep_router_gradients_not_compared",
+        "tests/models/_hf_sweep.py",
+        '            _compare_router_grads(run["router_grads"], got["router_grads"], label)\n',
+        "            pass\n",
+        ("tests/models/test_hf_models.py::test_parity_check_fails_on_a_router_gradient_off",),
+    ),
 )
 
 

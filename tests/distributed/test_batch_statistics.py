@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import shardwise
-from shardwise.parallelize import router_loss
+from shardwise.parallelize import global_batch, router_loss
 from shardwise.testing import run_distributed
 from shardwise.testing.models import ConvNet
 from shardwise.testing.parity import split_batch
@@ -111,12 +111,21 @@ def train(model: nn.Module, rank_batch, loss_of, data=batches) -> dict:  # type:
 D, EXPERTS, TOP_K, AUX, Z = 8, 4, 2, 0.1, 0.01
 
 
+def _switch_loss(stats: torch.Tensor, whole_batch: bool) -> torch.Tensor:
+    if whole_batch:
+        stats = shardwise.global_batch_sum(stats)
+    counts, probs, rows = stats[:EXPERTS], stats[EXPERTS:-1], stats[-1]
+    return EXPERTS * torch.sum((counts / rows) * (probs / rows))
+
+
 class Experts(nn.Module):
-    """A router and EXPERTS small MLPs; top-2 routing; its Switch-style statistics and its
+    """A router and EXPERTS small MLPs; top-2 routing; its Switch-style statistics (or, with
+    `per_layer`, its own layer's load-balancing loss, formed here inside the block) and its
     router z-loss (the mean over tokens of the squared log-sum-exp of the router logits)."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole_batch: bool, per_layer: bool) -> None:
         super().__init__()
+        self.whole_batch, self.per_layer = whole_batch, per_layer
         self.router = nn.Linear(D, EXPERTS, bias=False)
         self.experts = nn.ModuleList(
             nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D))
@@ -135,14 +144,16 @@ class Experts(nn.Module):
         counts = torch.zeros(EXPERTS).scatter_add(0, chosen.reshape(-1), torch.ones(chosen.numel()))
         stats = torch.cat([counts, probs.sum(0), torch.tensor([float(flat.shape[0])])])
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+        if self.per_layer:  # activation checkpointing recomputes this in backward
+            stats = _switch_loss(stats, self.whole_batch)
         return x + out.reshape(x.shape), stats, z_loss
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, whole_batch: bool, per_layer: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(D)
-        self.moe = Experts()
+        self.moe = Experts(whole_batch, per_layer)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.moe(self.norm(x))
@@ -151,25 +162,29 @@ class Block(nn.Module):
 class OwnMoE(nn.Module):
     """A language model whose forward returns cross-entropy + AUX x load-balancing loss +
     Z x router z-loss; `whole_batch` sums the routing statistics with
-    shardwise.global_batch_sum first. The z-loss is a mean over tokens, each rank's own: over
+    shardwise.global_batch_sum first, over the layers at the end (transformers' way) or, with
+    `per_layer`, inside each block. The z-loss is a mean over tokens, each rank's own: over
     equal slices their mean is the whole batch's, so it needs nothing."""
 
-    def __init__(self, whole_batch: bool) -> None:
+    def __init__(self, whole_batch: bool, per_layer: bool = False) -> None:
         super().__init__()
-        self.whole_batch = whole_batch
+        self.whole_batch, self.per_layer = whole_batch, per_layer
         self.emb = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(Block(whole_batch, per_layer) for _ in range(2))
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h, stats, z_loss = self.emb(tokens), torch.zeros(2 * EXPERTS + 1), torch.zeros(())
+        h, aux, z_loss = self.emb(tokens), torch.zeros(()), torch.zeros(())
+        stats = torch.zeros(2 * EXPERTS + 1)
         for block in self.blocks:
-            h, layer_stats, layer_z = block(h)
-            stats, z_loss = stats + layer_stats, z_loss + layer_z
-        if self.whole_batch:
-            stats = shardwise.global_batch_sum(stats)
-        counts, probs, rows = stats[:EXPERTS], stats[EXPERTS:-1], stats[-1]
-        aux = EXPERTS * torch.sum((counts / rows) * (probs / rows))
+            h, layer, layer_z = block(h)
+            z_loss = z_loss + layer_z
+            if self.per_layer:
+                aux = aux + layer
+            else:
+                stats = stats + layer
+        if not self.per_layer:
+            aux = _switch_loss(stats, self.whole_batch)
         logits = self.head(h)[:, :-1].flatten(0, 1)
         ce = nn.functional.cross_entropy(logits, tokens[:, 1:].flatten())
         return ce + AUX * aux + Z * z_loss
@@ -222,9 +237,13 @@ def references() -> dict:  # type: ignore[type-arg]
     for name in FAMILIES:
         torch.manual_seed(0)
         out[name] = train(build_family(name), lambda b: b, _hf_loss)
-    for name, build in (("own", OwnMoE), ("masked", MaskedLM)):
+    for name, build in (
+        ("own", functools.partial(OwnMoE, True)),
+        ("own_per_layer", functools.partial(OwnMoE, True, per_layer=True)),
+        ("masked", functools.partial(MaskedLM, True)),
+    ):
         torch.manual_seed(0)
-        out[name] = train(build(True), lambda b: b, _own_loss)
+        out[name] = train(build(), lambda b: b, _own_loss)
     torch.manual_seed(0)
     out["batchnorm"] = train(ConvNet(), lambda b: b, _cnn_loss, data=images)
     return out
@@ -237,10 +256,25 @@ def _wrapped(build, config: shardwise.ParallelConfig, loss_of, **kwargs) -> dict
         model = shardwise.wrap(build(), config)
         info = shardwise.wrap_info(model)
         assert info is not None
+        summed_over = _ranks_summed_over(shardwise.unwrap(model))
         shard = functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size)
         result = train(model, shard, loss_of, **kwargs)
     notices = [str(w.message) for w in caught if w.category is shardwise.BatchStatisticNotice]
-    return {**result, "notices": notices}
+    return {**result, "notices": notices, "summed_over": summed_over[0]}
+
+
+def _ranks_summed_over(model: nn.Module) -> list[int]:
+    """How many ranks `global_batch_sum` sums over in the first training forward (the
+    data-parallel ones; a tp group shares its rows), read without summing anything."""
+    seen: list[int] = []
+
+    def count(module: nn.Module, args: object) -> None:
+        current = global_batch.current()
+        if not seen and current is not None:
+            seen.append(current.size)
+
+    model.register_forward_pre_hook(count)
+    return seen
 
 
 def _cases() -> dict:  # type: ignore[type-arg]
@@ -259,7 +293,9 @@ def _cases() -> dict:  # type: ignore[type-arg]
     recompute = shardwise.ParallelConfig(
         strategy="full_shard", auto_wrap_policy={Block}, activation_checkpointing="full"
     )
-    out["own/hook_recomputed"] = _wrapped(functools.partial(OwnMoE, True), recompute, _own_loss)
+    per_layer = functools.partial(OwnMoE, True, per_layer=True)
+    out["own_per_layer/hook"] = _wrapped(per_layer, full, _own_loss)
+    out["own_per_layer/hook_recomputed"] = _wrapped(per_layer, recompute, _own_loss)
     out["own/no_hook"] = _wrapped(functools.partial(OwnMoE, False), full, _own_loss)
     out["masked/hook"] = _wrapped(functools.partial(MaskedLM, True), full, _own_loss)
     out["masked/no_hook"] = _wrapped(functools.partial(MaskedLM, False), full, _own_loss)
@@ -301,6 +337,7 @@ def test_the_load_balancing_loss_trains_as_one_process(results, family, layout):
     rel, where = _worst(refs[family], got)
     print(f"{family} {layout}: the largest difference is {where}, rel {rel:.2e}")
     assert rel < RTOL, f"{family} {layout}: {where} differs by {rel:.2e}"
+    assert got["summed_over"] == (2 if layout.startswith("tp2") else 4)  # the dp ranks only
     # The routers' gradients are compared, not only present: every layer's is there.
     routers = [n for n in refs[family]["grads"] if n.endswith(_router(family))]
     assert len(routers) == 2, routers
@@ -318,8 +355,12 @@ def test_the_comparison_catches_each_rank_using_its_own_statistics(results):
     assert loss_rel < 1e-3  # the loss alone hides it: the gradient is what differs
 
 
-@pytest.mark.parametrize("case", ["own/hook", "own/hook_recomputed", "masked/hook"])
+@pytest.mark.parametrize(
+    "case", ["own/hook", "own_per_layer/hook", "own_per_layer/hook_recomputed", "masked/hook"]
+)
 def test_global_batch_sum_makes_a_models_own_statistics_whole(results, case):
+    """Also where the loss is formed inside a block that activation checkpointing recomputes
+    in backward: the recomputed statistics are summed again, as in the forward."""
     refs, ranks = results
     rel, where = _worst(refs[case.split("/")[0]], ranks[0][case])
     print(f"{case}: the largest difference is {where}, rel {rel:.2e}")
