@@ -43,7 +43,7 @@ unit: $(STAMP)
 layout: $(STAMP)
 	$(PY) -m tools.layout check
 
-# 47 transformers architectures under full_shard (about 1 min); .ci/run runs it after `test`.
+# 50 transformers architectures under full_shard (about 1 min); .ci/run runs it after `test`.
 test-models: $(STAMP)
 	$(VENV)/bin/pytest -q -m models tests/models tests/e2e/test_bench_smoke.py
 

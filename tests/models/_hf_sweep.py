@@ -693,6 +693,11 @@ def _parity(spec: Spec, record: dict[str, Any]) -> str:
         return f"{sliced:.1e} vs slices (a per-slice loss: no whole-batch run)"
     whole = max(r.vs_whole.max_loss_rel, r.vs_whole.max_param_rel)
     text = f"{whole:.1e} vs whole, {sliced:.1e} vs slices"
+    routers = record["distributed"].get("router_grads")
+    if routers:
+        want = record["reference"]["whole"]["router_grads"]
+        worst_router = max(rel(g, want[n]) for n, g in routers.items())
+        text += f"; routers' first gradients {worst_router:.1e} vs whole"
     if r.rounding:
         kinds = sorted({".".join(n.split(".")[-2:]) for n in r.rounding})
         worst = max(d for _, d in r.rounding.values())
