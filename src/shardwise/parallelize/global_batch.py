@@ -11,7 +11,9 @@ rows of the global batch, differentiably, so the product is formed from whole-ba
 statistics on every rank.
 
 Owns: the public hook `global_batch_sum`, which ranks it sums over (`BatchGroups`: the
-data-parallel dimensions of the mesh `wrap` built; a tp group shares its rows), making those
+data-parallel dimensions of the mesh `wrap` built; a tp group shares its rows, and under
+sequence parallel a layer's MLP or experts block gathers the sequence before its router
+sees it, so tp is never summed over), making those
 groups current while a wrapped model's training forward runs (`attach`), and the record of
 whether the hook was used (`BatchNotice`'s decision reads it).
 
