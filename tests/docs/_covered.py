@@ -88,6 +88,12 @@ COVERED: dict[str, RunBy] = {
             '"--use-fsdp", "--sharding-strategy", "ShardingStrategy.FULL_SHARD"',
         ),
     ),
+    # docs/troubleshooting.md (it exits 1: the transcript is the test's assertion)
+    "shardwise run --nproc 2 examples/train_lm.py parallel.dp_shard=3": RunBy(
+        "tests/e2e/test_launch_robust.py::"
+        "test_a_layout_refused_in_every_rank_is_one_line_and_the_summary",
+        ('"examples/train_lm.py", "parallel.dp_shard=3"', "out.stderr.splitlines() == shown"),
+    ),
     # docs/testing.md
     ".venv/bin/python tests/mutants.py --list": RunBy(
         "tests/e2e/test_docs_testing.py::test_every_command_in_the_testing_doc_runs",
