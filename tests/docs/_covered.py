@@ -103,4 +103,10 @@ COVERED: dict[str, RunBy] = {
         "tests/e2e/test_docs_testing.py::test_every_command_in_the_testing_doc_runs",
         ('".venv/bin/python tests/mutants.py --only latest_before_rename"',),
     ),
+    # The wrapper runs there with a short command in place of `make test`, which .ci/run runs.
+    ".venv/bin/python -m tools.busy make test": RunBy(
+        "tests/e2e/test_docs_testing.py::test_every_command_in_the_testing_doc_runs",
+        ('".venv/bin/python -m tools.busy make test"', "busy[:-2]"),
+        also=(("Makefile", "$(VENV)/bin/pytest -q\n"),),
+    ),
 }
