@@ -202,6 +202,82 @@ MUTANTS: tuple[Mutant, ...] = (
         "            pass\n",
         ("tests/models/test_hf_models.py::test_parity_check_fails_on_a_router_gradient_off",),
     ),
+    # 9. Issue 33: the launcher's report holds on a busy machine; a refused layout is one line.
+    Mutant(
+        "no_grace_after_a_failure",
+        "src/shardwise/cli/grace.py",
+        "            if running and now - self._since < self.grace_s:\n",
+        "            if running and now - self._since < 0:\n",
+        (
+            "tests/unit/cli/test_grace.py::test_the_others_run_on_while_the_grace_lasts",
+            "tests/e2e/test_launch_robust.py::test_an_error_a_rank_reaches_after_another_ended_is_still_every_ranks",
+        ),
+    ),
+    Mutant(
+        "lost_peer_reported_as_a_cause",
+        "src/shardwise/cli/report.py",
+        "    causes = [f for f in failures if not by_launcher(f) and not _lost_peer(f)]\n",
+        "    causes = [f for f in failures if not by_launcher(f)]\n",
+        (
+            "tests/unit/cli/test_report.py::test_a_survivors_lost_peer_and_a_launcher_stop_read_alike",
+            "tests/e2e/test_launch_robust.py::test_a_dead_peer_reads_the_same_whether_the_survivor_noticed_or_was_stopped",
+        ),
+    ),
+    Mutant(
+        "launcher_stop_read_from_the_exit_code",
+        "src/shardwise/cli/report.py",
+        "            return f.rank in stopped_set\n",
+        "            return not f.message and f.exitcode == -signal.SIGTERM\n",
+        (
+            "tests/unit/cli/test_report.py::test_a_rank_the_launcher_stopped_is_no_cause_whatever_its_exit",
+        ),
+    ),
+    Mutant(
+        "worker_prints_a_lost_peer",
+        "src/shardwise/distributed/worker_errors.py",
+        '_LAUNCHER_REPORTS = {"PeerExitedError"}\n',
+        "_LAUNCHER_REPORTS: set[str] = set()\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::"
+            "test_the_hook_records_every_error_and_prints_on_local_rank_0_only",
+            "tests/e2e/test_launch_robust.py::test_a_dead_peer_reads_the_same_whether_the_survivor_noticed_or_was_stopped",
+        ),
+    ),
+    Mutant(
+        "torch_closing_lines_shown",
+        "src/shardwise/cli/report.py",
+        '        if msg.startswith("Sending process") and "closing signal" in msg:\n',
+        '        if msg.startswith("Sending process") and "closing signal" in msg and False:\n',
+        (
+            "tests/unit/cli/test_report.py::test_a_restart_is_announced_with_the_report_of_the_attempt",
+            "tests/e2e/test_launch_robust.py::test_a_dead_peer_reads_the_same_whether_the_survivor_noticed_or_was_stopped",
+        ),
+    ),
+    Mutant(
+        "layout_refusal_with_a_traceback",
+        "src/shardwise/distributed/worker_errors.py",
+        '_ONE_LINE = {"ConfigError", "LayoutError", "StallError", "PeerExitedError"}\n',
+        '_ONE_LINE = {"ConfigError", "StallError", "PeerExitedError"}\n',
+        (
+            "tests/unit/distributed/test_worker_errors.py::"
+            "test_the_hook_records_every_error_and_prints_on_local_rank_0_only",
+            "tests/e2e/test_launch_robust.py::test_a_layout_refused_in_every_rank_is_one_line_and_the_summary",
+        ),
+    ),
+    Mutant(
+        "mesh_refusal_a_plain_value_error",
+        "src/shardwise/distributed/mesh.py",
+        "            raise LayoutError(\n"
+        '                f"ParallelConfig.dp_shard={dp_shard} with strategy={strategy!r}: this strategy "\n'
+        '                f"shards over all',
+        "            raise ValueError(\n"
+        '                f"ParallelConfig.dp_shard={dp_shard} with strategy={strategy!r}: this strategy "\n'
+        '                f"shards over all',
+        (
+            "tests/unit/distributed/test_mesh.py::test_full_shard_with_partial_dp_shard_points_to_hybrid",
+            "tests/e2e/test_launch_robust.py::test_a_layout_refused_in_every_rank_is_one_line_and_the_summary",
+        ),
+    ),
 )
 
 
