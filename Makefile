@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats lint typecheck unit layout bench gpu-check soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters lint typecheck unit layout bench gpu-check soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ test-integrations: $(STAMP)
 # means) under every layout at world 4 (about 1 min); .ci/run runs it after `test`.
 test-batch-stats: $(STAMP)
 	$(VENV)/bin/pytest -q -m batch_stats tests/distributed/test_batch_statistics.py
+
+# Adapter models (peft's LoRA) under every layout at worlds 2 and 4: parity, checkpoints and
+# exports; .ci/run runs it after `test`.
+test-adapters: $(STAMP)
+	$(VENV)/bin/pytest -q -m adapters tests/distributed
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)
