@@ -5,6 +5,12 @@ rank's return value, re-raising a rank's exception with its rank and traceback, 
 killing every process on failure or timeout (no orphans: children also die with the
 parent on Linux).
 
+The timeout is the function's: its clock starts once every rank has started (imported
+torch and joined the process group), which a loaded machine can take many seconds to do;
+start-up has its own, generous bound (`STARTUP_S`). Counted from the spawn, a short timeout
+was spent before the function ran, and a rank that had nothing to wait for was reported as
+blocked.
+
 Must not: know about strategies or models. Public API: `run_distributed`, `RankError`,
 `free_port`, `count_collectives`, `assert_same_distribution`.
 """
@@ -30,6 +36,10 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+
+STARTUP_S = 240.0
+"""Seconds every rank may take to start (spawn, import torch, join the process group)
+before `run_distributed` gives up; the function's own `timeout_s` counts after that."""
 
 __all__ = [
     "HostSyncs",
@@ -89,6 +99,7 @@ def _worker(
     try:
         if init:
             init_distributed(backend=backend, device="cpu", timeout_s=timeout_s)
+        conn.send_bytes(pickle.dumps(("started",)))
         result = fn(*args, **kwargs)
         # Plain pickle copies tensor data; torch's multiprocessing reducers would pass
         # shared-memory handles that vanish when this process exits.
@@ -132,8 +143,9 @@ def run_distributed(
     `fn`, its arguments and results must be picklable (define `fn` at module level).
 
     Raises `RankError` naming the first rank that raised (with its traceback), a rank
-    that died without reporting, or the ranks still running at the deadline; every
-    child is killed before it returns or raises.
+    that died without reporting, or the ranks still running `timeout_s` after every rank
+    started (or not started after `STARTUP_S`); every child is killed before it returns or
+    raises.
     """
     if world_size < 1:
         raise ValueError(f"run_distributed(world_size={world_size}) must be >= 1.")
@@ -185,23 +197,24 @@ def _collect(
     procs: list[mp.process.BaseProcess], conns: dict[int, Connection], timeout_s: float
 ) -> list[Any]:
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
     pending = dict(conns)
+    starting = set(conns)  # ranks that have not said "started"
+    deadline, timing_fn = time.monotonic() + STARTUP_S, False
     while pending:
+        if not starting and not timing_fn:  # every rank started: the function's clock
+            deadline, timing_fn = time.monotonic() + timeout_s, True
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise RankError(
-                f"run_distributed timed out after {timeout_s:.0f}s waiting for rank(s) "
-                f"{sorted(pending)} to return (finished: {sorted(results)}). A rank is "
-                "probably blocked in a collective that another rank never entered.",
-                rank=min(pending),
-            )
+            raise _timed_out(timeout_s, sorted(pending), sorted(results), sorted(starting))
         for conn in wait(list(pending.values()), timeout=min(remaining, 1.0)):
             rank = next(r for r, c in pending.items() if c is conn)
             try:
                 msg = pickle.loads(cast(Connection, conn).recv_bytes())
             except EOFError:
                 raise _died(procs, rank) from None
+            starting.discard(rank)
+            if msg[0] == "started":
+                continue
             del pending[rank]
             if msg[0] == "error":
                 raised = RankError(
@@ -215,6 +228,23 @@ def _collect(
                 raise dead if dead is not None else raised
             results[rank] = msg[1]
     return [results[r] for r in range(len(procs))]
+
+
+def _timed_out(
+    timeout_s: float, pending: list[int], finished: list[int], starting: list[int]
+) -> RankError:
+    if starting:
+        return RankError(
+            f"run_distributed: rank(s) {starting} did not start within {STARTUP_S:.0f}s "
+            "(spawn, import torch, join the process group); the others were killed.",
+            rank=min(starting),
+        )
+    return RankError(
+        f"run_distributed timed out after {timeout_s:.0f}s waiting for rank(s) "
+        f"{pending} to return (finished: {finished}). A rank is "
+        "probably blocked in a collective that another rank never entered.",
+        rank=min(pending),
+    )
 
 
 def _died(procs: list[mp.process.BaseProcess], rank: int) -> RankError:
@@ -235,10 +265,11 @@ def _first_death(
         for conn in wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic())):
             rank = next(r for r, c in pending.items() if c is conn)
             try:
-                cast(Connection, conn).recv_bytes()
+                msg = pickle.loads(cast(Connection, conn).recv_bytes())
             except EOFError:
                 return _died(procs, rank)
-            del pending[rank]  # it reported (a result or an error of its own)
+            if msg[0] != "started":
+                del pending[rank]  # it reported (a result or an error of its own)
     return None
 
 
