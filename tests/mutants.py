@@ -278,6 +278,16 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/e2e/test_launch_robust.py::test_a_layout_refused_in_every_rank_is_one_line_and_the_summary",
         ),
     ),
+    Mutant(
+        "spawn_timeout_counts_start_up",
+        "src/shardwise/testing/spawn.py",
+        "    deadline, timing_fn = time.monotonic() + STARTUP_S, False\n",
+        "    deadline, timing_fn = time.monotonic() + timeout_s, True\n",
+        (
+            "tests/unit/testing/test_spawn_clock.py::"
+            "test_a_slow_start_does_not_spend_the_functions_timeout",
+        ),
+    ),
 )
 
 
