@@ -36,7 +36,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "plan": ("config", "distributed"),
     "parallelize": ("plan", "config", "distributed"),
     "memory": ("parallelize", "plan", "config", "distributed"),
-    "checkpoint": ("parallelize", "config", "distributed"),
+    "checkpoint": ("parallelize", "plan", "config", "distributed"),
     "testing": ("parallelize", "config", "distributed"),
     "train": ("checkpoint", "parallelize", "config", "distributed"),
     "integrations": ("train", "checkpoint", "parallelize", "config", "distributed"),
