@@ -7,11 +7,19 @@ Layout of ROOT/step_00000100/:
                     and grad-scaler state, runner position, versions, SHA-256 of every file
 ROOT/latest         name of the newest complete checkpoint
 
+An adapters-only checkpoint (`save_checkpoint(..., adapters_only=True)`, a peft model)
+has the same layout and machinery; its state/ holds the trainable tensors and their
+optimizer state, and its manifest says `contents: "adapters"` and records the adapters
+and a fingerprint of the base they need (adapters.py).
+
 Modules, bottom to top: trust.py (reading DCP without trusting it: nothing unpickles with
 code execution, paths stay inside), ranks.py (how ranks agree), layout.py (the directory,
-listing, verification, pruning), contents.py (manifest and RNG), commit.py (the atomic
-end of a save: a checkpoint is visible only once complete), async_save.py, save.py,
-load.py, and export.py (consolidated safetensors).
+listing, verification, pruning), contents.py (manifest and RNG), adapters.py (what a
+checkpoint records about a peft model's adapters, peft's key names, LoRA's merge),
+commit.py (the atomic end of a save: a checkpoint is visible only once complete),
+async_save.py, save.py, load.py, reading.py (a checkpoint's tensors without a model),
+adapter_export.py (the tensors of peft-format and merged exports) and export.py
+(consolidated safetensors).
 
 The directory rule (what a save does to what is already under ROOT):
 - A save at step N supersedes every checkpoint under ROOT with a step >= N: they are

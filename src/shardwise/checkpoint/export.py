@@ -24,6 +24,11 @@ out of the way and the new ones in, entry file (model.safetensors or the index) 
 `out` never holds an index naming files of another export. Files no export writes are
 never touched: an `out` holding any is refused.
 
+An adapter model (peft) exports in peft's own format by default (`kind="adapter"`:
+adapter_model.safetensors and adapter_config.json), or as merged weights in the base
+model's names (`kind="merged"`); adapter_export.py streams their tensors, and this module
+writes them like any other export.
+
 Must not: invent a format (safetensors is the format) or unpickle anything.
 """
 
@@ -37,7 +42,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from safetensors import SafetensorError
@@ -45,26 +50,40 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.checkpoint.layout import STATE_DIR, resolve_checkpoint, verify_checkpoint
-from shardwise.checkpoint.ranks import single_process_ok
-from shardwise.checkpoint.trust import (
-    CheckpointError,
-    SafeReader,
-    TensorOnlyLoadPlanner,
-    root_cause,
+from shardwise.checkpoint.adapter_export import (
+    checkpoint_adapter_tensors,
+    checkpoint_merged_tensors,
+    live_adapter_tensors,
+    live_merged_tensors,
 )
+from shardwise.checkpoint.adapters import adapter_config, adapter_record, original_class
+from shardwise.checkpoint.layout import (
+    read_manifest,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
+from shardwise.checkpoint.reading import model_entries, read_groups
+from shardwise.checkpoint.trust import CheckpointError
 from shardwise.config.precision import parse_dtype
 from shardwise.distributed.process_group import rank_and_world
 from shardwise.distributed.watchdog import guard
 from shardwise.parallelize.weights import INDEX_FILE, SINGLE_FILE, WeightsError, _model_state
 from shardwise.parallelize.wrapped import unwrap
+from shardwise.plan.adapters import adapter_model
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 STAGING_PREFIX = ".shardwise-export-"
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 _WEIGHT_FILE = re.compile(
     r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
     r"|\.part-\d{5}\.safetensors"  # a part left by an export killed before this layout
+    # An adapter's config goes with its weights: left behind a merged export, it would make
+    # from_pretrained load the adapter on top of the merged model.
+    r"|adapter_model\.safetensors|adapter_config\.json"
 )
+ExportKind = Literal["auto", "full", "adapter", "merged"]
+EXPORT_KINDS: tuple[str, ...] = get_args(ExportKind)
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
 
@@ -111,48 +130,18 @@ def _checkpoint_tensors(
     directory: str | Path, max_bytes: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for the model entries of a shardwise checkpoint, read in batches."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException as DCPException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     path = resolve_checkpoint(directory)
-    state_dir = path / STATE_DIR
-    metadata = SafeReader(state_dir).read_metadata()
-    entries = [
-        (key, md)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
-    ]
-    batch: dict[str, torch.Tensor] = {}
-    size = 0
-    for i, (key, md) in enumerate(entries):
-        tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        batch[key] = tensor
-        size += tensor.numel() * tensor.element_size()
-        if size >= max_bytes or i == len(entries) - 1:
-            try:
-                with single_process_ok():
-                    dcp.load(
-                        batch,
-                        storage_reader=SafeReader(state_dir),
-                        planner=TensorOnlyLoadPlanner(),
-                        no_dist=True,
-                    )
-            # DCP's own exception is a BaseException: unwrapped, it escapes the CLI's handler.
-            except (RuntimeError, ValueError, KeyError, DCPException) as exc:
-                raise CheckpointError(
-                    f"could not read checkpoint {path}: {root_cause(exc)}"
-                ) from None
-            for k, t in batch.items():
-                yield k.removeprefix("model."), t
-            batch, size = {}, 0
+    for group in read_groups(path, [[k] for k in model_entries(path)], max_bytes):
+        yield from group.items()
 
 
 class _ShardWriter:
     """Buffers tensors and writes safetensors files of at most `max_bytes` each."""
 
-    def __init__(self, out: Path, max_bytes: int, dtype: torch.dtype | None) -> None:
-        self.out, self.max_bytes, self.dtype = out, max_bytes, dtype
+    def __init__(
+        self, out: Path, max_bytes: int, dtype: torch.dtype | None, entry: str = SINGLE_FILE
+    ) -> None:
+        self.out, self.max_bytes, self.dtype, self.entry = out, max_bytes, dtype, entry
         self.pending: dict[str, torch.Tensor] = {}
         self.size = 0
         self.files: list[tuple[Path, list[str]]] = []
@@ -202,7 +191,7 @@ class _ShardWriter:
     def close(self) -> Path:
         self.flush()
         if len(self.files) == 1:
-            final = self.out / SINGLE_FILE
+            final = self.out / self.entry
             os.replace(self.files[0][0], final)
             return final
         n = len(self.files)
@@ -219,14 +208,6 @@ class _ShardWriter:
         return self.out / INDEX_FILE
 
 
-def _original_class_name(model: nn.Module) -> str:
-    """The model's own class name: fully_shard swaps in a generated `FSDP<Name>` subclass."""
-    from torch.distributed.fsdp import FSDPModule
-
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper around the model
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
-
-
 def _save_hf_configs(model: nn.Module, out: Path) -> None:
     """config.json (and generation_config.json) of a Hugging Face model, without which
     `from_pretrained(out)` cannot know what model the weights belong to.
@@ -239,7 +220,7 @@ def _save_hf_configs(model: nn.Module, out: Path) -> None:
     if callable(getattr(config, "save_pretrained", None)):
         config = copy.copy(config)
         if hasattr(config, "architectures"):
-            config.architectures = [_original_class_name(model)]
+            config.architectures = [original_class(model).__name__]
         config.save_pretrained(out)
     generation: Any = getattr(model, "generation_config", None)  # None if it cannot generate
     if callable(getattr(generation, "save_pretrained", None)):
@@ -269,18 +250,28 @@ def export_weights(
     dtype: torch.dtype | str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     verify: bool = True,
+    kind: ExportKind = "auto",
 ) -> Path | None:
     """Write `source`'s weights as consolidated safetensors into the directory `out`.
 
     `source` is a model (wrapped or not; with a process group every rank must call, and
     rank 0 writes) or a shardwise checkpoint directory (read without a process group).
-    Returns the written file (model.safetensors or the index) on the writing rank, None
-    on others. `dtype` casts floating-point tensors (e.g. "bf16").
+    Returns the written file (model.safetensors, the index, or adapter_model.safetensors)
+    on the writing rank, None on others. `dtype` casts floating-point tensors (e.g. "bf16").
 
     A Hugging Face model (its `config` has `save_pretrained`) also gets config.json, and
     generation_config.json when it has a generation config, so `from_pretrained(out)`
     opens the export. A checkpoint directory holds no model object, hence no config: write
     it yourself with `model.config.save_pretrained(out)`.
+
+    `kind` says what is written. "full": every tensor of the model under its own names.
+    "adapter" (a peft model, or a checkpoint of one): peft's own format,
+    adapter_model.safetensors (the trainable tensors under peft's names) and
+    adapter_config.json, which `PeftModel.from_pretrained(base, out)` opens. "merged" (a
+    LoRA model, or a full checkpoint of one): the base model's tensors in its own names,
+    each LoRA layer's weight with W + scale * B @ A merged in, plus the base's config.json,
+    which `from_pretrained(out)` opens; other methods, DoRA and non-Linear LoRA raise
+    NotImplementedError naming what. "auto": "adapter" for an adapter model, else "full".
 
     From a checkpoint, `verify` (as in `load_checkpoint`) first checks every file's size
     and SHA-256 against the manifest; on a mismatch it raises `CheckpointError` naming the
@@ -290,51 +281,110 @@ def export_weights(
     cast = parse_dtype(dtype, "export_weights(dtype)")
     if max_shard_bytes < 1:
         raise ValueError(f"export_weights(max_shard_bytes={max_shard_bytes}) must be positive.")
+    if kind not in EXPORT_KINDS:
+        raise ValueError(
+            f"export_weights(kind={kind!r}) is not one of {list(EXPORT_KINDS)}: 'adapter' "
+            "(peft's format), 'merged' (LoRA merged into the base), 'full' (every tensor), "
+            "or 'auto' ('adapter' for an adapter model, else 'full')."
+        )
     out = Path(out)
     writes = rank_and_world()[0] == 0
     if isinstance(source, nn.Module):
+        record = adapter_record(source)  # the same on every rank: they all take one path
+        chosen = _resolved_kind(kind, record, "the model")
+        writer = _writer(out, max_shard_bytes, cast, chosen)
+        tensors: Iterator[tuple[str, torch.Tensor | None]]
+        # A refusal (what a merge cannot do) comes here, before `out` is touched.
+        if chosen == "adapter" and record is not None:
+            tensors = live_adapter_tensors(source, record, writes)
+        elif chosen == "merged" and record is not None:
+            tensors = live_merged_tensors(source, record, writes, writer.make_room)
+        else:
+            tensors = _model_tensors(source, writes, writer.make_room)
         staging = _prepare_out_on_rank0(out)  # every rank learns rank 0's verdict first
-        writer = _ShardWriter(staging or out, max_shard_bytes, cast)
-        tensors: Iterator[tuple[str, torch.Tensor | None]] = _model_tensors(
-            source, writes, writer.make_room
-        )
+        writer.out = staging or out
     else:
         if not writes:
             return None
         # Before `out` is created: a corrupted checkpoint leaves nothing there.
-        tensors = _checkpoint_tensors(_checked_checkpoint(source, out, verify), max_shard_bytes)
+        path = _checked_checkpoint(source, out, verify)
+        manifest = read_manifest(path)
+        record = manifest.get("adapters")
+        chosen = _resolved_kind(kind, record, f"checkpoint {path}")
+        if chosen == "adapter" and record is not None:
+            tensors = checkpoint_adapter_tensors(path, record, max_shard_bytes)
+        elif chosen == "merged":
+            tensors = checkpoint_merged_tensors(path, manifest, max_shard_bytes)
+        else:
+            tensors = _checkpoint_tensors(path, max_shard_bytes)
         staging = _prepare_out_on_rank0(out)
-        writer = _ShardWriter(staging or out, max_shard_bytes, cast)
+        writer = _writer(staging or out, max_shard_bytes, cast, chosen)
     try:
         try:
             written = _write_all(tensors, writer, writes)
             if staging is None or written is None:
                 return None
-            if isinstance(source, nn.Module):
-                _save_hf_configs(unwrap(source), staging)
+            _write_configs(source, record, chosen, staging)
             return _swap_in(staging, out, written)
         except (OSError, SafetensorError) as exc:
-            raise WeightsError(_write_failed(out, exc, _needed_bytes(source, cast))) from exc
+            needed = _needed_bytes(source, cast, record if chosen == "adapter" else None)
+            raise WeightsError(_write_failed(out, exc, needed)) from exc
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _needed_bytes(source: nn.Module | str | Path, cast: torch.dtype | None) -> int:
-    """The bytes an export of `source` writes (tensor data; headers are small)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def _resolved_kind(kind: str, record: dict[str, Any] | None, what: str) -> str:
+    if kind == "auto":
+        return "adapter" if record is not None else "full"
+    if kind in ("adapter", "merged") and record is None:
+        raise ValueError(
+            f"export_weights(kind={kind!r}): {what} has no adapters (not a peft model, or a "
+            f"checkpoint saved before shardwise recorded adapters). kind={kind!r} exports a "
+            "peft model's adapters; use kind='full' (or 'auto') for this one."
+        )
+    return kind
+
+
+def _writer(out: Path, max_bytes: int, cast: torch.dtype | None, kind: str) -> _ShardWriter:
+    if kind == "adapter":  # peft reads one adapter_model.safetensors
+        return _ShardWriter(out, 2**63 - 1, cast, entry=ADAPTER_FILE)
+    return _ShardWriter(out, max_bytes, cast)
+
+
+def _write_configs(
+    source: nn.Module | str | Path, record: dict[str, Any] | None, kind: str, staging: Path
+) -> None:
+    """adapter_config.json beside an adapter; a live model's Hugging Face configs: the base
+    model's for a merged export (the model it now is), the model's own for a full one."""
+    if kind == "adapter" and record is not None:
+        (staging / ADAPTER_CONFIG).write_text(adapter_config(record))
+        return
+    if not isinstance(source, nn.Module):
+        return
+    found = adapter_model(unwrap(source)) if kind == "merged" else None
+    _save_hf_configs(found.base if found is not None else unwrap(source), staging)
+
+
+def _needed_bytes(
+    source: nn.Module | str | Path, cast: torch.dtype | None, record: dict[str, Any] | None
+) -> int:
+    """The bytes an export of `source` writes (tensor data; headers are small); with an
+    adapter `record`, of its trainable tensors alone."""
 
     def size(numel: int, dtype: torch.dtype) -> int:
         dtype = cast if cast is not None and dtype.is_floating_point else dtype
         return numel * dtype.itemsize
 
+    only = set(record["trainable"]) if record is not None else None
     if isinstance(source, nn.Module):
-        return sum(size(v.numel(), v.dtype) for v in _model_state(source).values())
-    metadata = SafeReader(resolve_checkpoint(source) / STATE_DIR).read_metadata()
+        state = _model_state(source)
+        return sum(size(v.numel(), v.dtype) for k, v in state.items() if not only or k in only)
+    entries = model_entries(resolve_checkpoint(source))
     return sum(
         size(math.prod(md.size), md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+        for k, md in entries.items()
+        if not only or k in only
     )
 
 
@@ -387,7 +437,7 @@ def _swap_in(staging: Path, out: Path, written: Path) -> Path:
     old = [p for p in _previous_export(out) if _WEIGHT_FILE.fullmatch(p.name) or p.name in new]
     aside = staging / ".previous"
     aside.mkdir()
-    for p in sorted(old, key=lambda p: p.name not in (SINGLE_FILE, INDEX_FILE)):
+    for p in sorted(old, key=lambda p: p.name not in (SINGLE_FILE, INDEX_FILE, ADAPTER_FILE)):
         os.replace(p, aside / p.name)
     for name in sorted(new, key=lambda n: n == written.name):
         os.replace(staging / name, out / name)

@@ -28,6 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from shardwise.checkpoint.adapters import (
+    ADAPTERS,
+    FULL,
+    check_adapter_checkpoint,
+    loaded_all_adapters,
+    state_options,
+)
 from shardwise.checkpoint.contents import EngineState, _restore_rng, train_state
 from shardwise.checkpoint.layout import (
     RNG_DIR,
@@ -93,6 +100,9 @@ def load_checkpoint(
     this engine's layout. RNG states are restored when the world size matches the one
     that saved. With `verify`, every file's size and SHA-256 are checked first (each rank
     hashes its share of the files).
+    An adapters-only checkpoint (`save_checkpoint(..., adapters_only=True)`) fills the
+    model's adapters and their optimizer state and leaves its base as it is; it is refused
+    (CheckpointError) unless the model has the same adapters on the same base.
     Returns the manifest (counters, runner position, `extra`): JSON read from the
     checkpoint, so its values are of any JSON type (typed Any).
     """
@@ -127,11 +137,15 @@ def load_checkpoint(
                 f"uses {type(engine.optimizer).__name__}. Use the same optimizer class, or "
                 "load_checkpoint(..., load_optimizer=False) for the model alone."
             )
+        contents = manifest.get("contents", FULL)
+        if contents == ADAPTERS:
+            check_adapter_checkpoint(manifest, engine.model, path)
+        options = state_options(contents)
         metadata = read_dcp_metadata(path / STATE_DIR)
         if load_optimizer and engine.optimizer is not None:
-            model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+            model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=options)
         else:
-            model_sd, optim_sd = get_model_state_dict(engine.model), {}
+            model_sd, optim_sd = get_model_state_dict(engine.model, options=options), {}
         _check_keys(model_sd, metadata, path)
     except CheckpointError as exc:
         error = exc
@@ -158,14 +172,17 @@ def load_checkpoint(
             "state": state["optim"],
             "param_groups": manifest["optimizer"]["param_groups"],
         }
-        set_state_dict(
+        result = set_state_dict(
             engine.model,
             engine.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=optim_state,
+            options=options,
         )
     else:
-        set_model_state_dict(engine.model, state["model"])
+        result = set_model_state_dict(engine.model, state["model"], options=options)
+    if contents == ADAPTERS:
+        loaded_all_adapters(engine.model, list(result.missing_keys), path)
     if load_optimizer and engine.scheduler is not None and manifest.get("scheduler") is not None:
         engine.scheduler.load_state_dict(manifest["scheduler"])
     if load_optimizer and engine.scaler is not None and manifest.get("grad_scaler") is not None:

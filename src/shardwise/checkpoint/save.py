@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,13 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from shardwise.checkpoint.adapters import (
+    ADAPTERS,
+    FULL,
+    adapter_record,
+    refuse_adapters_only,
+    state_options,
+)
 from shardwise.checkpoint.async_save import (
     PendingCheckpoint,
     _start_async,
@@ -85,6 +92,7 @@ def save_checkpoint(
     extra: Mapping[str, object] | None = ...,
     keep_last: int | None = ...,
     runner_state: Mapping[str, object] | None = ...,
+    adapters_only: bool = ...,
     async_: Literal[False] = ...,
 ) -> Path: ...
 
@@ -101,6 +109,7 @@ def save_checkpoint(
     extra: Mapping[str, object] | None = ...,
     keep_last: int | None = ...,
     runner_state: Mapping[str, object] | None = ...,
+    adapters_only: bool = ...,
     async_: Literal[True],
 ) -> PendingCheckpoint: ...
 
@@ -118,6 +127,7 @@ def save_checkpoint(
     keep_last: int | None = None,
     runner_state: Mapping[str, object] | None = None,
     async_: bool = False,
+    adapters_only: bool = False,
 ) -> Path | PendingCheckpoint:
     """Save a training state (model, optimizer, scheduler, scaler, counters, RNG) under
     `directory`, as ROOT/step_<step>.
@@ -150,6 +160,14 @@ def save_checkpoint(
     next asynchronous save and released by `shardwise.shutdown()`: allocating it anew
     cost more than copying into it (0.25-1 s against 0.05 s for a 110M-parameter AdamW
     state on 2 CPU ranks), and the copy is the training stall.
+
+    With `adapters_only=True` (a peft model: LoRA and peft's other methods) the checkpoint
+    holds the parameters that train and their optimizer state, not the frozen base: every
+    rank writes its own shards of them, as for a full checkpoint, and the manifest says it
+    holds adapters only, which adapters, and a fingerprint of the base they need
+    (`contents: "adapters"`, `adapters`). `load_checkpoint` fills the adapters and their
+    optimizer state and leaves the base as it is. A model without adapters, or with nothing
+    frozen, is refused (ValueError).
     """
     engine = train_state(model, optimizer, step, scheduler, scaler, "save_checkpoint")
     if engine.engine is None and step is None:
@@ -174,18 +192,21 @@ def save_checkpoint(
         )
     if not isinstance(async_, bool):
         raise TypeError(f"save_checkpoint(async_={async_!r}) must be True or False.")
+    if not isinstance(adapters_only, bool):
+        raise TypeError(f"save_checkpoint(adapters_only={adapters_only!r}) must be True or False.")
+    contents = ADAPTERS if adapters_only else FULL
+    # Checked before any collective: every rank holds the same model, so all refuse alike.
+    adapters = refuse_adapters_only(engine.model) if adapters_only else adapter_record(engine.model)
     extra = _jsonable(extra, "save_checkpoint(extra=...)") if extra is not None else None
     root = Path(directory)
     name = checkpoint_name(engine.step)
     final, tmp = root / name, root / f"{TMP_PREFIX}{name}"
     _agree(_prepare(root, tmp) if rank == 0 else None, "creating the checkpoint directory")
 
-    if engine.optimizer is not None:
-        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-    else:
-        model_sd, optim_sd = get_model_state_dict(engine.model), {"state": {}}
+    model_sd, optim_sd = _state_dicts(engine.model, engine.optimizer, contents)
     # All but the tensors is taken now, so an asynchronous save holds this step's state.
     manifest = _manifest(engine, optim_sd, world, extra, runner_state)
+    manifest.update(contents=contents, adapters=adapters)
     error: BaseException | None = None
     try:
         save_file(_rng_tensors(), str(tmp / RNG_DIR / f"rank_{rank}.safetensors"))
@@ -206,6 +227,17 @@ def save_checkpoint(
         return _start_async(root, tmp, final, manifest, keep_last, model_sd, optim_sd)
     # Every rank hashes its share of the files (they are still in the page cache).
     return _finish(root, tmp, final, manifest, keep_last, _hash_share(tmp))
+
+
+def _state_dicts(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, contents: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and optimizer's state dicts (this rank's shards) for a checkpoint of
+    `contents`: all of them, or the trainable parameters' alone."""
+    options = state_options(contents)
+    if optimizer is not None:
+        return get_state_dict(model, optimizer, options=options)
+    return get_model_state_dict(model, options=options), {"state": {}}
 
 
 # --- asynchronous save ---------------------------------------------------------------------------

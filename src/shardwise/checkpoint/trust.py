@@ -181,8 +181,11 @@ def check_manifest(manifest: Any, path: Path) -> dict[str, Any]:
         )  # fmt: skip
         why = outside_reason(name, base)
         _expect(why is None, path, where, name, f"a file inside {base} (it is {why})")
+    contents = manifest.get("contents", "full")  # adapters.CONTENTS; absent before adapters
+    _expect(contents in ("full", "adapters"), path, "contents", contents,
+            "'full' or 'adapters'")  # fmt: skip
     for key in ("optimizer", "scheduler", "grad_scaler", "runner", "train_config",
-                "parallel_config"):  # fmt: skip
+                "parallel_config", "adapters"):  # fmt: skip
         value = manifest.get(key)
         _expect(value is None or isinstance(value, dict), path, key, value, "an object or null")
     optimizer = manifest.get("optimizer")

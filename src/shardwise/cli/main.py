@@ -89,6 +89,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_shard_bytes=args.max_shard_bytes,
         verify=not args.no_verify,
+        kind=args.kind,
     )
     print(f"wrote {path}")
     return 0
@@ -280,6 +281,17 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="skip the size and SHA-256 check of the checkpoint's files (done by default)",
             )
+            kinds = p.add_mutually_exclusive_group()
+            for flag, kind, text in (
+                ("--adapter", "adapter", "peft's format: adapter_model.safetensors and "
+                 "adapter_config.json (the default for a checkpoint of a peft model)"),
+                ("--merged", "merged", "LoRA merged into the base weights, in the base "
+                 "model's names (from a full checkpoint of a LoRA model)"),
+                ("--full", "full", "every tensor under the model's own names (the default "
+                 "for any other checkpoint)"),
+            ):  # fmt: skip
+                kinds.add_argument(flag, dest="kind", action="store_const", const=kind, help=text)
+            p.set_defaults(kind="auto")
     ckpt.set_defaults(func=_checkpoint)
     return parser
 
