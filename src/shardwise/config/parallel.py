@@ -248,7 +248,9 @@ class ParallelConfig:
     this many parameters below it are in no unit yet. None: 100,000,000 (FSDP1's default)."""
     frozen_policy: FrozenPolicy = "warn"
     """Units mixing frozen and trainable parameters: 'split' (frozen parts get units of
-    their own where the module structure allows), 'warn', or 'error'."""
+    their own where the module structure allows), 'warn' (accept them and list them in the
+    plan's `mixed:` line; FSDP2 makes them cost nothing, so nothing is printed at wrap), or
+    'error'."""
     keep_fp32: Iterable[type[nn.Module] | str] | None = None
     """Module classes or class names computed in fp32 under a bf16/fp16 policy, each in
     its own unit. None: normalisation layers with running statistics (BatchNorm)."""

@@ -132,8 +132,8 @@ class WrapPlan:
 
     def __str__(self) -> str:
         header = (
-            f"{'unit':<36} {'class':<20} {'params':>12} {'frozen':>10} {'dtype':>9} "
-            f"{'reshard':>7} {'AC':>3}  reason"
+            f"{'unit':<36} {'class':<20} {'params':>12} {'frozen':>10} {'trainable':>10} "
+            f"{'dtype':>9} {'reshard':>7} {'AC':>3}  reason"
         )
         lines = [
             f"WrapPlan: {len(self.units)} unit(s), {self.total_params:,} params, "
@@ -146,14 +146,14 @@ class WrapPlan:
             name = "<root>" if u.is_root else u.fqn
             lines.append(
                 f"{name:<36} {u.module_class:<20} {u.num_params:>12,} {u.frozen_params:>10,} "
-                f"{u.compute_dtype:>9} {u.reshard_after_forward!s:>7} "
+                f"{u.trainable_params:>10,} {u.compute_dtype:>9} {u.reshard_after_forward!s:>7} "
                 f"{'yes' if u.activation_checkpointing else '':>3}  {u.reason}"
             )
         for names, unit in zip(self.tied, self.tied_units, strict=True):
             lines.append(f"tied: {' = '.join(names)} -> unit {unit or '<root>'}")
         lines.extend(f"note: {n}" for n in self.notes)
-        for m in self.mixed_units:
-            lines.append(f"mixed: {m.unit}: frozen {m.frozen} | trainable {m.trainable}")
+        if self.mixed_units:
+            lines.append(mixed_line(self.mixed_units))
         if self.ignored_params:
             lines.append(f"ignored (unsharded, unmanaged): {self.ignored_params}")
         if self.replicated_params:
@@ -162,6 +162,16 @@ class WrapPlan:
                 f"gradients averaged over all ranks): {self.replicated_params}"
             )
         return "\n".join(lines)
+
+
+def mixed_line(mixed: list[MixedUnit]) -> str:
+    """One line for the units that hold frozen and trainable parameters together."""
+    names = ", ".join(m.unit or "<root>" for m in mixed[:3])
+    more = f" and {len(mixed) - 3} more" if len(mixed) > 3 else ""
+    return (
+        f"mixed: {len(mixed)} unit(s) hold frozen and trainable parameters ({names}{more}); "
+        "free under FSDP2, which gathers both and reduces only the trainable ones' gradients"
+    )
 
 
 def _notice(message: str) -> None:
@@ -284,16 +294,18 @@ def _handle_frozen(
         if unsplittable:
             notes.append(f"cannot split (a module directly holds both kinds): {unsplittable}")
     found = [MixedUnit(m.unit, m.frozen, m.trainable) for m in mixed]
-    if found:
+    if found and config.frozen_policy == "error":
         listing = "; ".join(f"{m.unit}: frozen {m.frozen}, trainable {m.trainable}" for m in found)
-        if config.frozen_policy == "error":
-            raise ValueError(
-                f"ParallelConfig.frozen_policy='error': {len(found)} unit(s) mix frozen and "
-                f"trainable parameters: {listing}. Use frozen_policy='split' to give frozen "
-                "parts units of their own, or 'warn' to accept (FSDP2 keeps no gradients for "
-                "frozen parameters either way)."
-            )
-        _notice(f"shardwise: {len(found)} unit(s) mix frozen and trainable parameters: {listing}")
+        raise ValueError(
+            f"ParallelConfig.frozen_policy='error': {len(found)} unit(s) mix frozen and "
+            f"trainable parameters: {listing}. Use frozen_policy='split' to give frozen "
+            "parts units of their own, or 'warn' to accept (FSDP2 keeps no gradients for "
+            "frozen parameters either way)."
+        )
+    # Nothing is said under 'warn': FSDP2 gathers a unit's frozen and trainable parameters
+    # in one all-gather and reduce-scatters only the gradients that exist, so a mixed unit
+    # costs what two split units would (an adapter model mixes in every adapted layer). The
+    # plan's table shows both counts per unit, and one `mixed:` line.
     return units, found
 
 
