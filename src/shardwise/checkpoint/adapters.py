@@ -74,6 +74,17 @@ def state_options(contents: str) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)
 
 
+def without_frozen(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (a model state dict) without any frozen parameter. torch's
+    `ignore_frozen_params` drops a frozen parameter under its first name only: a tied alias
+    (a tied lm_head.weight beside a frozen embed_tokens.weight) stayed, and an adapters-only
+    checkpoint held the whole embedding matrix."""
+    frozen = {
+        n for n, p in unwrap(model).named_parameters(remove_duplicate=False) if not p.requires_grad
+    }
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
 def loaded_all_adapters(model: nn.Module, missing: list[str], path: object) -> None:
     """After a non-strict load of an adapters-only checkpoint: every trainable tensor was
     filled (only the frozen base may be missing)."""

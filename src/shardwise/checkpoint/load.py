@@ -34,6 +34,7 @@ from shardwise.checkpoint.adapters import (
     check_adapter_checkpoint,
     loaded_all_adapters,
     state_options,
+    without_frozen,
 )
 from shardwise.checkpoint.contents import EngineState, _restore_rng, train_state
 from shardwise.checkpoint.layout import (
@@ -146,6 +147,8 @@ def load_checkpoint(
             model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=options)
         else:
             model_sd, optim_sd = get_model_state_dict(engine.model, options=options), {}
+        if contents == ADAPTERS:
+            model_sd = without_frozen(engine.model, model_sd)
         _check_keys(model_sd, metadata, path)
     except CheckpointError as exc:
         error = exc

@@ -33,6 +33,7 @@ from shardwise.checkpoint.adapters import (
     adapter_record,
     refuse_adapters_only,
     state_options,
+    without_frozen,
 )
 from shardwise.checkpoint.async_save import (
     PendingCheckpoint,
@@ -236,8 +237,12 @@ def _state_dicts(
     `contents`: all of them, or the trainable parameters' alone."""
     options = state_options(contents)
     if optimizer is not None:
-        return get_state_dict(model, optimizer, options=options)
-    return get_model_state_dict(model, options=options), {"state": {}}
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    else:
+        model_sd, optim_sd = get_model_state_dict(model, options=options), {"state": {}}
+    if contents == ADAPTERS:
+        model_sd = without_frozen(model, model_sd)
+    return model_sd, optim_sd
 
 
 # --- asynchronous save ---------------------------------------------------------------------------

@@ -102,6 +102,25 @@ def test_an_adapters_only_checkpoint_holds_the_trainable_tensors_and_their_state
     assert {k.rpartition(".")[0] for k in optim} == set(trainable)
 
 
+def test_a_tied_frozen_head_stays_out_of_an_adapters_only_checkpoint(tmp_path):
+    # torch's ignore_frozen_params drops a frozen parameter under its first name only: the
+    # tied lm_head.weight (the embedding matrix again) stayed in the state dict.
+    config = transformers.Qwen2Config(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=32, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = lora(base=transformers.Qwen2ForCausalLM(config))
+    path = save_checkpoint(tmp_path, model, adamw(model), step=0, adapters_only=True)
+    keys = read_dcp_metadata(path / "state").state_dict_metadata
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {k.removeprefix("model.") for k in keys if k.startswith("model.")} == trainable
+    torch.manual_seed(0)
+    fresh = lora(adapter_seed=7, base=transformers.Qwen2ForCausalLM(config))
+    load_checkpoint(path, fresh, adamw(fresh))
+    assert all(torch.equal(split(fresh)[0][n], t) for n, t in split(model)[0].items())
+
+
 def test_it_loads_every_adapter_element_and_leaves_the_base_as_it_is(tmp_path):
     model, optimizer = trained()
     path = save_checkpoint(tmp_path, model, optimizer, step=2, adapters_only=True)
