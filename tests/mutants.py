@@ -256,8 +256,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "layout_refusal_with_a_traceback",
         "src/shardwise/distributed/worker_errors.py",
-        '_ONE_LINE = {"ConfigError", "LayoutError", "StallError", "PeerExitedError"}\n',
-        '_ONE_LINE = {"ConfigError", "StallError", "PeerExitedError"}\n',
+        "    if getattr(exc, _REFUSED, False):\n        return True\n",
+        "",
         (
             "tests/unit/distributed/test_worker_errors.py::"
             "test_the_hook_records_every_error_and_prints_on_local_rank_0_only",
@@ -265,9 +265,9 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
-        "mesh_refusal_a_plain_value_error",
+        "mesh_refusal_not_marked",
         "src/shardwise/distributed/mesh.py",
-        "            raise LayoutError(\n"
+        "            raise _refused(\n"
         '                f"ParallelConfig.dp_shard={dp_shard} with strategy={strategy!r}: this strategy "\n'
         '                f"shards over all',
         "            raise ValueError(\n"
@@ -279,6 +279,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "refusal_mark_not_written_for_the_launcher",
+        "src/shardwise/distributed/worker_errors.py",
+        '                "one_line": short_error(exc),  # read by cli/report.py; torch ignores it\n',
+        "",
+        (
+            "tests/unit/cli/test_report.py::test_a_refused_setting_only_other_ranks_raised_is_one_line",
+        ),
+    ),
+    Mutant(
         "spawn_timeout_counts_start_up",
         "src/shardwise/testing/spawn.py",
         "    deadline, timing_fn = time.monotonic() + STARTUP_S, False\n",
@@ -286,6 +295,140 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/unit/testing/test_spawn_clock.py::"
             "test_a_slow_start_does_not_spend_the_functions_timeout",
+        ),
+    ),
+    # 9. Issue 35: adapters under tensor parallelism.
+    Mutant(
+        "tp_thaws_frozen_norms",
+        "src/shardwise/parallelize/tensor.py",
+        "        if name in frozen and p.requires_grad:\n            p.requires_grad_(False)\n",
+        "        if name in frozen and p.requires_grad:\n            pass\n",
+        (
+            "tests/distributed/test_adapters.py::test_tensor_parallel_keeps_frozen_parameters_frozen",
+            "tests/distributed/test_adapters.py::test_adapters_train_as_one_process_and_the_base_stays_put",
+        ),
+    ),
+    Mutant(
+        "lora_b_split_under_a_row_split_base",
+        "src/shardwise/parallelize/adapters.py",
+        '                out[f"{name}.lora_A.{adapter}"] = lora_a_style(style)\n',
+        '                out[f"{name}.lora_A.{adapter}"] = lora_a_style(style)\n'
+        '                out[f"{name}.lora_B.{adapter}"] = lora_b_style(ColwiseParallel())\n',
+        (
+            "tests/unit/parallelize/test_adapter_plan.py::test_the_base_models_plan_reaches_through_peft_and_each_half_follows_its_base",
+        ),
+    ),
+    # 10. Issue 35: adapter checkpoints and exports.
+    Mutant(
+        "adapter_checkpoint_keeps_the_base",
+        "src/shardwise/checkpoint/adapters.py",
+        "    return StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)\n",
+        "    return StateDictOptions(ignore_frozen_params=False, strict=not adapters)\n",
+        (
+            "tests/unit/checkpoint/test_adapter_checkpoint.py::"
+            "test_an_adapters_only_checkpoint_holds_the_trainable_tensors_and_their_state",
+        ),
+    ),
+    Mutant(
+        "adapter_checkpoint_keeps_a_tied_frozen_head",
+        "src/shardwise/checkpoint/adapters.py",
+        "    return {k: v for k, v in state.items() if k not in frozen}\n",
+        "    return state\n",
+        (
+            "tests/unit/checkpoint/test_adapter_checkpoint.py::"
+            "test_a_tied_frozen_head_stays_out_of_an_adapters_only_checkpoint",
+        ),
+    ),
+    Mutant(
+        "adapter_save_drops_the_optimizer_state",
+        "src/shardwise/checkpoint/save.py",
+        "        model_sd = without_frozen(model, model_sd)\n",
+        "        model_sd = without_frozen(model, model_sd)\n"
+        '        optim_sd = {**optim_sd, "state": {}}\n',
+        (
+            "tests/unit/checkpoint/test_adapter_checkpoint.py::"
+            "test_an_adapters_only_checkpoint_holds_the_trainable_tensors_and_their_state",
+        ),
+    ),
+    Mutant(
+        "adapter_load_skips_the_optimizer_state",
+        "src/shardwise/checkpoint/load.py",
+        "    if load_optimizer and engine.optimizer is not None:\n        optim_state = {\n",
+        "    if load_optimizer and engine.optimizer is not None and contents != ADAPTERS:\n"
+        "        optim_state = {\n",
+        (
+            "tests/unit/checkpoint/test_adapter_checkpoint.py::"
+            "test_it_loads_every_adapter_element_and_leaves_the_base_as_it_is",
+        ),
+    ),
+    Mutant(
+        "adapter_base_fingerprint_ignores_shapes",
+        "src/shardwise/checkpoint/adapters.py",
+        "        (_base_key(found, n), list(p.shape)) for n, p in model.named_parameters()\n",
+        "        (_base_key(found, n), []) for n, p in model.named_parameters()\n",
+        (
+            "tests/unit/checkpoint/test_adapter_checkpoint.py::"
+            "test_loading_into_another_model_is_refused_naming_the_field",
+        ),
+    ),
+    Mutant(
+        "adapter_lora_scale_not_checked_on_load",
+        "src/shardwise/checkpoint/adapters.py",
+        '    for layer, scales in (saved.get("lora_scaling") or {}).items():\n',
+        "    for layer, scales in {}.items():\n",
+        (
+            "tests/unit/checkpoint/test_adapter_checkpoint.py::"
+            "test_loading_into_another_model_is_refused_naming_the_field",
+        ),
+    ),
+    Mutant(
+        "peft_key_keeps_the_adapter_name",
+        "src/shardwise/checkpoint/adapters.py",
+        "    key = f\"{head.removesuffix(f'.{adapter}')}.{suffix}\"\n",
+        '    key = f"{head}.{suffix}"\n',
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::test_adapter_keys_are_the_ones_peft_writes",
+        ),
+    ),
+    Mutant(
+        "lora_merged_without_its_scale",
+        "src/shardwise/checkpoint/adapters.py",
+        "    return (weight.float() + delta * scale).to(weight.dtype)\n",
+        "    return (weight.float() + delta).to(weight.dtype)\n",
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::"
+            "test_the_merged_export_equals_peft_merge_and_opens_in_transformers",
+        ),
+    ),
+    Mutant(
+        "lora_merged_ignoring_fan_in_fan_out",
+        "src/shardwise/checkpoint/adapters.py",
+        "    if transpose:\n        delta = delta.T\n",
+        "    if False:\n        delta = delta.T\n",
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::"
+            "test_the_merged_export_equals_peft_merge_and_opens_in_transformers",
+        ),
+    ),
+    Mutant(
+        "adapter_model_exported_whole_by_default",
+        "src/shardwise/checkpoint/export.py",
+        '        return "adapter" if record is not None else "full"\n',
+        '        return "full"\n',
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::"
+            "test_the_adapter_export_is_peft_own_and_opens_in_peft",
+        ),
+    ),
+    # Rank 0 writes its own shard of each adapter as if it were the whole (accelerate PR #4206).
+    Mutant(
+        "adapter_export_writes_rank0s_shard",
+        "src/shardwise/checkpoint/adapter_export.py",
+        "        value = _full(state[name])\n",
+        "        value = state[name].to_local() if isinstance(state[name], DTensor) else state[name]\n",
+        (
+            "tests/distributed/test_adapter_checkpoints.py::"
+            "test_the_peft_export_opens_in_peft_with_the_trained_logits",
         ),
     ),
 )

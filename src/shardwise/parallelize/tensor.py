@@ -33,8 +33,10 @@ from torch.distributed.tensor.parallel import (
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.tensor_parallel import TP_STYLE_NAMES
 from shardwise.distributed.mesh import TP_DIM
+from shardwise.parallelize.adapters import adapter_plan, base_plan
 from shardwise.parallelize.moe import EXPERTS_WORD, ExpertsParallel
 from shardwise.parallelize.sequence import add_sequence_parallel
+from shardwise.plan.adapters import adapted_layers, adapter_model
 
 __all__ = [
     "CheckedPlan",
@@ -99,7 +101,7 @@ def resolve_tp_plan(
         return tp_plan
     own = tp_plan == "auto"
     if own:
-        tp_plan = getattr(model, "_tp_plan", None)
+        tp_plan = own_plan(model)
         if not tp_plan:
             raise ValueError(
                 f"ParallelConfig.tp_plan='auto' but {type(model).__name__} has no "
@@ -136,6 +138,16 @@ def resolve_tp_plan(
             f"would be split. Give a plan of your own, e.g. {_EXAMPLE}."
         )
     return plan
+
+
+def own_plan(model: nn.Module) -> Mapping[str, object] | None:
+    """A model's own plan: a Hugging Face model's `_tp_plan`; an adapter model's is its base
+    model's, moved under the prefix peft adds to every name."""
+    found = adapter_model(model)
+    if found is not None:
+        return base_plan(found)
+    own = getattr(model, "_tp_plan", None)
+    return own if isinstance(own, Mapping) else None
 
 
 def _fold_experts(entries: dict[str, object]) -> dict[str, object]:
@@ -223,13 +235,15 @@ def check_tensor_parallel(model: nn.Module, config: ParallelConfig) -> CheckedPl
     plan = resolve_tp_plan(model, config.tp_plan)
     if callable(plan) and not isinstance(plan, Mapping):
         return CheckedPlan(plan, {"(callable)": getattr(plan, "__name__", repr(plan))})
-    source: Any = getattr(model, "_tp_plan", None) if config.tp_plan == "auto" else config.tp_plan
+    source: Any = own_plan(model) if config.tp_plan == "auto" else config.tp_plan
     words = {str(k): v if isinstance(v, str) else type(v).__name__ for k, v in source.items()}
     if config.loss_parallel:
         head = _split_logits_head(model, plan)
         words[head] = "colwise (loss_parallel: logits split over the vocabulary)"
     splits_vocab = bool({"embedding_rowwise", "colwise_gather_output"} & set(words.values()))
     check_sizes(model, config.tp_size, splits_vocab)
+    if adapted_layers(model):  # each adapted layer's entry goes to its base layer and adapters
+        plan = adapter_plan(model, per_module(model, plan), config.sequence_parallel)
     if config.sequence_parallel:
         plan = add_sequence_parallel(model, per_module(model, plan), words)
     return CheckedPlan(plan, words)
@@ -271,8 +285,9 @@ def _split_logits_head(model: nn.Module, plan: dict[str, ParallelStyle]) -> str:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: CheckedPlan) -> None:
     """Split the planned layers over `tp_mesh` (torch's parallelize_module, or the user's
-    callable), then tie again what the plan split alike."""
+    callable), then tie again what the plan split alike and keep frozen what was."""
     ties = _tied_groups(model)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     if isinstance(plan.apply, dict):
         # One entry per module: torch warns of a pattern that misses in some layers (Qwen3-MoE's
         # dense mlp.gate_proj in its layers with experts) as if a plan entry were skipped.
@@ -280,6 +295,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: CheckedPl
     else:
         plan.apply(model, tp_mesh)
     _retie(model, ties)
+    # torch's SequenceParallel (per-head norms, sequence-parallel norms) makes each weight
+    # a new Parameter that requires a gradient: a frozen norm (an adapter model's base)
+    # would train.
+    for name, p in model.named_parameters():
+        if name in frozen and p.requires_grad:
+            p.requires_grad_(False)
 
 
 def split_parameters(model: nn.Module, plan: CheckedPlan) -> set[int] | None:

@@ -1,0 +1,288 @@
+"""Adapters (PEFT's LoRA) train under every layout as one process, and the base stays put.
+
+Four transformers families get LoRA adapters from `peft.get_peft_model` (llama; gemma, whose
+embedding and output head are tied; qwen2, with attention biases; qwen3_moe, a mixture of
+experts), with `init_lora_weights=False` so that both halves of every adapter have a
+gradient at the first step. Each trains 3 steps with SGD and with AdamW, each data-parallel
+rank on its part of every global batch, at world 2 (full_shard) and at world 4 (hybrid
+2 x 2, and full_shard over dp 2 with tp 2, where the adapted layers' base layers follow the
+base model's own plan and their adapters are split to match). Compared with one process
+on the whole batch: the loss at every step, the adapters' first-step gradients and final
+values (1e-5; AdamW's losses 1e-4), and every frozen parameter bit-identical to where it
+started. The tp layout is shown to be real (which LoRA halves are split, and how), and a
+wrong split (a row-split base's lora_A whose partial outputs nothing sums over tp) fails the
+same comparison. All cases run in two spawned groups (`make test-adapters`).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import shardwise
+from shardwise.testing import run_distributed
+from shardwise.testing.parity import split_batch
+
+pytestmark = pytest.mark.adapters
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+VOCAB, BATCH, SEQ, STEPS = 32, 8, 6, 3
+RTOL, ADAMW_LOSS_RTOL = 1e-5, 1e-4
+DECODER = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, ["q_proj", "v_proj", "down_proj"]),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 4}, ["q_proj", "v_proj", "down_proj"]),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, ["q_proj", "v_proj", "o_proj"]),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 8}, ["q_proj", "v_proj", "o_proj"]),
+}  # fmt: skip
+WORLD2 = {"full_shard": {"strategy": "full_shard"}}
+WORLD4 = {
+    "hybrid_shard": {"strategy": "hybrid_shard"},  # replicate 2 x shard 2
+    "tp2": {"strategy": "full_shard", "tp": 2},  # dp 2 x tp 2
+}
+OPTIMIZERS = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.5),
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2),
+}
+
+
+def build(name: str) -> nn.Module:
+    config_cls, model_cls, extra, targets = FAMILIES[name]
+    config = getattr(transformers, config_cls)(**{**DECODER, **extra})
+    base = getattr(transformers, model_cls)(config)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    return peft.get_peft_model(base, lora)
+
+
+def batches() -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(3, VOCAB, (BATCH, SEQ), generator=g),) for _ in range(STEPS)]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def train(model: nn.Module, rank_batch, optimizer: str) -> dict:  # type: ignore[no-untyped-def]
+    """3 steps: the losses (averaged over the ranks), the adapters' first-step gradients,
+    the final adapters and the final frozen parameters, all whole."""
+    user = shardwise.unwrap(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = OPTIMIZERS[optimizer](trainable)
+    losses, first_grads = [], {}
+    for step, (ids,) in enumerate(batches()):
+        opt.zero_grad(set_to_none=True)
+        mine = rank_batch((ids,))[0]
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        if step == 0:
+            first_grads = {n: _full(p.grad) for n, p in user.named_parameters() if p.requires_grad}
+        opt.step()
+        detached = loss.detach()
+        losses.append(
+            shardwise.mean_across_ranks(detached) if dist.is_initialized() else float(detached)
+        )
+    named = list(user.named_parameters())
+    return {
+        "losses": losses,
+        "grads": first_grads,
+        "adapters": {n: _full(p) for n, p in named if p.requires_grad},
+        "frozen": {n: _full(p) for n, p in named if not p.requires_grad},
+    }
+
+
+def references() -> dict:  # type: ignore[type-arg]
+    out = {}
+    for name in FAMILIES:
+        torch.manual_seed(0)
+        model = build(name)
+        start = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        for optimizer in OPTIMIZERS:
+            torch.manual_seed(0)
+            out[f"{name}/{optimizer}"] = train(build(name), lambda b: b, optimizer)
+        out[f"{name}/start"] = start
+    return out
+
+
+def _wrapped(name: str, fields: dict, optimizer: str) -> dict:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", shardwise.PlanNotice)
+        model = shardwise.wrap(build(name), shardwise.ParallelConfig(**fields))
+    info = shardwise.wrap_info(model)
+    assert info is not None
+    shard = functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size)
+    result = train(model, shard, optimizer)
+    notices = [str(w.message) for w in caught if w.category is shardwise.PlanNotice]
+    return {**result, "notices": notices, "layout": _layout(model)}
+
+
+def _layout(model: nn.Module) -> dict[str, str]:
+    """Each LoRA half and base layer of layer 0's q_proj (column-split base) and o_proj or
+    down_proj (row-split base): its tp placement, or 'whole'."""
+    out = {}
+    for name, p in shardwise.unwrap(model).named_parameters():
+        if ".layers.0." not in name or not any(
+            k in name for k in ("q_proj", "o_proj", "down_proj")
+        ):
+            continue
+        dims = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+        tp = str(p.placements[dims.index("tp")]) if dims and "tp" in dims else "whole"
+        out[name.split(".layers.0.")[1]] = tp
+    return out
+
+
+def _world2() -> dict:  # type: ignore[type-arg]
+    return {
+        f"{name}/{layout}/{opt}": _wrapped(name, fields, opt)
+        for name in FAMILIES
+        for layout, fields in WORLD2.items()
+        for opt in OPTIMIZERS
+    }
+
+
+def _world4() -> dict:  # type: ignore[type-arg]
+    out = {
+        f"{name}/{layout}/{opt}": _wrapped(name, fields, opt)
+        for name in FAMILIES
+        for layout, fields in WORLD4.items()
+        for opt in OPTIMIZERS
+    }
+    out["llama/tp2_unsummed_lora_A/sgd"] = _unsummed_lora_a()
+    out["frozen_norms_sp"] = _frozen_norms_under_sequence_parallel()
+    return out
+
+
+def _frozen_norms_under_sequence_parallel() -> list[str]:
+    """A plain llama with frozen norms under tp 2 + sequence parallel: which parameters
+    thawed (torch's SequenceParallel makes each norm weight a new Parameter)."""
+    config_cls, model_cls, _, _ = FAMILIES["llama"]
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**DECODER))
+    for name, p in model.named_parameters():
+        p.requires_grad_("norm" not in name)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    config = shardwise.ParallelConfig(tp=2, sequence_parallel=True)
+    wrapped = shardwise.wrap(model, config)
+    return sorted(n for n, p in wrapped.named_parameters() if n in frozen and p.requires_grad)
+
+
+def _unsummed_lora_a() -> dict:  # type: ignore[type-arg]
+    """A wrong split: under the row-split down_proj each rank keeps its columns of lora_A
+    as a plain tensor and adds its partial product, which nothing sums over tp."""
+    from unittest import mock
+
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from shardwise.parallelize import adapters
+
+    class KeepPartial(ParallelStyle):
+        def __init__(self, *_: object) -> None:
+            super().__init__()
+
+        def _apply(self, module: nn.Module, mesh: object) -> nn.Module:
+            tp, rank = mesh.size(), mesh.get_local_rank()  # type: ignore[attr-defined]
+            columns = module.weight.shape[1] // tp
+            part = module.weight.detach()[:, rank * columns : (rank + 1) * columns].clone()
+            module.weight = nn.Parameter(part)
+            return module
+
+    with mock.patch.object(adapters, "lora_a_style", KeepPartial):
+        return _wrapped("llama", WORLD4["tp2"], "sgd")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def _worst(ref: dict, got: dict, loss_rtol: float = RTOL) -> tuple[float, str]:  # type: ignore[type-arg]
+    """The largest difference relative to its bar (above 1 fails) and where it is."""
+    worst = (0.0, "")
+    for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+        worst = max(worst, (abs(a - b) / abs(b) / loss_rtol, f"loss at step {i}"))
+    for kind in ("grads", "adapters"):
+        for n, b in ref[kind].items():
+            worst = max(worst, (_rel(got[kind][n], b) / RTOL, f"{kind} {n}"))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def results() -> tuple[dict, dict]:  # type: ignore[type-arg]
+    refs = references()
+    got = run_distributed(_world2, 2, timeout_s=600)[0]
+    got.update(run_distributed(_world4, 4, timeout_s=600)[0])
+    return refs, got
+
+
+CASES = [f"{n}/{layout}/{o}" for n in FAMILIES for layout in [*WORLD2, *WORLD4] for o in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_adapters_train_as_one_process_and_the_base_stays_put(results, case):
+    refs, got = results
+    name, _, optimizer = case.split("/")
+    ref, run = refs[f"{name}/{optimizer}"], got[case]
+    bar = ADAMW_LOSS_RTOL if optimizer == "adamw" else RTOL
+    ratio, where = _worst(ref, run, loss_rtol=bar)
+    print(f"{case}: the largest difference is {where}, {ratio:.2e} of its bar")
+    assert ratio < 1, f"{case}: {where} differs by {ratio:.2e} of its bar"
+    # Nothing thawed: the same parameters train (3 adapted layers x 2 layers x lora_A, B).
+    assert set(run["grads"]) == set(ref["grads"]) and len(ref["grads"]) == 3 * 2 * 2
+    start = refs[f"{name}/start"]
+    assert set(run["frozen"]) == set(start)
+    moved = [n for n, p in run["frozen"].items() if not torch.equal(p, start[n])]
+    assert not moved, f"{case}: frozen parameters changed: {moved[:3]}"
+    assert len(run["notices"]) <= 1, run["notices"]  # at most one line of notice
+    assert all("\n" not in n for n in run["notices"])
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_under_tp_each_lora_half_follows_its_base_layer(results, name):
+    _, got = results
+    layout = got[f"{name}/tp2/sgd"]["layout"]
+    col, row = (
+        "self_attn.q_proj",
+        "self_attn.o_proj" if name in ("qwen2", "qwen3_moe") else "mlp.down_proj",
+    )
+    want = {
+        f"{col}.base_layer.weight": str(Shard(0)),  # output features split
+        f"{col}.lora_A.default.weight": "whole",
+        f"{col}.lora_B.default.weight": str(Shard(0)),  # its rows: the same features
+        f"{row}.base_layer.weight": str(Shard(1)),  # input features split
+        f"{row}.lora_A.default.weight": str(Shard(1)),  # the same features, summed over tp
+        f"{row}.lora_B.default.weight": "whole",
+    }
+    assert {k: layout[k] for k in want} == want, layout
+    assert str(Replicate()) not in layout.values()
+
+
+def test_the_comparison_catches_lora_a_partial_sums_left_unsummed(results):
+    refs, got = results
+    # Its down_proj lora_A holds half the columns as a plain tensor: the rest compares.
+    ref, wrong = refs["llama/sgd"], got["llama/tp2_unsummed_lora_A/sgd"]
+    same = {n for n, g in ref["grads"].items() if g.shape == wrong["grads"][n].shape}
+    assert len(same) == len(ref["grads"]) - 2  # the two layers' down_proj.lora_A
+    keep = {k: {n: ref[k][n] for n in same} for k in ("grads", "adapters")}
+    ratio, where = _worst({**ref, **keep}, wrong)
+    print(f"lora_A's partial sums not summed over tp: {where}, {ratio * RTOL:.2e}")
+    assert ratio > 100, f"a wrong split passed ({where}: {ratio:.2e} of the bar)"
+
+
+def test_tensor_parallel_keeps_frozen_parameters_frozen(results):
+    """Per-head norms (qwen3_moe's q_norm, above) and sequence-parallel norms come back from
+    torch's SequenceParallel as new Parameters that require gradients: wrap freezes them again."""
+    _, got = results
+    assert got["frozen_norms_sp"] == []
