@@ -385,7 +385,7 @@ def test_a_layout_refused_in_every_rank_is_one_line_and_the_summary():
     out = run_in_session(cmd, timeout_s=240)
     assert out.returncode == 1, out.stderr[-3000:]
     shown = _transcript("troubleshooting.md", "shardwise " + " ".join(cmd[len(SHARDWISE) :]))
-    assert shown[0].startswith("[rank0]: LayoutError: ParallelConfig.dp_shard=3 with strategy=")
+    assert shown[0].startswith("[rank0]: ValueError: ParallelConfig.dp_shard=3 with strategy=")
     assert out.stderr.splitlines() == shown, out.stderr[-3000:]
 
 

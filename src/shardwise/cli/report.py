@@ -62,15 +62,16 @@ class Failure:
     """The worker showed it as one line (a config error, a lost peer): no traceback needed."""
 
 
-def _read_error(data: Any) -> tuple[str, str]:
+def _read_error(data: Any) -> tuple[str, str, bool]:
+    """(message, traceback, shown as one line) from a worker's error file."""
     message = data.get("message", "") if isinstance(data, dict) else ""
     if message == "<NONE>":  # torch's placeholder when a worker wrote no error file
-        return "", ""
+        return "", "", False
     if isinstance(message, dict):
-        return str(message.get("message", "")), str(
-            message.get("extraInfo", {}).get("py_callstack", "")
-        )
-    return str(message), ""
+        text, extra = str(message.get("message", "")), message.get("extraInfo", {})
+        one_line = bool(extra.get("one_line")) or _is_short(text)
+        return text, str(extra.get("py_callstack", "")), one_line
+    return str(message), "", _is_short(str(message))
 
 
 def _type_name(message: str) -> str:
@@ -88,7 +89,7 @@ def failures_from_torch(failures: Mapping[int, Any]) -> list[Failure]:
     """Our `Failure`s from `ChildFailedError.failures` (global rank -> ProcessFailure)."""
     out = []
     for rank, f in sorted(failures.items()):
-        message, tb = _read_error(getattr(f, "error_file_data", {}))
+        message, tb, one_line = _read_error(getattr(f, "error_file_data", {}))
         out.append(
             Failure(
                 rank=rank,
@@ -96,7 +97,7 @@ def failures_from_torch(failures: Mapping[int, Any]) -> list[Failure]:
                 exitcode=f.exitcode,
                 message=message,
                 traceback=tb,
-                short=_is_short(message),
+                short=one_line,
             )
         )
     return out

@@ -9,7 +9,6 @@ worker's uncaught error to `shardwise run` (installed here, in its workers only)
 from shardwise.distributed.mesh import (
     REPLICATE_DIM,
     SHARD_DIM,
-    LayoutError,
     MeshSpec,
     divisors,
     from_user_mesh,
@@ -48,7 +47,6 @@ __all__ = [
     "TIMEOUT_ENV",
     "DistInfo",
     "JobEnv",
-    "LayoutError",
     "MeshSpec",
     "PeerExitedError",
     "StallError",

@@ -4,8 +4,8 @@ Owns: turning (strategy, dp_shard, tp, world size) into one validated `MeshSpec`
 building torch's DeviceMesh from it: (dp_replicate, dp_shard, tp), tp innermost so that a
 tensor-parallel group is adjacent ranks (one node's fast links). Resolution is a pure
 function, so every error can be raised (and tested) before a process group exists. A layout
-that does not fit the job is refused with `LayoutError`: the user's setting, not a bug, so a
-worker of `shardwise run` shows it in one line, as it does a ConfigError.
+that does not fit the job is refused with a ValueError marked `refused`: the user's setting,
+not a bug, so a worker of `shardwise run` shows it in one line, as it does a ConfigError.
 
 Must not: wrap models or read the environment.
 """
@@ -18,6 +18,8 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardwise.distributed.worker_errors import refused
+
 REPLICATE_DIM = "dp_replicate"
 SHARD_DIM = "dp_shard"
 TP_DIM = "tp"
@@ -25,10 +27,10 @@ TP_DIM = "tp"
 _HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 
 
-class LayoutError(ValueError):
+def _refused(message: str) -> ValueError:
     """ParallelConfig's layout (strategy, dp_shard, tp, device_mesh) does not fit this job's
-    world size, nodes or process groups; the message names the field, the value and the fix.
-    """
+    world size, nodes or process groups; `message` names the field, the value and the fix."""
+    return refused(ValueError(message))
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def _has_2d_split(world: int, dp_shard: int) -> bool:
 def _hybrid_shard_degree(dp_shard: int, world: int, local_world: int, strategy: str) -> int:
     usable = [d for d in divisors(world) if 1 < d < world]
     if not usable:
-        raise LayoutError(
+        raise _refused(
             f"ParallelConfig.strategy={strategy!r} needs a 2-D mesh (at least 2 replica groups "
             f"of at least 2 ranks), but world size {world} has no such split. Use "
             "'full_shard' (or 'shard_grad_op') for this world size, or launch a world size "
@@ -127,12 +129,12 @@ def _hybrid_shard_degree(dp_shard: int, world: int, local_world: int, strategy: 
         # rank): the smallest usable divisor >= sqrt(world).
         return min(d for d in usable if d * d >= world)
     if world % dp_shard != 0:
-        raise LayoutError(
+        raise _refused(
             f"ParallelConfig.dp_shard={dp_shard} does not divide the world size {world}. "
             f"Choose a divisor of {world} ({', '.join(map(str, usable))}) or -1 to infer."
         )
     if dp_shard not in usable:
-        raise LayoutError(
+        raise _refused(
             f"ParallelConfig.dp_shard={dp_shard} with strategy={strategy!r} at world size "
             f"{world} gives a {world // dp_shard}x{dp_shard} mesh, which is not hybrid. Choose "
             f"dp_shard in {usable}, or use "
@@ -157,14 +159,14 @@ def resolve_mesh(
     local_world = local_world_size or world_size
     if tp > 1:
         if strategy == "ddp":
-            raise LayoutError(
+            raise _refused(
                 f"ParallelConfig.tp={tp} with strategy='ddp': DistributedDataParallel cannot "
                 "hold tensor-parallel (DTensor) parameters. Use strategy='no_shard' (it "
                 "replicates as DDP does, over the data-parallel ranks) or a sharded strategy."
             )
         if world_size % tp != 0 or local_world % tp != 0:
             fits = [d for d in divisors(local_world) if world_size % d == 0 and d > 1]
-            raise LayoutError(
+            raise _refused(
                 f"ParallelConfig.tp={tp} does not divide the {world_size} ranks "
                 f"({local_world} per node): a tensor-parallel group is {tp} ranks of one "
                 f"node. Choose tp in {fits or [1]}."
@@ -192,7 +194,7 @@ def resolve_mesh(
         )  # fmt: skip
     if strategy == "ddp" or strategy == "no_shard":
         if dp_shard not in (-1, 1):
-            raise LayoutError(
+            raise _refused(
                 f"ParallelConfig.dp_shard={dp_shard} with strategy={strategy!r}: this strategy "
                 "replicates everything, so dp_shard must be -1 or 1. To shard, use "
                 "'full_shard' or 'hybrid_shard'."
@@ -205,7 +207,7 @@ def resolve_mesh(
                 if world_size % dp_shard == 0
                 else "choose a divisor of the world size with a hybrid strategy"
             )
-            raise LayoutError(
+            raise _refused(
                 f"ParallelConfig.dp_shard={dp_shard} with strategy={strategy!r}: this strategy "
                 f"shards over all {world_size} ranks, so dp_shard must be -1 or {world_size}. "
                 f"To shard within smaller groups, {hint}."
@@ -248,7 +250,7 @@ def from_user_mesh(
         mesh = _mesh_from_group_pair(value[0], value[1], device_type)
     world = dist.get_world_size()
     if mesh.size() != world:
-        raise LayoutError(
+        raise _refused(
             f"ParallelConfig.device_mesh spans {mesh.size()} rank(s) but the job has {world}. "
             "shardwise treats every rank as a data-parallel replica: give a mesh over all "
             "ranks (for model parallelism beside data parallelism, wrap with torch's "
@@ -258,12 +260,12 @@ def from_user_mesh(
     if strategy == "ddp":
         shard = 1
     if dp_shard not in (-1, shard):
-        raise LayoutError(
+        raise _refused(
             f"ParallelConfig.dp_shard={dp_shard} contradicts the device_mesh, whose shard "
             f"dimension has {shard} rank(s). Leave dp_shard=-1 with a device_mesh."
         )
     if strategy == "no_shard" and shard != 1:
-        raise LayoutError(
+        raise _refused(
             f"strategy='no_shard' needs a device_mesh of shape (N, 1); its shard dimension "
             f"has {shard} ranks. Use 'hybrid_shard' to shard within rows."
         )
@@ -284,7 +286,7 @@ def _mesh_from_group_pair(shard_group: Any, replicate_group: Any, device_type: s
     replicas = dist.get_process_group_ranks(replicate_group)
     column = layout[:, mine.index(dist.get_rank())].tolist()  # this rank's replicas
     if len({len(r) for r in rows}) != 1 or sorted(column) != sorted(replicas):
-        raise LayoutError(
+        raise _refused(
             "ParallelConfig.process_group=(shard group, replicate group) do not form a "
             f"(replicate, shard) grid: shard groups {rows}, and this rank's replicate group "
             f"{replicas} should be {column}. Each replicate group must hold the ranks at one "

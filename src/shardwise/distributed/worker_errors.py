@@ -9,8 +9,9 @@ back as `ProcessFailure.message`), local rank 0 prints its own error as it happe
 launcher prints the others once, grouped by message, with the ranks that raised each
 (cli/report.py).
 
-Errors that are the user's input, not the code's (`ConfigError`, and `LayoutError`: a
-ParallelConfig layout that does not fit the job, found in `wrap`), and a lost peer or stall
+Errors that are the user's input, not the code's (`ConfigError`, and a ValueError marked
+with `refused`: a ParallelConfig layout that does not fit the job, found in `wrap`), and a
+lost peer or stall
 (`StallError`, whose message already says where and what to do) print one line without a
 traceback; the traceback stays in the error file. A lost peer (`PeerExitedError`) is not
 printed by the worker at all: the launcher reports it, as "stopped because rank N ended"
@@ -28,12 +29,14 @@ import sys
 import time
 import traceback
 from types import TracebackType
+from typing import TypeVar
 
 __all__ = [
     "install_if_launched",
     "is_one_line",
     "printed_by_worker",
     "record_error",
+    "refused",
     "short_error",
 ]
 
@@ -41,7 +44,11 @@ from shardwise.distributed.process_group import LAUNCHER_PID_ENV
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # Exception classes (by name, so this module imports nothing) shown as one line.
-_ONE_LINE = {"ConfigError", "LayoutError", "StallError", "PeerExitedError"}
+_ONE_LINE = {"ConfigError", "StallError", "PeerExitedError"}
+# A ValueError or TypeError that refuses the user's setting where only the running job can
+# tell (the world size in `wrap`): marked on the instance, so it stays the plain ValueError
+# the style asks for, and written into the error file for the launcher.
+_REFUSED = "shardwise_refused"
 # ... and those the launcher reports instead of the worker (see the module docstring).
 _LAUNCHER_REPORTS = {"PeerExitedError"}
 
@@ -56,8 +63,20 @@ def printed_by_worker(type_name: str) -> bool:
     return type_name not in _LAUNCHER_REPORTS
 
 
+E = TypeVar("E", bound=BaseException)
+
+
+def refused(exc: E) -> E:
+    """`exc`, marked as a refusal of the user's setting: shown by a worker of `shardwise run`
+    as its message alone, like a ConfigError (`raise refused(ValueError(...))`)."""
+    setattr(exc, _REFUSED, True)
+    return exc
+
+
 def short_error(exc: BaseException) -> bool:
     """Whether `exc` is shown as its message alone (input errors, stalls, lost peers)."""
+    if getattr(exc, _REFUSED, False):
+        return True
     return any(is_one_line(cls.__name__) for cls in type(exc).__mro__)
 
 
@@ -69,6 +88,7 @@ def record_error(exc: BaseException, path: str) -> None:
             "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(exc)),
                 "timestamp": str(int(time.time())),
+                "one_line": short_error(exc),  # read by cli/report.py; torch ignores it
             },
         }
     }

@@ -14,7 +14,7 @@ from shardwise.cli.report import (
     failures_from_torch,
     summary,
 )
-from shardwise.distributed.worker_errors import record_error
+from shardwise.distributed.worker_errors import record_error, refused
 
 
 def test_describe_exit():
@@ -121,6 +121,22 @@ def test_torch_reads_the_error_file_the_worker_hook_writes(tmp_path):
     assert [(f.rank, f.local_rank, f.exitcode) for f in ours] == [(3, 0, -9), (4, 1, 1)]
     assert ours[0].message == ""  # torch's "<NONE>" placeholder is no message
     assert ours[1].message == "ValueError: boom" and 'raise ValueError("boom")' in ours[1].traceback
+
+
+def test_a_refused_setting_only_other_ranks_raised_is_one_line(tmp_path):
+    """A ValueError marked as the user's setting (a layout wrap() refused) is printed as its
+    message: the mark travels in the error file, as the class name cannot say it."""
+    try:
+        raise refused(ValueError("ParallelConfig.dp_shard=3 does not divide the world size 4."))
+    except ValueError as exc:
+        record_error(exc, str(tmp_path / "error.json"))
+    failure = ProcessFailure(
+        local_rank=1, pid=7, exitcode=1, error_file=str(tmp_path / "error.json")
+    )
+    out = summary(failures_from_torch({5: failure}))
+    assert out.splitlines()[1:] == [
+        "  rank 5: ValueError: ParallelConfig.dp_shard=3 does not divide the world size 4."
+    ]
 
 
 def _record(name: str, level: int, msg: str, *args: object) -> logging.LogRecord:

@@ -1,12 +1,13 @@
 """Mesh resolution: degrees against the world size, inference of -1, and the errors.
 
-A layout the job cannot take is refused with `LayoutError` (a ValueError), which a worker of
-`shardwise run` shows in one line; a bad argument from shardwise's own code stays a ValueError.
+A layout the job cannot take is refused with a ValueError marked as the user's setting, which a
+worker of `shardwise run` shows in one line; a bad argument from shardwise's own code is not.
 """
 
 import pytest
 
-from shardwise.distributed import LayoutError, resolve_mesh
+from shardwise.distributed import resolve_mesh
+from shardwise.distributed.worker_errors import short_error
 
 
 @pytest.mark.parametrize(
@@ -61,7 +62,7 @@ def test_reshard_override():
 
 def test_dp_shard_not_dividing_world():
     with pytest.raises(
-        LayoutError,
+        ValueError,
         match=r"ParallelConfig\.dp_shard=3 does not divide the world size 4\. Choose a divisor of 4 \(2\) or -1",
     ):
         resolve_mesh("hybrid_shard", 3, 4)
@@ -70,7 +71,7 @@ def test_dp_shard_not_dividing_world():
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_hybrid_with_no_2d_mesh(world):
     with pytest.raises(
-        LayoutError,
+        ValueError,
         match=rf"needs a 2-D mesh .* world size {world} has no such split\. Use 'full_shard'",
     ):
         resolve_mesh("hybrid_shard", -1, world)
@@ -78,7 +79,7 @@ def test_hybrid_with_no_2d_mesh(world):
 
 def test_hybrid_degenerate_split_refused():
     with pytest.raises(
-        LayoutError,
+        ValueError,
         match=r"dp_shard=4 .* gives a 1x4 mesh, which is not hybrid\. Choose dp_shard in \[2\], or use full_shard",
     ):
         resolve_mesh("hybrid_shard", 4, 4)
@@ -86,22 +87,24 @@ def test_hybrid_degenerate_split_refused():
 
 def test_full_shard_with_partial_dp_shard_points_to_hybrid():
     with pytest.raises(
-        LayoutError,
+        ValueError,
         match=r"dp_shard=2 with strategy='full_shard'.*use strategy='hybrid_shard' with dp_shard=2",
-    ):
+    ) as refused:
         resolve_mesh("full_shard", 2, 4)
+    assert short_error(refused.value)  # the user's layout: one line under `shardwise run`
 
 
 def test_ddp_with_dp_shard():
     with pytest.raises(
-        LayoutError, match=r"dp_shard=2 with strategy='ddp': this strategy replicates everything"
+        ValueError, match=r"dp_shard=2 with strategy='ddp': this strategy replicates everything"
     ):
         resolve_mesh("ddp", 2, 4)
 
 
 def test_zero_world():
-    with pytest.raises(ValueError, match=r"world_size=0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"world_size=0 must be >= 1") as internal:
         resolve_mesh("ddp", -1, 0)
+    assert not short_error(internal.value)  # shardwise's own argument: keeps its traceback
 
 
 def test_spec_prints_and_serialises():

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from shardwise.config.run_file import ConfigError
-from shardwise.distributed import LayoutError, PeerExitedError, worker_errors
+from shardwise.distributed import PeerExitedError, worker_errors
 
 
 def _raise(exc: BaseException) -> BaseException:
@@ -44,7 +44,7 @@ def test_a_users_own_hook_is_kept(monkeypatch, tmp_path):
         ("1", ConfigError("unknown key 'train.max_stepz'"), ""),  # the launcher prints it, once
         ("0", ValueError("boom"), "Traceback"),
         # A layout refused in wrap() is the user's setting too: one line, no traceback.
-        ("0", LayoutError("ParallelConfig.dp_shard=3 ..."), "LayoutError: ParallelConfig.dp_s"),
+        ("0", worker_errors.refused(ValueError("ParallelConfig.dp_shard=3 ...")), "ValueError: Pa"),
         # A lost peer is the launcher's to report ("stopped because rank 1 ended").
         ("0", PeerExitedError("rank 0: ...", what="step 3", rank=0, missing=None), ""),
     ],
@@ -59,8 +59,9 @@ def test_the_hook_records_every_error_and_prints_on_local_rank_0_only(
     worker_errors._hook(type(caught), caught, caught.__traceback__)
     err = capsys.readouterr().err
     assert err.startswith(shown) if shown else err == ""
-    if isinstance(exc, (ConfigError, LayoutError)):
+    if worker_errors.short_error(exc):
         assert "Traceback" not in err  # the user's input, not our code: one line
     data = json.loads(path.read_text())["message"]
     assert data["message"] == f"{type(exc).__name__}: {exc}"
     assert "Traceback (most recent call last)" in data["extraInfo"]["py_callstack"]
+    assert data["extraInfo"]["one_line"] == worker_errors.short_error(exc)  # for the launcher
