@@ -3,7 +3,8 @@
 Four transformers families get LoRA adapters from `peft.get_peft_model` (llama; gemma, whose
 embedding and output head are tied; qwen2, with attention biases; qwen3_moe, a mixture of
 experts), with `init_lora_weights=False` so that both halves of every adapter have a
-gradient at the first step. Each trains 3 steps with SGD and with AdamW, each data-parallel
+gradient at the first step. At world 2, llama also trains with DoRA, with IA³, with a saved
+output head (`modules_to_save`), and as a bf16 base with fp32 adapters. Each trains 3 steps with SGD and with AdamW, each data-parallel
 rank on its part of every global batch, at world 2 (full_shard) and at world 4 (hybrid
 2 x 2, and full_shard over dp 2 with tp 2, where the adapted layers' base layers follow the
 base model's own plan and their adapters are split to match). Compared with one process
@@ -60,10 +61,35 @@ OPTIMIZERS = {
 }
 
 
+# llama with other peft methods and settings, at world 2 (full_shard): name -> (peft config
+# builder, base dtype). IA³'s vectors start at 1 and DoRA's magnitude at the weight's norm,
+# so both train from the first step; modules_to_save trains a copy of the output head.
+VARIANTS = {
+    "llama+dora": (lambda: peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False,
+                                           target_modules=["q_proj", "v_proj", "down_proj"]), None),
+    "llama+ia3": (lambda: peft.IA3Config(target_modules=["q_proj", "v_proj", "down_proj"],
+                                         feedforward_modules=["down_proj"]), None),
+    "llama+head": (lambda: peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                           target_modules=["q_proj", "v_proj"],
+                                           modules_to_save=["lm_head"]), None),
+    "llama+bf16": (lambda: peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                           target_modules=["q_proj", "v_proj", "down_proj"]),
+                   torch.bfloat16),
+}  # fmt: skip
+# Two bf16 roundings: the bf16 base computes in another order over a slice than over the batch.
+BF16_RTOL = 2 * 2**-9
+
+
 def build(name: str) -> nn.Module:
-    config_cls, model_cls, extra, targets = FAMILIES[name]
+    family = name.split("+")[0]
+    config_cls, model_cls, extra, targets = FAMILIES[family]
     config = getattr(transformers, config_cls)(**{**DECODER, **extra})
     base = getattr(transformers, model_cls)(config)
+    if name in VARIANTS:
+        make, dtype = VARIANTS[name]
+        if dtype is not None:  # a bf16 base; the adapters made after it stay fp32
+            base = base.to(dtype)
+        return peft.get_peft_model(base, make())
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     return peft.get_peft_model(base, lora)
 
@@ -107,7 +133,7 @@ def train(model: nn.Module, rank_batch, optimizer: str) -> dict:  # type: ignore
 
 def references() -> dict:  # type: ignore[type-arg]
     out = {}
-    for name in FAMILIES:
+    for name in [*FAMILIES, *VARIANTS]:
         torch.manual_seed(0)
         model = build(name)
         start = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -149,7 +175,7 @@ def _layout(model: nn.Module) -> dict[str, str]:
 def _world2() -> dict:  # type: ignore[type-arg]
     return {
         f"{name}/{layout}/{opt}": _wrapped(name, fields, opt)
-        for name in FAMILIES
+        for name in [*FAMILIES, *VARIANTS]
         for layout, fields in WORLD2.items()
         for opt in OPTIMIZERS
     }
@@ -208,15 +234,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def _worst(ref: dict, got: dict, loss_rtol: float = RTOL) -> tuple[float, str]:  # type: ignore[type-arg]
+def _worst(ref: dict, got: dict, loss_rtol: float = RTOL, rtol: float = RTOL) -> tuple[float, str]:  # type: ignore[type-arg]
     """The largest difference relative to its bar (above 1 fails) and where it is."""
     worst = (0.0, "")
     for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
         worst = max(worst, (abs(a - b) / abs(b) / loss_rtol, f"loss at step {i}"))
     for kind in ("grads", "adapters"):
         for n, b in ref[kind].items():
-            worst = max(worst, (_rel(got[kind][n], b) / RTOL, f"{kind} {n}"))
+            worst = max(worst, (_rel(got[kind][n], b) / rtol, f"{kind} {n}"))
     return worst
+
+
+# Trainable tensors per variant: DoRA adds a magnitude per adapted layer; IA³ has one vector
+# per adapted layer; the saved head adds its copy's weight.
+TRAINABLE = {"llama+dora": 3 * 2 * 3, "llama+ia3": 3 * 2, "llama+head": 2 * 2 * 2 + 1}
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +259,7 @@ def results() -> tuple[dict, dict]:  # type: ignore[type-arg]
 
 
 CASES = [f"{n}/{layout}/{o}" for n in FAMILIES for layout in [*WORLD2, *WORLD4] for o in OPTIMIZERS]
+CASES += [f"{n}/{layout}/{o}" for n in VARIANTS for layout in WORLD2 for o in OPTIMIZERS]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -236,11 +268,15 @@ def test_adapters_train_as_one_process_and_the_base_stays_put(results, case):
     name, _, optimizer = case.split("/")
     ref, run = refs[f"{name}/{optimizer}"], got[case]
     bar = ADAMW_LOSS_RTOL if optimizer == "adamw" else RTOL
-    ratio, where = _worst(ref, run, loss_rtol=bar)
+    bf16 = name == "llama+bf16"
+    ratio, where = _worst(
+        ref, run, loss_rtol=BF16_RTOL if bf16 else bar, rtol=BF16_RTOL if bf16 else RTOL
+    )
     print(f"{case}: the largest difference is {where}, {ratio:.2e} of its bar")
     assert ratio < 1, f"{case}: {where} differs by {ratio:.2e} of its bar"
     # Nothing thawed: the same parameters train (3 adapted layers x 2 layers x lora_A, B).
-    assert set(run["grads"]) == set(ref["grads"]) and len(ref["grads"]) == 3 * 2 * 2
+    assert set(run["grads"]) == set(ref["grads"]) == set(ref["adapters"])
+    assert len(ref["grads"]) == TRAINABLE.get(name, 3 * 2 * 2)
     start = refs[f"{name}/start"]
     assert set(run["frozen"]) == set(start)
     moved = [n for n, p in run["frozen"].items() if not torch.equal(p, start[n])]
@@ -286,3 +322,11 @@ def test_tensor_parallel_keeps_frozen_parameters_frozen(results):
     torch's SequenceParallel as new Parameters that require gradients: wrap freezes them again."""
     _, got = results
     assert got["frozen_norms_sp"] == []
+
+
+def test_a_bf16_base_keeps_fp32_adapters_and_trains(results):
+    """FSDP2 shards a unit holding bf16 base weights and fp32 adapters as they are."""
+    _, got = results
+    run = got["llama+bf16/full_shard/adamw"]
+    assert {str(p.dtype) for p in run["adapters"].values()} == {"torch.float32"}
+    assert {str(p.dtype) for p in run["frozen"].values()} == {"torch.bfloat16"}
