@@ -141,6 +141,30 @@ def test_it_loads_every_adapter_element_and_leaves_the_base_as_it_is(tmp_path):
     assert all(torch.equal(split(fresh)[0][n], t) for n, t in split(model)[0].items())
 
 
+def test_an_asynchronous_adapters_only_save_holds_the_same(tmp_path):
+    model, optimizer = trained()
+    save_checkpoint(tmp_path / "full", model, optimizer, step=2, async_=True).result()
+    pending = save_checkpoint(
+        tmp_path / "async", model, optimizer, step=2, adapters_only=True, async_=True
+    )  # after a full one: the reused CPU copy is made afresh for the smaller state
+    path = pending.result()
+    assert read_manifest(path)["contents"] == "adapters"
+    keys = set(read_dcp_metadata(path / "state").state_dict_metadata)
+    assert {k.removeprefix("model.") for k in keys if k.startswith("model.")} == set(
+        split(model)[0]
+    )
+    fresh = lora(adapter_seed=7)
+    fresh_optimizer = adamw(fresh)
+    load_checkpoint(path, fresh, fresh_optimizer)
+    assert all(torch.equal(split(fresh)[0][n], t) for n, t in split(model)[0].items())
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            optimizer_tensors(optimizer), optimizer_tensors(fresh_optimizer), strict=True
+        )
+    )
+
+
 def test_a_full_checkpoint_of_a_peft_model_still_holds_and_loads_everything(tmp_path):
     model, optimizer = trained()
     path = save_checkpoint(tmp_path, model, optimizer, step=2)
