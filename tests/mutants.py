@@ -431,6 +431,98 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_the_peft_export_opens_in_peft_with_the_trained_logits",
         ),
     ),
+    # 10. Issue 35: adapter checkpoints and exports.
+    Mutant(
+        "adapter_checkpoint_keeps_a_tied_frozen_head",
+        "src/shardwise/checkpoint/adapters.py",
+        "    return {k: v for k, v in state.items() if k not in frozen}\n",
+        "    return state\n",
+        (
+            "tests/unit/checkpoint/test_adapter_checkpoint.py::"
+            "test_a_tied_frozen_head_stays_out_of_an_adapters_only_checkpoint",
+        ),
+    ),
+    Mutant(
+        "adapter_save_drops_the_optimizer_state",
+        "src/shardwise/checkpoint/save.py",
+        "        model_sd = without_frozen(model, model_sd)\n",
+        "        model_sd = without_frozen(model, model_sd)\n"
+        '        optim_sd = {**optim_sd, "state": {}}\n',
+        (
+            "tests/unit/checkpoint/test_adapter_checkpoint.py::"
+            "test_an_adapters_only_checkpoint_holds_the_trainable_tensors_and_their_state",
+        ),
+    ),
+    Mutant(
+        "adapter_base_fingerprint_ignores_shapes",
+        "src/shardwise/checkpoint/adapters.py",
+        "        (_base_key(found, n), list(p.shape)) for n, p in model.named_parameters()\n",
+        "        (_base_key(found, n), []) for n, p in model.named_parameters()\n",
+        (
+            "tests/unit/checkpoint/test_adapter_checkpoint.py::"
+            "test_loading_into_another_model_is_refused_naming_the_field",
+        ),
+    ),
+    Mutant(
+        "adapter_lora_scale_not_checked_on_load",
+        "src/shardwise/checkpoint/adapters.py",
+        '    for layer, scales in (saved.get("lora_scaling") or {}).items():\n',
+        "    for layer, scales in {}.items():\n",
+        (
+            "tests/unit/checkpoint/test_adapter_checkpoint.py::"
+            "test_loading_into_another_model_is_refused_naming_the_field",
+        ),
+    ),
+    Mutant(
+        "peft_key_keeps_the_adapter_name",
+        "src/shardwise/checkpoint/adapters.py",
+        "    key = f\"{head.removesuffix(f'.{adapter}')}.{suffix}\"\n",
+        '    key = f"{head}.{suffix}"\n',
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::test_adapter_keys_are_the_ones_peft_writes",
+        ),
+    ),
+    Mutant(
+        "lora_merged_without_its_scale",
+        "src/shardwise/checkpoint/adapters.py",
+        "    return (weight.float() + delta * scale).to(weight.dtype)\n",
+        "    return (weight.float() + delta).to(weight.dtype)\n",
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::"
+            "test_the_merged_export_equals_peft_merge_and_opens_in_transformers",
+        ),
+    ),
+    Mutant(
+        "lora_merged_ignoring_fan_in_fan_out",
+        "src/shardwise/checkpoint/adapters.py",
+        "    if transpose:\n        delta = delta.T\n",
+        "    if False:\n        delta = delta.T\n",
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::"
+            "test_the_merged_export_equals_peft_merge_and_opens_in_transformers",
+        ),
+    ),
+    Mutant(
+        "adapter_model_exported_whole_by_default",
+        "src/shardwise/checkpoint/export.py",
+        '        return "adapter" if record is not None else "full"\n',
+        '        return "full"\n',
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::"
+            "test_the_adapter_export_is_peft_own_and_opens_in_peft",
+        ),
+    ),
+    # Rank 0 writes its own shard of each adapter as if it were the whole (accelerate PR #4206).
+    Mutant(
+        "adapter_export_writes_rank0s_shard",
+        "src/shardwise/checkpoint/adapter_export.py",
+        "        value = _full(state[name])\n",
+        "        value = state[name].to_local() if isinstance(state[name], DTensor) else state[name]\n",
+        (
+            "tests/distributed/test_adapter_checkpoints.py::"
+            "test_the_peft_export_opens_in_peft_with_the_trained_logits",
+        ),
+    ),
 )
 
 
