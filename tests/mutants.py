@@ -410,6 +410,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_the_peft_export_opens_in_peft_with_the_trained_logits",
         ),
     ),
+    Mutant(
+        "frozen_units_resharded_every_micro_batch",
+        "src/shardwise/parallelize/fsdp.py",
+        "        module.set_reshard_after_backward(not keep, recurse=False)\n",
+        "        module.set_reshard_after_backward(True, recurse=False)\n",
+        (
+            "tests/distributed/test_adapters.py::test_keeping_the_frozen_base_gathered_saves_all_gathers_and_changes_nothing",
+        ),
+    ),
 )
 
 

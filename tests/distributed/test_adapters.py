@@ -173,12 +173,46 @@ def _layout(model: nn.Module) -> dict[str, str]:
 
 
 def _world2() -> dict:  # type: ignore[type-arg]
-    return {
+    out = {
         f"{name}/{layout}/{opt}": _wrapped(name, fields, opt)
         for name in [*FAMILIES, *VARIANTS]
         for layout, fields in WORLD2.items()
         for opt in OPTIMIZERS
     }
+    for keep in (False, True):
+        out[f"accumulate/keep={keep}"] = _accumulate(keep)
+    return out
+
+
+ACCUMULATE = 4
+
+
+def _accumulate(keep: bool) -> dict:  # type: ignore[type-arg]
+    """The Engine over llama's 3 batches as one window of 4 micro-batches each (one SGD
+    update per batch), with and without `keep_frozen_gathered`: the all-gathers of one
+    optimizer step, and the adapters after it."""
+    from shardwise.testing import count_collectives
+
+    torch.manual_seed(0)
+    train = shardwise.TrainConfig(accumulate_steps=ACCUMULATE, keep_frozen_gathered=keep)
+    engine = shardwise.Engine(
+        build("llama"),
+        lambda params: torch.optim.SGD([p for p in params if p.requires_grad], lr=0.5),
+        shardwise.ParallelConfig(strategy="full_shard"),
+        train=train,
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, gathers = [], []
+    for (ids,) in batches():
+        mine = split_batch((ids,), rank, world)[0]
+        with count_collectives() as counted:
+            for micro in mine.chunk(ACCUMULATE):
+                logs = engine.train_step({"input_ids": micro, "labels": micro})
+        gathers.append(counted["all_gather_single"] + counted["all_gather_into_tensor"])
+        losses.append(logs["loss"])
+    user = shardwise.unwrap(engine.model)
+    adapters = {n: _full(p) for n, p in user.named_parameters() if p.requires_grad}
+    return {"losses": losses, "adapters": adapters, "gathers": gathers}
 
 
 def _world4() -> dict:  # type: ignore[type-arg]
@@ -330,3 +364,20 @@ def test_a_bf16_base_keeps_fp32_adapters_and_trains(results):
     run = got["llama+bf16/full_shard/adamw"]
     assert {str(p.dtype) for p in run["adapters"].values()} == {"torch.float32"}
     assert {str(p.dtype) for p in run["frozen"].values()} == {"torch.bfloat16"}
+
+
+def test_keeping_the_frozen_base_gathered_saves_all_gathers_and_changes_nothing(results):
+    """Under accumulation, each unit holding frozen weights (every decoder layer of an
+    adapter model, and the root) is gathered once per optimizer step instead of for every
+    micro-batch's forward and backward."""
+    _, got = results
+    plain, kept = got["accumulate/keep=False"], got["accumulate/keep=True"]
+    units = 3  # two decoder layers and the root, each one all-gather (FSDP2 per unit)
+    print(f"all-gathers per optimizer step at accumulation {ACCUMULATE}: "
+          f"{plain['gathers'][0]} plain, {kept['gathers'][0]} kept")  # fmt: skip
+    # The root stays gathered after forward by itself: per micro-batch 2 per layer + 1.
+    assert plain["gathers"] == [ACCUMULATE * (2 * (units - 1) + 1)] * STEPS
+    assert kept["gathers"] == [units] * STEPS
+    assert kept["losses"] == plain["losses"]
+    for name, value in plain["adapters"].items():
+        assert torch.equal(kept["adapters"][name], value), name

@@ -25,6 +25,11 @@ class TrainConfig:
     sync_each_microbatch: bool = False
     """Reduce gradients after every micro-batch: more communication, less memory (FSDP
     keeps sharded instead of full gradients between micro-batches)."""
+    keep_frozen_gathered: bool = False
+    """Under gradient accumulation on an FSDP strategy, gather each unit holding frozen
+    parameters (an adapter model's base) once per optimizer step and keep it gathered until
+    the window's last backward, instead of twice per micro-batch: fewer all-gathers, for
+    the memory of those units' whole parameters."""
     max_grad_norm: float | None = None
     """Clip gradients to this global L2 norm (over all shards and replicas)."""
     grad_scaler: bool | None = None

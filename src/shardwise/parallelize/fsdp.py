@@ -185,3 +185,25 @@ def replicate_scalars(model: nn.Module, names: list[str]) -> None:
                 p.grad.div_(world)
 
         param.register_post_accumulate_grad_hook(average)
+
+
+def frozen_units(model: nn.Module, plan: WrapPlan) -> list[tuple[FSDPModule, bool]]:
+    """The units holding frozen parameters of their own, each with its planned
+    `reshard_after_forward` (a unit resharding to a smaller mesh, an int, is left out)."""
+    out: list[tuple[FSDPModule, bool]] = []
+    for unit in plan.units:
+        module = model.get_submodule(unit.modules[0])
+        if unit.frozen_params and isinstance(module, FSDPModule):
+            if isinstance(unit.reshard_after_forward, bool):
+                out.append((module, unit.reshard_after_forward))
+    return out
+
+
+def keep_gathered(units: list[tuple[FSDPModule, bool]], keep: bool) -> None:
+    """`keep`: these units stay gathered after forward and after backward (gradient
+    accumulation over a frozen base); otherwise back to their plan, and resharded now."""
+    for module, planned in units:
+        module.set_reshard_after_forward(planned if not keep else False, recurse=False)
+        module.set_reshard_after_backward(not keep, recurse=False)
+        if not keep:
+            module.reshard()

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import TrainConfig
 from shardwise.parallelize.apply import wrap
+from shardwise.parallelize.fsdp import frozen_units, keep_gathered
 from shardwise.parallelize.tensor import check_tp_gradients
 from shardwise.parallelize.wrapped import unwrap, wrap_info
 from shardwise.train.losses import VIS_KEYS, model_parse_losses, parse_losses, split_outputs
@@ -228,6 +229,16 @@ class Engine:
         self._tp_checked = False
         self._nonfinite_ranks = 0
         self._window: list[dict[str, torch.Tensor]] = []
+        self._held = self._units_to_hold()
+
+    def _units_to_hold(self) -> list[tuple[FSDPModule, bool]]:
+        """The units `keep_frozen_gathered` keeps gathered over an accumulation window."""
+        tc, info = self.train_config, wrap_info(self.model)
+        if not tc.keep_frozen_gathered or tc.accumulate_steps == 1 or info is None:
+            return []
+        if info.plan is None or info.mesh_spec is None or info.mesh_spec.engine == "ddp":
+            return []  # nothing is resharded: nothing to keep
+        return frozen_units(unwrap(self.model), info.plan)
 
     # --- set-up ---------------------------------------------------------------------
 
@@ -292,12 +303,16 @@ class Engine:
         update = force_update or self.micro_step + 1 >= tc.accumulate_steps
         if not self.model.training:  # train() walks every module: not on each micro-step
             self.model.train()
+        if self._held and self.micro_step == 0:  # gathered at this forward, kept to the last
+            keep_gathered(self._held, True)
         with step_context(self.model, update or tc.sync_each_microbatch):
             outputs = self.forward(batch, "loss")
             losses, passed = split_outputs(outputs)
             loss, logs = model_parse_losses(unwrap(self.model), losses)
             scaled = loss / tc.accumulate_steps
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        if self._held and update:
+            keep_gathered(self._held, False)
         logs = local_values(logs)
         self._window.append(logs)
         self.micro_step += 1
