@@ -223,8 +223,8 @@ def trial_restart(
 def _restart_told(out: Path) -> str | None:
     """None when the launcher's log names the dead rank, the restart and the resumed step."""
     log = (out / "launcher.out").read_text()
-    wanted = ["rank 1 (pid", "was killed by signal 9 (SIGKILL)", "restart 1 of 2",
-              "restart 1: resumed from step"]  # fmt: skip
+    wanted = ["rank 1: was killed by signal 9 (SIGKILL)", "rank 0: stopped because rank 1 ended",
+              "restart 1 of 2", "restart 1: resumed from step"]  # fmt: skip
     missing = [w for w in wanted if w not in log]
     if missing:
         return f"the log does not say {missing}"
