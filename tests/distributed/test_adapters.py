@@ -109,7 +109,7 @@ def train(model: nn.Module, rank_batch, optimizer: str) -> dict:  # type: ignore
     user = shardwise.unwrap(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = OPTIMIZERS[optimizer](trainable)
-    losses, first_grads = [], {}
+    losses, first_grads, frozen_grads = [], {}, []
     for step, (ids,) in enumerate(batches()):
         opt.zero_grad(set_to_none=True)
         mine = rank_batch((ids,))[0]
@@ -117,6 +117,9 @@ def train(model: nn.Module, rank_batch, optimizer: str) -> dict:  # type: ignore
         loss.backward()
         if step == 0:
             first_grads = {n: _full(p.grad) for n, p in user.named_parameters() if p.requires_grad}
+            frozen_grads = [
+                n for n, p in user.named_parameters() if not p.requires_grad and p.grad is not None
+            ]
         opt.step()
         detached = loss.detach()
         losses.append(
@@ -126,6 +129,7 @@ def train(model: nn.Module, rank_batch, optimizer: str) -> dict:  # type: ignore
     return {
         "losses": losses,
         "grads": first_grads,
+        "frozen_grads": frozen_grads,
         "adapters": {n: _full(p) for n, p in named if p.requires_grad},
         "frozen": {n: _full(p) for n, p in named if not p.requires_grad},
     }
@@ -222,6 +226,7 @@ def _world4() -> dict:  # type: ignore[type-arg]
         for layout, fields in WORLD4.items()
         for opt in OPTIMIZERS
     }
+    out["llama+head/tp2/sgd"] = _wrapped("llama+head", WORLD4["tp2"], "sgd")  # a saved copy
     out["llama/tp2_unsummed_lora_A/sgd"] = _unsummed_lora_a()
     out["frozen_norms_sp"] = _frozen_norms_under_sequence_parallel()
     return out
@@ -294,6 +299,7 @@ def results() -> tuple[dict, dict]:  # type: ignore[type-arg]
 
 CASES = [f"{n}/{layout}/{o}" for n in FAMILIES for layout in [*WORLD2, *WORLD4] for o in OPTIMIZERS]
 CASES += [f"{n}/{layout}/{o}" for n in VARIANTS for layout in WORLD2 for o in OPTIMIZERS]
+CASES += ["llama+head/tp2/sgd"]  # the head's frozen original and trained copy split alike
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -315,6 +321,7 @@ def test_adapters_train_as_one_process_and_the_base_stays_put(results, case):
     assert set(run["frozen"]) == set(start)
     moved = [n for n, p in run["frozen"].items() if not torch.equal(p, start[n])]
     assert not moved, f"{case}: frozen parameters changed: {moved[:3]}"
+    assert run["frozen_grads"] == [], run["frozen_grads"][:3]  # no gradient is even held
     assert len(run["notices"]) <= 1, run["notices"]  # at most one line of notice
     assert all("\n" not in n for n in run["notices"])
 

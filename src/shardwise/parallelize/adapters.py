@@ -7,8 +7,9 @@ the base layer's output. A plan written for the base model therefore matches not
 peft model, and applied to the wrapper it would split a module torch's styles do not know.
 
 Owns: the plan of a peft model (`adapter_plan`): the base model's own plan moved under the
-prefix, and each adapted layer's entry given to its base layer and its adapters so that the
-adapter's output has the base layer's layout:
+prefix, a module trained as a copy (`modules_to_save`) split like its original, and each
+adapted layer's entry given to its base layer and its adapters so that the adapter's output
+has the base layer's layout:
 
 - a column-split base (output features split): `lora_B` is split the same way (its rows)
   and `lora_A` stays whole. lora_B's input is whole on every rank, so torch's column style
@@ -33,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from shardwise.plan.adapters import AdapterModel, adapted_layers
+from shardwise.plan.adapters import AdapterModel, adapted_layers, saved_modules
 
 __all__ = ["adapter_plan", "base_plan", "lora_a_style", "lora_b_style"]
 
@@ -53,11 +54,14 @@ def adapter_plan(
 ) -> dict[str, ParallelStyle]:
     """`per_module` (one style per module name) with each adapted layer's entry replaced by
     entries for its base layer and its LoRA linears; unchanged for a model without adapters."""
-    adapted = adapted_layers(model)
-    if not adapted:
+    adapted, saved = adapted_layers(model), saved_modules(model)
+    if not adapted and not saved:
         return per_module
     out: dict[str, ParallelStyle] = {}
     for name, style in per_module.items():
+        if name in saved:  # the frozen original and each trained copy split alike
+            out.update({f"{name}.{part}": style for part in saved[name]})
+            continue
         if name not in adapted:
             out[name] = style
             continue

@@ -36,7 +36,7 @@ from shardwise.distributed.mesh import TP_DIM
 from shardwise.parallelize.adapters import adapter_plan, base_plan
 from shardwise.parallelize.moe import EXPERTS_WORD, ExpertsParallel
 from shardwise.parallelize.sequence import add_sequence_parallel
-from shardwise.plan.adapters import adapted_layers, adapter_model
+from shardwise.plan.adapters import adapted_layers, adapter_model, saved_modules
 
 __all__ = [
     "CheckedPlan",
@@ -242,7 +242,7 @@ def check_tensor_parallel(model: nn.Module, config: ParallelConfig) -> CheckedPl
         words[head] = "colwise (loss_parallel: logits split over the vocabulary)"
     splits_vocab = bool({"embedding_rowwise", "colwise_gather_output"} & set(words.values()))
     check_sizes(model, config.tp_size, splits_vocab)
-    if adapted_layers(model):  # each adapted layer's entry goes to its base layer and adapters
+    if adapted_layers(model) or saved_modules(model):  # entries go to base layers and adapters
         plan = adapter_plan(model, per_module(model, plan), config.sequence_parallel)
     if config.sequence_parallel:
         plan = add_sequence_parallel(model, per_module(model, plan), words)

@@ -9,8 +9,9 @@ its `base_layer` (`q_proj` → `q_proj.base_layer`, beside `q_proj.lora_A.<adapt
 see through that nesting; this module is where they read it.
 
 Owns: recognising a peft model (`adapter_model` → `AdapterModel`: its base model and the
-prefix to it, the method, the active adapters, the trainable parameters) and an adapted
-layer (`adapted_layers`: the wrapper's path and its base layer).
+prefix to it, the method, the active adapters, the trainable parameters), an adapted
+layer (`adapted_layers`: the wrapper's path and its base layer) and a module trained whole
+as a copy (`saved_modules`: peft's `modules_to_save`).
 
 Must not: import peft, change the model, or decide what to do with an adapter (the
 planner, parallelize and checkpoint packages do).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["AdapterModel", "adapted_layers", "adapter_model"]
+__all__ = ["AdapterModel", "adapted_layers", "adapter_model", "saved_modules"]
 
 
 @dataclass(frozen=True)
@@ -84,4 +85,17 @@ def adapted_layers(model: nn.Module) -> dict[str, nn.Module]:
         base = getattr(module, "base_layer", None)
         if isinstance(base, nn.Module) and base is not module:
             out[fqn] = base
+    return out
+
+
+def saved_modules(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Path of every module peft trains as a copy (`modules_to_save`: a wrapper holding
+    `original_module`, frozen, and `modules_to_save.<adapter>`, trained) → the paths of the
+    original and of each copy, relative to the wrapper."""
+    out: dict[str, tuple[str, ...]] = {}
+    for fqn, module in model.named_modules():
+        original = getattr(module, "original_module", None)
+        copies = getattr(module, "modules_to_save", None)
+        if isinstance(original, nn.Module) and isinstance(copies, nn.ModuleDict):
+            out[fqn] = ("original_module", *(f"modules_to_save.{k}" for k in copies))
     return out

@@ -85,3 +85,12 @@ def test_ia3_is_refused_with_the_reason():
     )
     with pytest.raises(NotImplementedError, match=r"holds \['ia3_l'\].*IA³ scales split features"):
         _plan(peft.get_peft_model(_base(), config))
+
+
+def test_a_module_trained_as_a_copy_is_split_like_its_original():
+    plan = _plan(_llama(target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    head = "base_model.model.lm_head"
+    original, copy = plan[f"{head}.original_module"], plan[f"{head}.modules_to_save.default"]
+    assert isinstance(original, ColwiseParallel) and isinstance(copy, ColwiseParallel)
+    assert original.output_layouts == copy.output_layouts == (Replicate(),)  # gathered logits
+    assert head not in plan

@@ -480,7 +480,9 @@ def test_plan_prints_and_serialises():
     )
     text = str(plan)
     assert "4 unit(s)" in text and "<root>" in text and "policy: auto: 3x Block" in text
-    assert re.search(r"blocks\.2\s+Block\s+([\d,]+)\s+0\s+\1\s+bfloat16\s+True\s+yes\s+policy", text)
+    assert re.search(
+        r"blocks\.2\s+Block\s+([\d,]+)\s+0\s+\1\s+bfloat16\s+True\s+yes\s+policy", text
+    )
     data = json.loads(plan.to_json())
     assert data["total_params"] == plan.total_params
     assert [u["fqn"] for u in data["units"]] == ["blocks.0", "blocks.1", "blocks.2", ""]
