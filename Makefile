@@ -59,11 +59,11 @@ test-batch-stats: $(STAMP)
 # Adapter models (peft's LoRA) under every layout at worlds 2 and 4: parity, checkpoints and
 # exports; .ci/run runs it after `test`.
 test-adapters: $(STAMP)
-	$(VENV)/bin/pytest -q -m adapters tests/distributed
+	$(VENV)/bin/pytest -q -m adapters tests/distributed tests/e2e/test_bench_smoke.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)
-	$(VENV)/bin/pytest -q -m "bench and not models and not integrations" tests/e2e/test_bench_smoke.py
+	$(VENV)/bin/pytest -q -m "bench and not models and not integrations and not adapters" tests/e2e/test_bench_smoke.py
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py

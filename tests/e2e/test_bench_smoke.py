@@ -29,6 +29,7 @@ pytestmark = pytest.mark.bench  # `make test-bench` (and .ci/run), not `make tes
         # that test those (`make test-models`, `make test-integrations`) instead.
         pytest.param("hf_storage.py", marks=pytest.mark.models),
         pytest.param("integrations.py", marks=pytest.mark.integrations),
+        pytest.param("adapters.py", marks=pytest.mark.adapters),  # peft: `make test-adapters`
     ],
 )
 def test_benchmark_smoke(script):
