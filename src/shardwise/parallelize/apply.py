@@ -31,11 +31,13 @@ from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, unit_prepa
 from shardwise.parallelize.global_batch import groups_of
 from shardwise.parallelize.materialize import has_meta
 from shardwise.parallelize.materialize import materialize as materialize  # memory/fake.py swaps it
+from shardwise.parallelize.quantized import prepare_quantized, unit_compute_dtypes
 from shardwise.parallelize.recompute import apply_activation_checkpointing
 from shardwise.parallelize.tensor import apply_tensor_parallel, check_tensor_parallel
 from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding
 from shardwise.plan.planner import WrapPlan, plan_wrap
+from shardwise.plan.quantized import check_quantized, check_storage
 
 
 def _sharded_description(module: nn.Module) -> str | None:
@@ -95,6 +97,9 @@ def _prepare_blocks(model: nn.Module, plan: WrapPlan, config: ParallelConfig) ->
             if unit.reason == "policy":
                 for fqn in unit.modules:
                     modules[fqn].compile(backend=backend)  # in place: names are unchanged
+
+
+_PRECISION = "ParallelConfig.mixed_precision"
 
 
 class PerformanceNotice(UserWarning):
@@ -190,6 +195,9 @@ def wrap(
         )
     info = _check_process_group(config)
     on_meta = has_meta(model)
+    sharded = info.world_size > 1 or config.force_wrap
+    # A quantized base (QLoRA): what cannot train correctly is refused before any mesh.
+    quantized = check_quantized(model, config, sharded=sharded, on_meta=on_meta)
     # Under CPU offload parameters stay on the CPU; sharded ones move unit by unit below.
     move = not on_meta and config.offload_policy is None
 
@@ -216,6 +224,7 @@ def wrap(
     if info.world_size == 1 and not config.force_wrap:
         if move:
             model.to(info.device)
+        prepare_quantized(model, quantized)
         plan = plan_wrap(model, config, sharded=False)
         _prepare_blocks(model, plan, config)
         fill(model)
@@ -254,6 +263,7 @@ def wrap(
         if move:
             model.to(info.device)
         fill(model)  # DDP replicates: every rank holds the full model anyway
+        prepare_quantized(model, quantized, sync=config.sync_module_states)
         wrapped = apply_ddp(model, config, info, plan, user_mesh)
         prepare_batch_statistics(wrapped, model, groups_of(None, ddp_group(wrapped)))
         setattr(wrapped, INFO_ATTR, WrapInfo(config, info, spec, plan))
@@ -265,6 +275,9 @@ def wrap(
     # Each unit moves to the device and takes rank 0's values (a meta model has none) just
     # before it is sharded: no rank ever holds the full model on its device.
     sync = config.sync_module_states and not on_meta  # a meta model has no values yet
+    if quantized:
+        check_storage(quantized, unit_compute_dtypes(plan, config.precision), _PRECISION)
+        prepare_quantized(model, quantized, device=info.device if move else None, sync=sync)
     prepare = unit_preparer(info.device if move else None, sync)
     mesh = apply_fsdp(model, config, info, spec, plan, user_mesh, prepare=prepare)
     fill(model, mesh)  # after sharding: each rank allocates and fills only its shards

@@ -1,0 +1,184 @@
+"""A quantized base (bitsandbytes' 4-bit and 8-bit layers) recognised by its classes'
+names, counted at its packed size with its quant_state, and refused where it cannot train
+(plan/quantized.py); wrap keeps it ready (parallelize/quantized.py). One process, small
+layers quantized on this CPU."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise
+from shardwise.parallelize.quantized import unit_compute_dtypes
+from shardwise.plan.planner import plan_wrap
+from shardwise.plan.quantized import check_quantized, check_storage, quantized_params, stored_bytes
+
+bnb = pytest.importorskip("bitsandbytes")
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def four_bit(storage: torch.dtype = torch.uint8, nested: bool = False, quantize: bool = True):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(
+        64, 96, bias=False, compute_dtype=torch.float32, quant_type="nf4",
+        quant_storage=storage, compress_statistics=nested,
+    )  # fmt: skip
+    return layer.to("cpu") if quantize else layer  # bitsandbytes quantizes on the move
+
+
+def model_with(layer: nn.Module) -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.Sequential(layer), nn.Linear(96, 4))
+
+
+def eight_bit() -> nn.Module:
+    return bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False).to("cpu")
+
+
+def test_quantized_weights_are_found_by_their_class_names():
+    found = quantized_params(model_with(four_bit(torch.bfloat16)))
+    assert [(q.name, q.module, q.bits, q.storage, q.shape) for q in found] == [
+        ("1.0.weight", "1.0", 4, "bfloat16", (96, 64))
+    ]
+    assert found[0].quantized and not found[0].cpu_packed and not found[0].requires_grad
+    assert [(q.bits, q.storage) for q in quantized_params(eight_bit())] == [(8, "int8")]
+    assert quantized_params(nn.Linear(4, 4)) == []
+
+
+def test_detection_needs_no_bitsandbytes_import():
+    class Params4bit(nn.Parameter):  # a stand-in: only the class name is read
+        pass
+
+    holder = nn.Linear(4, 4)
+    holder.weight = Params4bit(torch.zeros(8, 1, dtype=torch.uint8), requires_grad=False)
+    assert [q.storage for q in quantized_params(holder)] == ["uint8"]
+    sources = "\n".join(p.read_text() for p in (ROOT / "src" / "shardwise").rglob("*.py"))
+    assert not re.search(r"^\s*(import|from) bitsandbytes", sources, re.MULTILINE)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16])
+def test_a_4bit_weight_weighs_its_packed_codes_and_its_quant_state(storage, nested):
+    layer = four_bit(storage, nested)
+    blocks = 96 * 64 // 64
+    scales = {"uint8": blocks, "float32": 4 + 4 + 256 * 4} if nested else {"float32": 4 * blocks}
+    codes = {str(storage).removeprefix("torch."): 96 * 64 // 2}
+    want: dict[str, int] = {}
+    for part in (codes, scales, {"float32": 16 * 4}):  # and the code book
+        for k, v in part.items():
+            want[k] = want.get(k, 0) + v
+    assert stored_bytes(layer.weight) == want
+    # Before quantizing (a meta-built or unmoved layer holds fp32 values) it is counted as
+    # it will be, not as the 4 bytes per value it holds now.
+    assert stored_bytes(four_bit(storage, nested, quantize=False).weight) == want
+    assert stored_bytes(nn.Linear(64, 96).weight) == {"float32": 96 * 64 * 4}
+
+
+def test_an_8bit_weight_weighs_its_codes_and_row_scales():
+    assert stored_bytes(eight_bit().weight) == {"int8": 64 * 64, "float32": 64 * 4}
+
+
+def _check(model: nn.Module, **fields: object) -> list:  # type: ignore[type-arg]
+    sharded = bool(fields.pop("sharded", True))
+    on_meta = bool(fields.pop("on_meta", False))
+    return check_quantized(
+        model, shardwise.ParallelConfig(**fields), sharded=sharded, on_meta=on_meta
+    )
+
+
+def test_a_quantized_weight_that_requires_grad_is_refused():
+    layer = four_bit(torch.bfloat16)  # uint8 codes cannot even require grad
+    layer.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"quantized weight 1\.0\.weight \(4-bit, stored as "
+                       r"bfloat16\) requires grad.*prepare_model_for_kbit_training"):  # fmt: skip
+        _check(model_with(layer), sharded=False)
+
+
+def test_codes_repacked_for_cpu_inference_are_refused():
+    layer = four_bit()
+    layer.weight.quant_state.packing_format_for_cpu = True  # what an eval forward leaves
+    with pytest.raises(ValueError, match=r"repacked by bitsandbytes for its CPU inference"):
+        _check(model_with(layer), sharded=False)
+
+
+def test_tensor_parallel_over_a_quantized_base_is_refused():
+    for model in (model_with(four_bit()), eight_bit()):
+        with pytest.raises(NotImplementedError, match=r"ParallelConfig\.tp=2 over a quantized "
+                           r"base .*neither split exists.*Use tp=1"):  # fmt: skip
+            _check(model, tp=2)
+
+
+def test_an_8bit_base_is_refused_by_fully_shard_and_taken_by_ddp():
+    with pytest.raises(NotImplementedError, match=r"strategy='hybrid_shard' over an 8-bit base"
+                       r".*drops the row scales \(SCB\).*Use strategy='ddp'"):  # fmt: skip
+        _check(eight_bit(), strategy="hybrid_shard")
+    assert len(_check(eight_bit(), strategy="ddp")) == 1
+    assert len(_check(eight_bit(), sharded=False)) == 1  # world 1: nothing is sharded
+
+
+def test_a_4bit_base_not_quantized_yet_is_refused_by_fully_shard():
+    unmoved = model_with(four_bit(quantize=False))
+    with pytest.raises(ValueError, match=r"is not quantized yet.*model\.to\(device\)"):
+        _check(unmoved)
+    assert len(_check(unmoved, strategy="ddp")) == 1  # ddp moves it: bitsandbytes quantizes
+    with pytest.raises(NotImplementedError, match=r"quantized, on the meta device"):
+        _check(unmoved, on_meta=True)
+
+
+def test_a_plain_model_passes_every_check():
+    assert _check(nn.Linear(4, 4), tp=2, on_meta=True) == []
+
+
+def test_float_codes_must_be_stored_in_the_dtype_their_unit_computes_in():
+    found = quantized_params(model_with(four_bit(torch.float16)))
+    field = "ParallelConfig.mixed_precision"
+    with pytest.raises(ValueError, match=r"stored as float16 .*unit '1' computes in bfloat16.*"
+                       r"torch\.bfloat16 \(the compute dtype\) or torch\.uint8"):  # fmt: skip
+        check_storage(found, {"": "bfloat16", "1": "bfloat16"}, field)
+    check_storage(found, {"": "bfloat16", "1.0": "float16"}, field)  # the deepest unit's
+    check_storage(found, {"": "native"}, field)
+    check_storage(quantized_params(model_with(four_bit())), {"": "bfloat16"}, field)  # uint8
+
+
+def test_each_units_compute_dtype_is_read_from_the_plan():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    config = shardwise.ParallelConfig(auto_wrap_policy=["Linear"], mixed_precision="bf16")
+    with pytest.warns(shardwise.PlanNotice, match="compute in float32"):
+        plan = plan_wrap(model, config)
+    assert unit_compute_dtypes(plan, config.precision) == {
+        "0": "bfloat16", "1": "float32", "": "bfloat16",  # BatchNorm: keep_fp32
+    }  # fmt: skip
+    fp32 = shardwise.ParallelConfig(mixed_precision={"param_dtype": "float32"})
+    assert set(unit_compute_dtypes(plan_wrap(model, fp32), fp32.precision).values()) == {"float32"}
+    plain = shardwise.ParallelConfig(auto_wrap_policy=["Linear"])
+    assert set(unit_compute_dtypes(plan_wrap(model, plain), plain.precision).values()) == {"native"}
+
+
+def test_wrap_refuses_and_prepares_a_quantized_base_at_world_1():
+    layer = four_bit(torch.bfloat16)
+    layer.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"requires grad"):
+        shardwise.wrap(model_with(layer))
+    layer = four_bit()
+    layer.quant_state = None  # quantized without its module: nothing to restore from
+    shardwise.wrap(model_with(layer))
+    assert layer.support_avx512bf16_for_cpu is False  # bitsandbytes' CPU repacking: off
+    assert layer.quant_state is layer.weight.quant_state
+
+
+def test_after_wrap_an_eval_forward_leaves_the_codes_trainable():
+    """Without wrap, on a CPU with AVX512-BF16, the eval forward repacks the codes and the
+    next backward fails inside bitsandbytes."""
+    layer = four_bit()
+    before = layer.weight.detach().clone()
+    model = shardwise.wrap(model_with(layer))
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+    model.train()
+    model(torch.randn(2, 64, requires_grad=True)).sum().backward()
+    assert torch.equal(layer.weight.detach(), before)
+    assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
