@@ -2,9 +2,10 @@
 
 Owns: giving a meta-built model fake storage (`fake_materialize`, swapped in for wrap's
 `materialize` while a simulation wraps), a DDP communication hook that works over the fake
-process group, a meta copy of a model for tracing (`meta_copy`), and the default input,
-call and loss of a model (`default_input`, `call_model`, `loss_of`), shared by the
-activation trace and the step simulation.
+process group, the buffers a real backend's collectives allocate where the fake group
+allocates none (`backend_collectives`), a meta copy of a model for tracing (`meta_copy`),
+and the default input, call and loss of a model (`default_input`, `call_model`,
+`loss_of`), shared by the activation trace and the step simulation.
 
 Must not: allocate real parameter memory or touch a real process group.
 """
@@ -13,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,6 +30,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardwise.parallelize.apply as apply_module
 from shardwise.distributed.mesh import MeshSpec
+
+Backend = Literal["nccl", "gloo"]
+"""The process-group backend whose collective buffers a simulation models: nccl for a GPU
+job (shardwise's CUDA default, `cpu:gloo,cuda:nccl`, runs CUDA tensors on nccl), gloo for a
+CPU job."""
+BACKENDS: tuple[Backend, ...] = ("nccl", "gloo")
 
 ExampleInput = Callable[[], object]
 """A function returning one rank's example batch: a tensor (the model's one argument), a
@@ -136,6 +146,75 @@ def fake_world_patches(
         apply_module.materialize = original_materialize
         DistributedDataParallel.register_comm_hook = original_register  # type: ignore[method-assign]
         MeshSpec.build = original_build  # type: ignore[method-assign]
+
+
+def check_backend(backend: object) -> Backend:
+    """`backend`, if the simulation models it; a ValueError naming the choices otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"simulate_step(backend={backend!r}): use one of {list(BACKENDS)}: 'nccl' for a "
+            "GPU job, 'gloo' for a CPU job."
+        )
+    return backend
+
+
+def _gloo_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original` (torch's reduce-scatter of one tensor), followed by the copy gloo makes.
+
+    gloo has no reduce-scatter of its own: `ProcessGroupGloo::reduce_scatter_tensor_coalesced`
+    clones the whole input, all-reduces the clone in place, and on `wait()` copies this
+    rank's chunk of it into the output. Under FSDP2 the input is a unit's flat unsharded
+    gradients, so a gloo rank holds them twice while the unit reduces: for a root unit with
+    a large embedding and an untied head, that is the step's peak. The fake group does
+    nothing; this allocates the clone and copies out of it, as the wait does (the real run's
+    tracker first sees the clone there, when `wait()` chunks it).
+    """
+
+    @functools.wraps(original)
+    def reduce_scatter(
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: Any = dist.ReduceOp.SUM,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        work = original(output, input, op, group, async_op)
+        clone = input.clone()
+        # An async caller waits later; the clone is modelled here, at the call, either way.
+        output.copy_(clone.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+        del clone
+        return work
+
+    return reduce_scatter
+
+
+@contextlib.contextmanager
+def backend_collectives(backend: Backend) -> Iterator[None]:
+    """While a simulated step runs: the buffers `backend`'s collectives allocate that a
+    real run's tracker counts and the fake process group does not.
+
+    nccl: none (its reduce-scatter and all-gather work on FSDP2's buffers in place).
+    gloo: reduce-scatter's clone of its input (`_gloo_reduce_scatter`). gloo's all-gather
+    and all-reduce stage through buffers too, but only on gloo's worker thread, between
+    the call and `wait()`: no tracker sees them, and no real-run check can measure them.
+    """
+    if check_backend(backend) == "nccl":
+        yield
+        return
+    # Newer torch reduces through reduce_scatter_single (reduce_scatter_tensor and FSDP2
+    # call it), older torch through reduce_scatter_tensor. Wrap the one that does the work
+    # (wrapping both would clone twice), in both namespaces callers look it up in.
+    name = "reduce_scatter_single"
+    if not hasattr(c10d, name):
+        name = "reduce_scatter_tensor"
+    originals = {module: getattr(module, name) for module in (c10d, dist)}
+    for module, original in originals.items():
+        setattr(module, name, _gloo_reduce_scatter(original))
+    try:
+        yield
+    finally:
+        for module, original in originals.items():
+            setattr(module, name, original)
 
 
 def _vocab_size(model: nn.Module) -> int:
