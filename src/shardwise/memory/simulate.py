@@ -402,6 +402,7 @@ def _simulate_here(
         notes=notes,
         tp=spec.tp,
         sequence_parallel=config.sequence_parallel,
+        backend=backend,
     )
 
 
