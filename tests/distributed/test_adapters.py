@@ -3,16 +3,19 @@
 Four transformers families get LoRA adapters from `peft.get_peft_model` (llama; gemma, whose
 embedding and output head are tied; qwen2, with attention biases; qwen3_moe, a mixture of
 experts), with `init_lora_weights=False` so that both halves of every adapter have a
-gradient at the first step. At world 2, llama also trains with DoRA, with IA³, with a saved
-output head (`modules_to_save`), and as a bf16 base with fp32 adapters. Each trains 3 steps with SGD and with AdamW, each data-parallel
+gradient at the first step. Each trains 3 steps with SGD and with AdamW, each data-parallel
 rank on its part of every global batch, at world 2 (full_shard) and at world 4 (hybrid
 2 x 2, and full_shard over dp 2 with tp 2, where the adapted layers' base layers follow the
-base model's own plan and their adapters are split to match). Compared with one process
-on the whole batch: the loss at every step, the adapters' first-step gradients and final
-values (1e-5; AdamW's losses 1e-4), and every frozen parameter bit-identical to where it
-started. The tp layout is shown to be real (which LoRA halves are split, and how), and a
-wrong split (a row-split base's lora_A whose partial outputs nothing sums over tp) fails the
-same comparison. All cases run in two spawned groups (`make test-adapters`).
+base model's own plan and their adapters are split to match). At world 2, llama also trains
+under ddp, no_shard and shard_grad_op, and with DoRA, with IA³, with a saved output head
+(`modules_to_save`, also under tp) and as a bf16 base with fp32 adapters. Compared with one
+process on the whole batch: the loss at every step, the adapters' first-step gradients and
+final values (1e-5; AdamW's losses 1e-4), and every frozen parameter bit-identical to where
+it started, holding no gradient. The tp layout is shown to be real (which LoRA halves are
+split, and how), and a wrong split (a row-split base's lora_A whose partial outputs nothing
+sums over tp) fails the same comparison. Under accumulation, keeping the frozen base
+gathered saves all-gathers and changes nothing. All cases run in two spawned groups
+(`make test-adapters`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ FAMILIES = {
                    "moe_intermediate_size": 8}, ["q_proj", "v_proj", "o_proj"]),
 }  # fmt: skip
 WORLD2 = {"full_shard": {"strategy": "full_shard"}}
+# Every other strategy at world 2, on llama with SGD.
+OTHER_STRATEGIES = ("ddp", "no_shard", "shard_grad_op")
 WORLD4 = {
     "hybrid_shard": {"strategy": "hybrid_shard"},  # replicate 2 x shard 2
     "tp2": {"strategy": "full_shard", "tp": 2},  # dp 2 x tp 2
@@ -183,6 +188,8 @@ def _world2() -> dict:  # type: ignore[type-arg]
         for layout, fields in WORLD2.items()
         for opt in OPTIMIZERS
     }
+    for strategy in OTHER_STRATEGIES:
+        out[f"llama/{strategy}/sgd"] = _wrapped("llama", {"strategy": strategy}, "sgd")
     for keep in (False, True):
         out[f"accumulate/keep={keep}"] = _accumulate(keep)
     return out
@@ -300,6 +307,7 @@ def results() -> tuple[dict, dict]:  # type: ignore[type-arg]
 CASES = [f"{n}/{layout}/{o}" for n in FAMILIES for layout in [*WORLD2, *WORLD4] for o in OPTIMIZERS]
 CASES += [f"{n}/{layout}/{o}" for n in VARIANTS for layout in WORLD2 for o in OPTIMIZERS]
 CASES += ["llama+head/tp2/sgd"]  # the head's frozen original and trained copy split alike
+CASES += [f"llama/{strategy}/sgd" for strategy in OTHER_STRATEGIES]
 
 
 @pytest.mark.parametrize("case", CASES)
