@@ -2,7 +2,8 @@
 
 Guarantee tested: the simulated model states (parameters, gradients, optimizer state) agree
 with the analytic plan (`shardwise.memory.estimate_memory`); activations are counted and grow
-with the micro-batch; the simulation leaves no process group behind and refuses bad input.
+with the micro-batch; gloo's reduce-scatter holds a copy of its input where nccl's holds
+none; the simulation leaves no process group behind and refuses bad input.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from shardwise import ParallelConfig
 from shardwise.memory import estimate_memory, simulate_step
@@ -101,11 +104,49 @@ def test_example_input_overrides_the_default():
     assert report.at_peak["inputs"] == 2 * 3 * 32 * 8  # two int64 tensors
 
 
+class UntiedLM(nn.Module):
+    """Only a root unit, holding an embedding and an untied head: its reduce-scatter input
+    (both gradients, 2 x 4096 x 64 fp32) is the largest buffer of the step."""
+
+    def __init__(self, vocab: int = 4096, width: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(tokens))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_gloo_reduce_scatter_holds_a_copy_of_its_input():
+    reduce_scatters = (getattr(dist, "reduce_scatter_single", None), dist.reduce_scatter_tensor)
+
+    def run(**backend: str):
+        return simulate_step(
+            UntiedLM, ParallelConfig(strategy="full_shard"), world=2, batch=1, seq_len=16, **backend
+        )
+
+    nccl, gloo = run(), run(backend="gloo")
+    rs_input = 2 * 4096 * 64 * 4
+    assert (nccl.backend, gloo.backend) == ("nccl", "gloo")
+    # gloo peaks while the root unit reduces: its input, and the clone gloo all-reduces
+    # (with the unit's shard of the output) among the temporaries.
+    assert gloo.at_peak["reduce_scatter"] == rs_input
+    assert gloo.at_peak["temporaries"] == rs_input + rs_input // 2
+    assert nccl.peak < gloo.peak
+    # the patch is undone
+    assert (getattr(dist, "reduce_scatter_single", None), dist.reduce_scatter_tensor) == (
+        reduce_scatters
+    )
+
+
 def test_bad_arguments_are_refused():
     factory = functools.partial(GPT, CFG)
     with pytest.raises(ValueError, match=r"world=0"):
         simulate_step(factory, ParallelConfig(), world=0, batch=1, seq_len=8)
     with pytest.raises(ValueError, match=r"optimizer='lion'"):
         simulate_step(factory, ParallelConfig(), world=2, batch=1, seq_len=8, optimizer="lion")
+    with pytest.raises(ValueError, match=r"backend='mpi'.*'nccl' for a GPU job"):
+        simulate_step(factory, ParallelConfig(), world=2, batch=1, seq_len=8, backend="mpi")
     with pytest.raises(NotImplementedError, match=r"compile"):
         simulate_step(factory, ParallelConfig(compile=True), world=2, batch=1, seq_len=8)
