@@ -13,7 +13,8 @@ every rank holds equal shards, and DDP ranks hold identical replicas.
 The fake process group allocates nothing, so the buffers a real backend's collectives add
 are modelled for the backend named (`backend=`, fake.py's `backend_collectives`). The
 default is nccl, what a GPU job runs (the simulation answers for GPUs): its collectives
-allocate nothing the tracker sees. A CPU job runs gloo, whose reduce-scatter clones its
+allocate nothing the tracker sees (read from torch's source; not yet measured on a GPU).
+A CPU job runs gloo, whose reduce-scatter clones its
 whole input: under FSDP2 a unit's flat gradients are held twice while it reduces, which for
 a root unit holding a large embedding and an untied head is the step's peak (a Llama with
 vocabulary 32000 and hidden size 256 at world 2: 291.3 MiB on gloo, 231.5 MiB without the
