@@ -419,6 +419,98 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_adapters.py::test_keeping_the_frozen_base_gathered_saves_all_gathers_and_changes_nothing",
         ),
     ),
+    # 11. Issue 35: quantized bases (QLoRA): the refusals, the storage dtype, wrap's preparation.
+    Mutant(
+        "quantized_requires_grad_checked_for_8bit_only",
+        "src/shardwise/plan/quantized.py",
+        "    trainable = [q for q in found if q.requires_grad]\n",
+        "    trainable = [q for q in found if q.requires_grad and q.bits == 8]\n",
+        (
+            "tests/unit/plan/test_quantized.py::test_a_quantized_weight_that_requires_grad_is_refused",
+            "tests/unit/plan/test_quantized.py::test_wrap_refuses_and_prepares_a_quantized_base_at_world_1",
+        ),
+    ),
+    Mutant(
+        "tp_over_a_quantized_base_refused_only_for_auto",
+        "src/shardwise/plan/quantized.py",
+        "    if config.tp != 1:\n",
+        '    if config.tp == "auto":\n',
+        (
+            "tests/unit/plan/test_quantized.py::test_tensor_parallel_over_a_quantized_base_is_refused",
+        ),
+    ),
+    Mutant(
+        "8bit_refused_under_ddp_not_fully_shard",
+        "src/shardwise/plan/quantized.py",
+        '    if sharded and eight and config.strategy != "ddp":\n',
+        '    if sharded and eight and config.strategy == "ddp":\n',
+        (
+            "tests/unit/plan/test_quantized.py::test_an_8bit_base_is_refused_by_fully_shard_and_taken_by_ddp",
+        ),
+    ),
+    Mutant(
+        "storage_check_inverted",
+        "src/shardwise/plan/quantized.py",
+        '        if compute in ("native", q.storage):\n',
+        '        if compute not in ("native", q.storage):\n',
+        (
+            "tests/unit/plan/test_quantized.py::test_float_codes_must_be_stored_in_the_dtype_their_unit_computes_in",
+        ),
+    ),
+    Mutant(
+        "storage_check_ignores_keep_fp32_units",
+        "src/shardwise/parallelize/quantized.py",
+        '        dtype = "float32" if unit.compute_dtype == "float32" else cast\n',
+        "        dtype = cast\n",
+        ("tests/unit/plan/test_quantized.py::test_each_units_compute_dtype_is_read_from_the_plan",),
+    ),
+    Mutant(
+        "stored_bytes_without_quant_state",
+        "src/shardwise/plan/quantized.py",
+        "    for t in quant_state_tensors(p) if bits else ():\n",
+        "    for t in ():\n",
+        (
+            "tests/unit/plan/test_quantized.py::test_a_4bit_weight_weighs_its_packed_codes_and_its_quant_state",
+            "tests/unit/plan/test_quantized.py::test_an_8bit_weight_weighs_its_codes_and_row_scales",
+        ),
+    ),
+    Mutant(
+        "bitsandbytes_cpu_repacking_left_on",
+        "src/shardwise/parallelize/quantized.py",
+        "                setattr(module, _CPU_REPACK, False)\n",
+        "                setattr(module, _CPU_REPACK, True)\n",
+        (
+            "tests/unit/plan/test_quantized.py::test_after_wrap_an_eval_forward_leaves_the_codes_trainable",
+            "tests/distributed/test_qlora.py::test_an_eval_forward_between_steps_changes_nothing",
+        ),
+    ),
+    Mutant(
+        "layer_quant_state_not_kept",
+        "src/shardwise/parallelize/quantized.py",
+        "                module.quant_state = state\n",
+        "                pass\n",
+        (
+            "tests/unit/plan/test_quantized.py::test_wrap_refuses_and_prepares_a_quantized_base_at_world_1",
+        ),
+    ),
+    Mutant(
+        "quant_scales_not_synced_before_sharding",
+        "src/shardwise/parallelize/apply.py",
+        "        prepare_quantized(model, quantized, device=info.device if move else None, sync=sync)\n",
+        "        prepare_quantized(model, quantized, device=info.device if move else None)\n",
+        ("tests/distributed/test_qlora.py::test_every_rank_takes_rank_0s_codes_and_scales",),
+    ),
+    # 12. The memory simulation under gloo: reduce-scatter's clone of its input.
+    Mutant(
+        "gloo_reduce_scatter_without_its_clone",
+        "src/shardwise/memory/fake.py",
+        "        clone = input.clone()\n",
+        "        clone = input\n",
+        (
+            "tests/distributed/test_simulate_real.py::test_untied_large_vocabulary_llama_is_within_5_percent_of_the_real_run",
+            "tests/unit/memory/test_simulate.py::test_gloo_reduce_scatter_holds_a_copy_of_its_input",
+        ),
+    ),
 )
 
 
