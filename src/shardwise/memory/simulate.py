@@ -55,6 +55,7 @@ from shardwise.memory.fake import (
 from shardwise.memory.model_states import format_bytes
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.materialize import init_empty
+from shardwise.plan.quantized import quantized_params
 
 __all__ = ["SimReport", "real_step", "simulate_step", "tracked_step"]
 
@@ -357,8 +358,7 @@ def _simulate_here(
         elif spec.tp > 1:  # the fake world has no nodes: fix the shard size resolved here
             config = dataclasses.replace(config, dp_shard=spec.dp_shard)
         fake_mode = FakeTensorMode()
-        with fake_mode, init_empty():
-            model = model_factory()
+        model = _build_fake(model_factory, fake_mode)
         if seq_len is None and example_input is None:
             seq_len = default_seq_len(model)
             if seq_len is None:
@@ -405,6 +405,31 @@ def _simulate_here(
         sequence_parallel=config.sequence_parallel,
         backend=backend,
     )
+
+
+_QUANTIZED = (
+    "simulate_step: the model's base is quantized by bitsandbytes ({what}), which the "
+    "simulation cannot build: it builds the model on the meta device under fake tensors, "
+    "and a quantized weight can neither be made from a fake tensor nor quantized without "
+    "values. Measure one real step of the loaded model instead "
+    "(shardwise.memory.real_step, on real tensors in your process group)."
+)
+
+
+def _build_fake(model_factory: Callable[[], nn.Module], fake_mode: Any) -> nn.Module:
+    """The user's model, built on meta under fake tensors; a quantized base is refused."""
+    try:
+        with fake_mode, init_empty():
+            model = model_factory()
+    except RuntimeError as exc:
+        if any(name in str(exc) for name in ("Params4bit", "Int8Params")):
+            raise NotImplementedError(_QUANTIZED.format(what=str(exc)[:200])) from exc
+        raise
+    found = quantized_params(model)
+    if found:
+        what = f"{found[0].name}, {found[0].bits}-bit, and {len(found) - 1} more"
+        raise NotImplementedError(_QUANTIZED.format(what=what))
+    return model
 
 
 def _child(conn: Any, kwargs: dict[str, Any]) -> None:

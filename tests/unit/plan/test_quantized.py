@@ -1,7 +1,7 @@
 """A quantized base (bitsandbytes' 4-bit and 8-bit layers) recognised by its classes'
 names, counted at its packed size with its quant_state, and refused where it cannot train
-(plan/quantized.py); wrap keeps it ready (parallelize/quantized.py). One process, small
-layers quantized on this CPU."""
+(plan/quantized.py); wrap keeps it ready (parallelize/quantized.py), and the simulation
+refuses it. One process, small layers quantized on this CPU."""
 
 from __future__ import annotations
 
@@ -182,3 +182,29 @@ def test_after_wrap_an_eval_forward_leaves_the_codes_trainable():
     model(torch.randn(2, 64, requires_grad=True)).sum().backward()
     assert torch.equal(layer.weight.detach(), before)
     assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+
+
+def _quantized_factory() -> nn.Module:
+    return model_with(four_bit(quantize=False))
+
+
+def _prebuilt_factory() -> nn.Module:
+    return _PREBUILT[0]  # built outside the simulation's fake mode, real and quantized
+
+
+_PREBUILT: list[nn.Module] = []
+
+
+def test_the_simulation_refuses_a_quantized_base():
+    _PREBUILT[:] = [model_with(four_bit())]
+    with pytest.raises(
+        NotImplementedError, match=r"quantized by bitsandbytes \(1\.0\.weight, 4-bit"
+    ):
+        shardwise.simulate_step(
+            _prebuilt_factory, shardwise.ParallelConfig(), world=2, batch=1, seq_len=4
+        )
+    with pytest.raises(NotImplementedError, match=r"simulate_step: the model's base is quantized "
+                       r"by bitsandbytes .*shardwise\.memory\.real_step"):  # fmt: skip
+        shardwise.simulate_step(
+            _quantized_factory, shardwise.ParallelConfig(), world=2, batch=1, seq_len=4
+        )
