@@ -500,6 +500,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        prepare_quantized(model, quantized, device=info.device if move else None)\n",
         ("tests/distributed/test_qlora.py::test_every_rank_takes_rank_0s_codes_and_scales",),
     ),
+    Mutant(
+        "simulation_builds_a_4bit_base_into_a_crash",
+        "src/shardwise/memory/simulate.py",
+        '        if any(name in str(exc) for name in ("Params4bit", "Int8Params")):\n',
+        '        if any(name in str(exc) for name in ("Int8Params",)):\n',
+        ("tests/unit/plan/test_quantized.py::test_the_simulation_refuses_a_quantized_base",),
+    ),
     # 12. The memory simulation under gloo: reduce-scatter's clone of its input.
     Mutant(
         "gloo_reduce_scatter_without_its_clone",
