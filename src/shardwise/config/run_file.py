@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_or
 import torch
 import yaml
 
+from shardwise.config.adapters import AdapterConfig
 from shardwise.config.names import closest
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import RunnerConfig, TrainConfig
@@ -158,6 +159,8 @@ class Config:
     """The learning-rate schedule."""
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     """Loops, logging and checkpoints."""
+    adapter: AdapterConfig | None = None
+    """LoRA adapters added before wrapping (None: the whole model trains)."""
 
 
 # --- from plain data -------------------------------------------------------------------------
@@ -327,22 +330,41 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "", base: Any =
             kwargs[key] = value
             continue
         if key not in fields:
+            known_as = getattr(cls, "KNOWN_AS", {}).get(key)  # another tool's name for a key
+            hint = f" Did you mean {known_as!r}?" if known_as else closest(str(key), fields)
             raise ConfigError(
-                f"unknown key {where!r}.{closest(str(key), fields)} Valid keys"
+                f"unknown key {where!r}.{hint} Valid keys"
                 f"{' in ' + path if path else ''}: {sorted(fields)}."
             )
         tp = fields[key]
-        if dataclasses.is_dataclass(tp) and isinstance(tp, type) and isinstance(value, Mapping):
+        optional = _optional_section(tp)
+        if optional is not None and value is not None and not isinstance(value, Mapping):
+            raise ConfigError(
+                f"{where}: expected a section (a mapping of keys, or null for none), got "
+                f"{type(value).__name__} ({value!r})."
+            )
+        plain_section = dataclasses.is_dataclass(tp) and isinstance(tp, type)
+        section = optional or (tp if plain_section else None)
+        if section is not None and isinstance(value, Mapping):  # given in part: keeps the rest
             section_base = kwargs[key] if key in kwargs else _field_default(defaults[key])
-            kwargs[key] = from_dict(tp, value, where, base=section_base)
-        else:
-            kwargs[key] = _coerce(value, tp, where, translates=cls is ParallelConfig)
+            kwargs[key] = from_dict(section, value, where, base=section_base)
+            continue
+        kwargs[key] = _coerce(value, tp, where, translates=cls is ParallelConfig)
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{path or 'config'}: {exc}") from None
+
+
+def _optional_section(tp: Any) -> type | None:
+    """The section class of a section that may be absent (`AdapterConfig | None`), else None."""
+    if get_origin(tp) not in (Union, types.UnionType) or type(None) not in get_args(tp):
+        return None
+    arms = [a for a in get_args(tp) if a is not type(None)]
+    section = arms[0] if len(arms) == 1 else None
+    return section if isinstance(section, type) and dataclasses.is_dataclass(section) else None
 
 
 def _translate_words(data: Mapping[str, Any], path: str) -> dict[str, Any]:
@@ -515,12 +537,17 @@ def _reference_type(tp: Any) -> str:
 def reference_markdown(cls: type = Config) -> str:
     """The Markdown reference of every section and key of `cls`."""
     lines = []
-    default = cls()
+    default, sections = cls(), _fields(cls)
     for section in dataclasses.fields(cls):
-        sub = type(getattr(default, section.name))
-        docs = field_docs(sub)
+        given = getattr(default, section.name)
+        sub = _optional_section(sections[section.name]) if given is None else type(given)
+        if sub is None:
+            continue  # a plain value at the top level: no section to list
+        docs, absent = field_docs(sub), given is None
+        given = sub() if absent else given
+        note = f", absent by default: {field_docs(cls).get(section.name, '')}" if absent else ""
         lines += [
-            f"### `{section.name}` ({sub.__name__})",
+            f"### `{section.name}` ({sub.__name__}{note})",
             "",
             "| key | type | default | meaning |",
             "|---|---|---|---|",
@@ -529,7 +556,7 @@ def reference_markdown(cls: type = Config) -> str:
         for f in dataclasses.fields(sub):
             if not f.init:
                 continue
-            value = _plain(getattr(getattr(default, section.name), f.name), f.name)
+            value = _plain(getattr(given, f.name), f.name)
             shown = (
                 yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
             )

@@ -85,7 +85,7 @@ def test_file_then_overrides(tmp_path):
     [
         (
             {"runer": {}},
-            r"unknown key 'runer'\. Did you mean 'runner'\? Valid keys: \['optimizer', 'parallel', 'runner', 'scheduler', 'train'\]",
+            r"unknown key 'runer'\. Did you mean 'runner'\? Valid keys: \['adapter', 'optimizer', 'parallel', 'runner', 'scheduler', 'train'\]",
         ),
         (
             {"runner": {"max_step": 3}},
