@@ -3,8 +3,9 @@
 Owns: the model contract (plain `forward(batch)` or OpenMMLab-style `data_preprocessor`
 + `forward(..., mode=)`), loss parsing, gradient accumulation that synchronises only on
 the last micro-batch, clipping by the true global norm over every shard and replica,
-fp16 loss scaling that agrees across ranks, and the optimizer/scheduler built after
-wrapping.
+fp16 loss scaling that agrees across ranks, the optimizer/scheduler built after
+wrapping, and the run file's adapter section (`adapter=`), applied before wrapping.
+Clipping and the step see only parameters that train: a frozen one holds no gradient here.
 
 Must not: loop over data, log or print (runner.py does), or hand-write collectives:
 norms come from torch's DTensor reductions, syncing from DDP/FSDP2's own switches.
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise.config.adapters import AdapterConfig, apply_adapter
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import TrainConfig
 from shardwise.parallelize.apply import wrap
@@ -188,8 +190,10 @@ class Engine:
         scheduler: SchedulerLike | SchedulerFactory | None = None,
         *,
         train: TrainConfig | None = None,
+        adapter: AdapterConfig | None = None,
     ) -> None:
         self.train_config = train or TrainConfig()
+        model = _with_adapter(model, adapter)  # before wrapping: peft adds layers to wrap
         info = wrap_info(model)
         if info is not None:
             if config is not None and config != info.config:
@@ -326,7 +330,7 @@ class Engine:
 
     def _update(self) -> dict[str, Any]:
         tc = self.train_config
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = trainable_params(self.optimizer)  # never a frozen one's stale gradient
         if self.scaler is not None:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*scalar.*")
@@ -406,6 +410,33 @@ class Engine:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _with_adapter(model: nn.Module, adapter: AdapterConfig | None) -> nn.Module:
+    """`model` with the run file's adapter section applied (peft), before any wrapping."""
+    if adapter is None:
+        return model
+    if wrap_info(model) is not None or _already_parallel(model):
+        raise ValueError(
+            "Engine(adapter=...): the model is already wrapped, and peft must add its "
+            "adapter layers before wrapping (wrap plans and shards the layers it finds). Pass "
+            "the unwrapped model and let the Engine wrap it, or add the adapters yourself "
+            "(peft.get_peft_model) before shardwise.wrap and leave adapter=None."
+        )
+    return apply_adapter(model, adapter)
+
+
+def trainable_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The optimizer's parameters that train. Any other (frozen since the optimizer was
+    built) loses a gradient left on it, so neither clipping nor the step can use it."""
+    params = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                params.append(p)
+            else:
+                p.grad = None
+    return params
 
 
 def _already_parallel(model: nn.Module) -> bool:

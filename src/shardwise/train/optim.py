@@ -1,7 +1,8 @@
 """Optimizers meeting wrapped models: built after wrapping, or stopped loudly.
 
-Owns: building the optimizer and scheduler the Engine steps (from factories or objects),
-the check that an optimizer holds the wrapped model's own parameters, the process-wide
+Owns: building the optimizer and scheduler the Engine steps (from factories, given the
+trainable parameters, or objects, with any frozen parameter taken out), the check that an
+optimizer holds the wrapped model's own parameters, the process-wide
 optimizer step hook that refuses an optimizer built before `shardwise.wrap` replaced its
 parameters, and the translation of mmengine's `OptimWrapper`/`AmpOptimWrapper` (read by
 duck typing: this module never imports mmengine).
@@ -91,6 +92,7 @@ def build_optimizer(optimizer: object, model: nn.Module) -> torch.optim.Optimize
             "instead, Engine(model, lambda params: torch.optim.AdamW(params, lr=...)), or "
             "build the optimizer from the wrapped model's parameters after shardwise.wrap()."
         )
+    _drop_frozen(optimizer)
     held_ids = {id(p) for p in held}
     missing = [
         n for n, p in unwrap(model).named_parameters() if p.requires_grad and id(p) not in held_ids
@@ -103,6 +105,25 @@ def build_optimizer(optimizer: object, model: nn.Module) -> torch.optim.Optimize
         )
     check_hyperparameters(optimizer)
     return optimizer
+
+
+def _drop_frozen(optimizer: torch.optim.Optimizer) -> None:
+    """Take the frozen parameters (requires_grad=False) out of the optimizer, in place.
+
+    `AdamW(model.parameters())` and mmengine's default optimizer constructor put an
+    adapter model's frozen base in the optimizer. torch steps only parameters holding a
+    gradient, which a frozen one never gets in the Engine; but one left on it (a backward
+    before freezing) would be stepped and clipped, and it would take a place in every
+    checkpoint's optimizer state. The groups stay (empty if need be), so their per-group
+    settings and a scheduler built on them keep their places."""
+    frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
+    if not frozen:
+        return
+    ids = {id(p) for p in frozen}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in ids]
+    for p in frozen:
+        optimizer.state.pop(p, None)
 
 
 def check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
