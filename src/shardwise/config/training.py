@@ -104,6 +104,12 @@ class RunnerConfig:
     """Save a checkpoint when training ends."""
     keep_last: int | None = None
     """Keep only the newest N complete checkpoints (None: keep all)."""
+    save_adapters_only: bool | None = None
+    """Checkpoints of an adapter model (peft's) hold only what trains: the adapters and
+    their optimizer state, not the frozen base, which the script builds again to resume
+    (the same base is checked on load). None: adapters only for an adapter model with a
+    frozen base, the whole model otherwise; True: adapters only, and a model without
+    adapters is an error when fit() starts; False: always the whole model."""
     resume: str | None = None
     """'latest' (the newest complete checkpoint in checkpoint_dir, or a fresh start when there
     is none) or a checkpoint path to continue from. None: a fresh run, refused when run_dir

@@ -1,10 +1,11 @@
 """Starting a run: refusing to overwrite one, resuming one, and stopping cleanly on SIGTERM.
 
 Owns: the checks before anything is written (an earlier run in run_dir, directories that
-cannot be written), finding and loading the checkpoint `resume` names and moving newer
-checkpoints aside, and preemption: SIGTERM sets a flag, the next optimizer-step boundary
-agrees on it across ranks (inside the all-reduce each update already makes), the Runner
-saves there and raises `Preempted`, a SystemExit with code 75 (EX_TEMPFAIL).
+cannot be written, `save_adapters_only` for a model without adapters), finding and loading
+the checkpoint `resume` names and moving newer checkpoints aside, and preemption: SIGTERM
+sets a flag, the next optimizer-step boundary agrees on it across ranks (inside the
+all-reduce each update already makes), the Runner saves there and raises `Preempted`, a
+SystemExit with code 75 (EX_TEMPFAIL).
 
 What torchrun (torch 2.13) does with that: a worker's non-zero exit marks the worker group
 FAILED, which the agent restarts while `--max-restarts` allows (any non-zero code counts;
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from shardwise.checkpoint.adapters import adapter_record
 from shardwise.checkpoint.layout import (
     list_checkpoints,
     read_manifest,
@@ -172,6 +174,25 @@ def preflight(config: RunnerConfig, rank: int, world: int) -> str:
             "Nothing was trained."
         )
     return str(found[0][0])
+
+
+def saves_adapters_only(config: RunnerConfig, model: torch.nn.Module) -> bool:
+    """Whether the Runner's checkpoints hold the adapters only (`save_adapters_only`; None:
+    for an adapter model with a frozen base). The same answer on every rank, from the
+    model's names alone: no collective."""
+    if config.save_adapters_only is False:
+        return False
+    record = adapter_record(model)
+    frozen = record is not None and record["base"]["parameters"] > 0
+    if config.save_adapters_only and not frozen:
+        what = "has no adapters" if record is None else "has no frozen base (all of it trains)"
+        raise ValueError(
+            f"RunnerConfig.save_adapters_only=True, but the model {what}: an adapters-only "
+            "checkpoint holds the adapters of a peft model without its frozen base. Add "
+            "adapters (an adapter section, or peft.get_peft_model) or set "
+            "save_adapters_only=None to save the whole model. Nothing was trained."
+        )
+    return frozen
 
 
 def earlier_run(config: RunnerConfig) -> str:

@@ -11,7 +11,9 @@ Resume is exact (same losses, bit for bit, on CPU in fp32): the loop position, e
 RNG states and all engine state are restored, and the loaders draw from their own
 generators. With `num_workers > 0`, worker seeds after a resume differ from an
 uninterrupted run, so random augmentations inside workers are not reproduced. RNG states
-are restored only at the saving world size.
+are restored only at the saving world size. The checkpoints of an adapter model hold its
+adapters and their optimizer state only (`save_adapters_only`); resuming one needs the
+same base, built again by the script, and restores the rest exactly as above.
 
 A run directory belongs to one run: `fit` without `resume` refuses, on every rank and
 before writing anything, a run_dir that holds metrics or a checkpoint_dir that holds
@@ -54,6 +56,7 @@ from shardwise.train.resume import (
     preflight,
     resume,
     saved_runner_fields,
+    saves_adapters_only,
     sigterm_requests_stop,
     step_to_resume,
 )
@@ -113,6 +116,7 @@ class Runner:
         self._checked = False
         self._existing_run = ""  # what run_dir held before this Runner wrote (rank 0's view)
         self._resumed = False
+        self.adapters_only = saves_adapters_only(self.config, engine.model)  # what save() keeps
 
     # --- loops ------------------------------------------------------------------------
 
@@ -128,6 +132,8 @@ class Runner:
         self._preflight()
         if cfg.resume is None and self._existing_run:
             raise ValueError(self._existing_run)  # the same verdict on every rank
+        if self.adapters_only and (cfg.save_every or cfg.save_at_end):
+            say("checkpoints hold the adapters and their optimizer state, not the frozen base")
         seed_everything(cfg.seed)
         k = engine.train_config.accumulate_steps
         steps_per_epoch = math.ceil(len(self.train_loader) / k)
@@ -247,18 +253,22 @@ class Runner:
         return _checkpoint_dir(self.config)
 
     def save(self, position: dict[str, Any], *, async_: bool = False) -> Path:
-        """Checkpoint the engine plus where the loop is, for an exact resume. With `async_`
-        the files are written in the background (DCP's async_save) and the checkpoint is
-        complete only once `wait_for_checkpoint()` (or the next save) has finished it."""
+        """Checkpoint the engine plus where the loop is, for an exact resume (of an adapter
+        model, its adapters only: `adapters_only`). With `async_` the files are written in
+        the background (DCP's async_save) and the checkpoint is complete only once
+        `wait_for_checkpoint()` (or the next save) has finished it."""
 
         state = {**position, "seed": self.config.seed, "config": saved_runner_fields(self.config)}
-        where, keep = self.checkpoint_dir, self.config.keep_last
+        where, keep, only = self.checkpoint_dir, self.config.keep_last, self.adapters_only
         if async_:
             pending = save_checkpoint(
-                where, self.engine, keep_last=keep, runner_state=state, async_=True
-            )
+                where, self.engine, keep_last=keep, runner_state=state, adapters_only=only,
+                async_=True,
+            )  # fmt: skip
             return pending.path
-        return save_checkpoint(where, self.engine, keep_last=keep, runner_state=state)
+        return save_checkpoint(
+            where, self.engine, keep_last=keep, runner_state=state, adapters_only=only
+        )
 
     # --- start: checks, resume, logger ----------------------------------------------------
 
