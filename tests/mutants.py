@@ -465,10 +465,10 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/plan/test_quantized.py::test_each_units_compute_dtype_is_read_from_the_plan",),
     ),
     Mutant(
-        "stored_bytes_without_quant_state",
+        "quant_state_bytes_without_the_code_book",
         "src/shardwise/plan/quantized.py",
-        "    for t in quant_state_tensors(p) if bits else ():\n",
-        "    for t in ():\n",
+        "    for t in quant_state_tensors(p):\n",
+        "    for t in quant_state_tensors(p)[:1]:\n",
         (
             "tests/unit/plan/test_quantized.py::test_a_4bit_weight_weighs_its_packed_codes_and_its_quant_state",
             "tests/unit/plan/test_quantized.py::test_an_8bit_weight_weighs_its_codes_and_row_scales",

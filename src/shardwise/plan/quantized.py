@@ -20,8 +20,9 @@ packed codes stored as float converts the bit patterns as numbers. Integer stora
 (uint8) is never cast.
 
 Owns: recognising quantized parameters (`quantized_params` → `QuantizedParam`), their
-bytes as stored, packed codes plus quant_state, also before they are quantized
-(`stored_bytes`), and the refusals, checked before any mesh exists, identically on every
+bytes, also before they are quantized: the packed codes, which sharding divides
+(`stored_bytes`), and the quant_state, which every rank holds whole
+(`quant_state_bytes`); and the refusals, checked before any mesh exists, identically on every
 rank (`check_quantized`, `check_storage`).
 
 Must not: import bitsandbytes, change the model (parallelize/quantized.py prepares it), or
@@ -42,6 +43,7 @@ __all__ = [
     "QuantizedParam",
     "check_quantized",
     "check_storage",
+    "quant_state_bytes",
     "quant_state_tensors",
     "quantized_params",
     "stored_bytes",
@@ -141,19 +143,33 @@ def _add(into: dict[str, int], dtype: torch.dtype | str, n: int) -> None:
     into[key] = into.get(key, 0) + n
 
 
+def _unquantized(p: torch.Tensor) -> bool:
+    return _kind(p) == 4 and not getattr(p, "bnb_quantized", True)
+
+
 def stored_bytes(p: torch.Tensor) -> dict[str, int]:
-    """Bytes `p` holds, by dtype name: its own storage, plus a quantized parameter's
-    quant_state. A 4-bit parameter not quantized yet (built on the meta device, or not
-    moved to a device) is counted as it will be: the codes packed into its storage dtype,
-    one fp32 absmax per block (one uint8 per block and a second fp32 level when nested),
-    and the 16-entry code book."""
-    bits = _kind(p)
+    """Bytes of `p`'s own storage, by dtype name, which sharding divides. A 4-bit weight not
+    quantized yet (built on the meta device, or not moved to a device, so still holding
+    its full-precision values) is counted as it will be: its codes packed two to a byte,
+    in its storage dtype."""
     out: dict[str, int] = {}
-    if bits == 4 and not getattr(p, "bnb_quantized", True):
-        n = p.numel()
-        storage = getattr(p, "quant_storage", torch.uint8)
-        _add(out, storage, math.ceil(n / 2))
-        blocks = math.ceil(n / int(getattr(p, "blocksize", 64) or 64))
+    if _unquantized(p):
+        _add(out, getattr(p, "quant_storage", torch.uint8), math.ceil(p.numel() / 2))
+    else:
+        _add(out, p.dtype, p.numel() * p.element_size())
+    return out
+
+
+def quant_state_bytes(p: torch.Tensor) -> dict[str, int]:
+    """Bytes of a quantized weight's quant_state (its 8-bit row scales), by dtype name; empty
+    for any other parameter. Every rank holds them whole: they live on the layer, not in a
+    parameter, so fully_shard does not shard them. A 4-bit weight not quantized yet is
+    counted as it will be: one fp32 absmax per block of `blocksize` values (nested: one
+    uint8 per block, an fp32 offset, an fp32 absmax per 256 blocks and their 256-entry
+    code book), and the 16-entry code book."""
+    out: dict[str, int] = {}
+    if _unquantized(p):
+        blocks = math.ceil(p.numel() / int(getattr(p, "blocksize", 64) or 64))
         _add(out, torch.float32, 16 * 4)
         if getattr(p, "compress_statistics", False):
             _add(out, torch.uint8, blocks)
@@ -161,8 +177,7 @@ def stored_bytes(p: torch.Tensor) -> dict[str, int]:
         else:
             _add(out, torch.float32, 4 * blocks)
         return out
-    _add(out, p.dtype, p.numel() * p.element_size())
-    for t in quant_state_tensors(p) if bits else ():
+    for t in quant_state_tensors(p):
         _add(out, t.dtype, t.numel() * t.element_size())
     return out
 

@@ -15,7 +15,13 @@ from torch import nn
 import shardwise
 from shardwise.parallelize.quantized import unit_compute_dtypes
 from shardwise.plan.planner import plan_wrap
-from shardwise.plan.quantized import check_quantized, check_storage, quantized_params, stored_bytes
+from shardwise.plan.quantized import (
+    check_quantized,
+    check_storage,
+    quant_state_bytes,
+    quantized_params,
+    stored_bytes,
+)
 
 bnb = pytest.importorskip("bitsandbytes")
 ROOT = Path(__file__).resolve().parents[3]
@@ -64,21 +70,29 @@ def test_detection_needs_no_bitsandbytes_import():
 def test_a_4bit_weight_weighs_its_packed_codes_and_its_quant_state(storage, nested):
     layer = four_bit(storage, nested)
     blocks = 96 * 64 // 64
-    scales = {"uint8": blocks, "float32": 4 + 4 + 256 * 4} if nested else {"float32": 4 * blocks}
     codes = {str(storage).removeprefix("torch."): 96 * 64 // 2}
-    want: dict[str, int] = {}
-    for part in (codes, scales, {"float32": 16 * 4}):  # and the code book
-        for k, v in part.items():
-            want[k] = want.get(k, 0) + v
-    assert stored_bytes(layer.weight) == want
+    # absmax per block (nested: uint8, then an fp32 offset, absmax and code book of 256),
+    # and the 16-entry code book
+    book = 16 * 4
+    scales = {"uint8": blocks, "float32": book + 4 + 4 + 256 * 4} if nested else {
+        "float32": book + 4 * blocks
+    }  # fmt: skip
+    assert stored_bytes(layer.weight) == codes
+    assert quant_state_bytes(layer.weight) == scales
     # Before quantizing (a meta-built or unmoved layer holds fp32 values) it is counted as
     # it will be, not as the 4 bytes per value it holds now.
-    assert stored_bytes(four_bit(storage, nested, quantize=False).weight) == want
+    unmoved = four_bit(storage, nested, quantize=False).weight
+    assert (stored_bytes(unmoved), quant_state_bytes(unmoved)) == (codes, scales)
     assert stored_bytes(nn.Linear(64, 96).weight) == {"float32": 96 * 64 * 4}
+    assert quant_state_bytes(nn.Linear(64, 96).weight) == {}
 
 
 def test_an_8bit_weight_weighs_its_codes_and_row_scales():
-    assert stored_bytes(eight_bit().weight) == {"int8": 64 * 64, "float32": 64 * 4}
+    weight = eight_bit().weight
+    assert (stored_bytes(weight), quant_state_bytes(weight)) == (
+        {"int8": 64 * 64},
+        {"float32": 64 * 4},
+    )
 
 
 def _check(model: nn.Module, **fields: object) -> list:  # type: ignore[type-arg]
