@@ -4,7 +4,8 @@ fp32, AdamW, CPU/gloo).
 1. Per-rank peak memory of one training step, LoRA (r=16 on every linear of the decoder
    layers) and full fine-tuning: the real run (torch's memory tracker over real tensors,
    `shardwise.memory.real_step`) and the simulation (`shardwise.simulate_step`, fake
-   tensors and a fake process group), with their ratio.
+   tensors and a fake process group) of the same gloo job, with their ratio; and the
+   simulation of an nccl (GPU) job, whose reduce-scatter holds no copy of its input.
 2. LoRA under gradient accumulation (4 micro-batches per optimizer step, through the
    Engine), with and without `TrainConfig.keep_frozen_gathered`: all-gathers per optimizer
    step (counted at torch.distributed's Python entry points, which FSDP2 calls), the
@@ -110,7 +111,10 @@ def run(size: str, seq: int) -> dict[str, Any]:
     rows = []
     for kind in ("full", "lora"):
         factory = functools.partial(build, size, kind == "lora")
-        sim = simulate_step(factory, _config(), world=WORLD, batch=1, seq_len=seq)
+        # The real run reduces over gloo, whose reduce-scatter copies its input: simulated
+        # the same way; nccl (a GPU job) is the simulation's default, listed beside it.
+        sim = simulate_step(factory, _config(), world=WORLD, batch=1, seq_len=seq, backend="gloo")
+        gpu = simulate_step(factory, _config(), world=WORLD, batch=1, seq_len=seq)
         mine = real[0][kind]
         rows.append(
             {
@@ -120,6 +124,7 @@ def run(size: str, seq: int) -> dict[str, Any]:
                 "real_peaks_by_rank": [r[kind]["peak"] for r in real],
                 "sim_peak": sim.peak,
                 "sim_over_real": round(sim.peak / mine["peak"], 4),
+                "sim_peak_nccl": gpu.peak,
                 "real_at_peak": mine["at_peak"],
                 "sim_at_peak": sim.at_peak,
             }
@@ -131,12 +136,14 @@ def run(size: str, seq: int) -> dict[str, Any]:
 def table(result: dict[str, Any], seq: int) -> str:
     lines = [
         f"one step, world {WORLD}, full_shard, fp32, AdamW, batch 1 x {seq} per rank",
-        f"{'':<6} {'params':>12} {'real peak':>12} {'simulated':>12} {'sim/real':>9}",
+        f"{'':<6} {'params':>12} {'real (gloo)':>12} {'sim (gloo)':>12} {'sim/real':>9} "
+        f"{'sim (nccl)':>12}",
     ]
     for r in result["steps"]:
         lines.append(
             f"{r['kind']:<6} {r['params']:>12,} {format_bytes(r['real_peak']):>12} "
-            f"{format_bytes(r['sim_peak']):>12} {r['sim_over_real']:>9.4f}"
+            f"{format_bytes(r['sim_peak']):>12} {r['sim_over_real']:>9.4f} "
+            f"{format_bytes(r['sim_peak_nccl']):>12}"
         )
     lines.append(f"\nLoRA, accumulation {ACCUMULATE} (one optimizer step, Engine)")
     lines.append(f"{'keep_frozen_gathered':<22} {'all-gathers':>11} {'peak':>12} {'seconds':>8}")
