@@ -138,6 +138,7 @@ def compare(cfg: GPTConfig, world: int, batch: int, strategies: tuple[str, ...])
                 batch=batch,
                 seq_len=cfg.seq_len,
                 activation_checkpointing=row["ac"],
+                backend="gloo",  # the real runs reduce over gloo (its reduce-scatter copies)
             )
         except Exception as exc:
             row["error"] = f"simulation: {type(exc).__name__}: {str(exc)[:300]}"
@@ -213,6 +214,7 @@ def compare_tp(world: int, batch: int, seq_len: int = 64) -> list[dict]:
                 world=world,
                 batch=batch,
                 seq_len=seq_len,
+                backend="gloo",
             )
             row.update(
                 real_peak=real[0]["peak"], real_peaks_by_rank=[r["peak"] for r in real],
