@@ -6,6 +6,8 @@
     python examples/train_lm.py --config my.yaml runner.max_steps=20 optimizer.lr=1e-3
     shardwise run --nproc 2 examples/train_lm.py --init-from runs/train_lm/export \
         --rank0-reads runner.run_dir=runs/finetune           # continue from exported weights
+    shardwise run --nproc 2 examples/train_lm.py --config lora.yaml --init-from runs/base/export
+                                        # LoRA: a config file with an `adapter` section
 
 The same job as `shardwise demo`, written out as the script you would copy: config ->
 data -> engine (wraps the model, builds the optimizer after wrapping) -> runner -> export.
@@ -13,6 +15,9 @@ Rerunning after an interruption resumes from the latest checkpoint (runner.resum
 With --init-from, the model is built on the meta device and wrapped with the exported
 weights, the path for models too big to build on one device: each rank allocates and fills
 only its shards (with --rank0-reads, only rank 0 reads the files and scatters them).
+A config with an `adapter` section trains LoRA adapters on a frozen model instead (the
+Engine adds them with peft before wrapping); peft adds them to a model holding its
+weights, so with --init-from that model is built whole and filled first.
 """
 
 from __future__ import annotations
@@ -57,7 +62,10 @@ def main() -> None:
     # Seed before building: the initial weights are drawn here, and the Runner seeds again
     # only at fit() (same seed and world size, same losses from step 1).
     shardwise.seed_everything(cfg.runner.seed)
-    if args.init_from:
+    if args.init_from and cfg.adapter is not None:
+        model = GPT(model_cfg)  # adapters start as "no change" only on the real weights
+        shardwise.load_weights(model, args.init_from, broadcast_from_rank0=args.rank0_reads)
+    elif args.init_from:
         with shardwise.init_empty():  # nothing allocated until wrap() has sharded it
             model = GPT(model_cfg)
         model = shardwise.wrap(
@@ -72,6 +80,7 @@ def main() -> None:
         cfg.parallel,
         scheduler=lambda opt: cfg.scheduler.build(opt, total),
         train=cfg.train,
+        adapter=cfg.adapter,  # None unless the config has an `adapter` section
     )
     if info.is_main:
         print(shardwise.wrap_info(engine.model))
