@@ -125,6 +125,21 @@ class MetaLit(Lit):
         self.built_on_meta = all(p.is_meta for p in self.net.parameters())
 
 
+class PeftLit(Lit):
+    """The net as a peft model: LoRA on both linears (both halves drawn, so each moves from
+    the first step), the base frozen. configure_optimizers still gives AdamW every
+    parameter, frozen ones included, as `self.parameters()` does in most modules."""
+
+    def __init__(self, **kw: Any) -> None:
+        import peft
+
+        super().__init__(**kw)
+        lora = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["0", "3"], init_lora_weights=False
+        )
+        self.net = peft.get_peft_model(self.net, lora)
+
+
 class EarlyOptimizer(Lit):
     """Builds its optimizer in __init__, from parameters sharding will replace."""
 
@@ -253,6 +268,14 @@ def main() -> None:
             losses, params, norms = reference_clip(0, 8, 0.5, 0.05)
             results["clip_reference"] = {"losses": losses, "norms": norms}
             torch.save(params, out / f"{phase}-clip_reference.pt")
+
+        # A peft model, with clipping: the adapters train as under Lightning's DDP.
+        L.seed_everything(0, verbose=False)
+        if rank == 0:
+            torch.save(full_parameters(PeftLit()), out / f"{phase}-peft_start.pt")
+        peft_kw: dict[str, Any] = {"module": PeftLit, "gradient_clip_val": 0.05}
+        record("peft_lightning_ddp", fit("ddp", **peft_kw)[0])
+        record("peft_full_shard", fit(ShardwiseStrategy(strategy="full_shard"), **peft_kw)[0])
 
         lit, _ = fit(ShardwiseStrategy(strategy="full_shard"), module=MetaLit)
         record("meta", lit)

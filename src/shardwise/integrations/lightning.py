@@ -232,7 +232,8 @@ class ShardwiseStrategy(ModelParallelStrategy):
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        clip_grad_norm_(params, float(clip_val))  # a frozen parameter never counts
 
     # --- steps: always through the root module's forward --------------------------------------
     # FSDP2 shards the LightningModule in place, so `self.model is self.lightning_module`
