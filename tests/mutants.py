@@ -518,6 +518,78 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/memory/test_simulate.py::test_gloo_reduce_scatter_holds_a_copy_of_its_input",
         ),
     ),
+    # 13. Issue 35: training paths for adapter models (the run file's section, the Engine's
+    # optimizer and clipping, the Runner's adapters-only checkpoints).
+    Mutant(
+        "adapter_section_read_but_never_applied",
+        "src/shardwise/train/engine.py",
+        "        model = _with_adapter(model, adapter)  # before wrapping: peft adds layers to wrap\n",
+        "",
+        (
+            "tests/unit/train/test_adapter_engine.py::test_the_engine_applies_the_section_and_optimizes_the_adapters_only",
+        ),
+    ),
+    Mutant(
+        "adapter_alpha_not_passed_to_peft",
+        "src/shardwise/config/adapters.py",
+        "            lora_alpha=alpha,\n",
+        "            lora_alpha=self.r,\n",
+        ("tests/unit/config/test_adapter_section.py::test_apply_adds_lora_and_freezes_the_base",),
+    ),
+    Mutant(
+        "adapter_target_typo_left_to_peft",
+        "src/shardwise/config/adapters.py",
+        '    _check_targets(model, config.target_modules, "target_modules")\n',
+        "",
+        (
+            "tests/unit/config/test_adapter_section.py::test_a_mistyped_target_is_refused_with_the_closest_layer",
+        ),
+    ),
+    Mutant(
+        "adapter_section_takes_a_scalar",
+        "src/shardwise/config/run_file.py",
+        "        if optional is not None and value is not None and not isinstance(value, Mapping):\n",
+        "        if False:\n",
+        ("tests/unit/config/test_adapter_section.py::test_bad_values_are_refused_at_load",),
+    ),
+    Mutant(
+        "frozen_parameters_left_in_an_optimizer_object",
+        "src/shardwise/train/optim.py",
+        "    _drop_frozen(optimizer)\n",
+        "",
+        (
+            "tests/unit/train/test_adapter_engine.py::test_an_optimizer_holding_the_frozen_base_steps_and_clips_the_adapters_only",
+        ),
+    ),
+    Mutant(
+        "clip_and_step_over_parameters_frozen_since",
+        "src/shardwise/train/engine.py",
+        "            if p.requires_grad:\n                params.append(p)\n",
+        "            if True:\n                params.append(p)\n",
+        (
+            "tests/unit/train/test_adapter_engine.py::test_a_parameter_frozen_after_the_engine_was_built_is_not_stepped_or_clipped",
+        ),
+    ),
+    Mutant(
+        "runner_saves_adapter_models_whole",
+        "src/shardwise/train/resume.py",
+        "    return frozen\n",
+        "    return False\n",
+        (
+            "tests/unit/train/test_adapter_engine.py::test_adapters_only_is_the_default_for_an_adapter_model_and_resumes_exactly",
+            "tests/distributed/test_adapter_training.py::test_checkpoints_of_the_lora_run_hold_the_adapters_only",
+        ),
+    ),
+    Mutant(
+        "runner_save_drops_adapters_only",
+        "src/shardwise/train/runner.py",
+        "            where, self.engine, keep_last=keep, runner_state=state, adapters_only=only\n",
+        "            where, self.engine, keep_last=keep, runner_state=state, adapters_only=False\n",
+        (
+            "tests/unit/train/test_adapter_engine.py::test_adapters_only_is_the_default_for_an_adapter_model_and_resumes_exactly",
+            "tests/distributed/test_adapter_training.py::test_checkpoints_of_the_lora_run_hold_the_adapters_only",
+        ),
+    ),
 )
 
 
