@@ -16,8 +16,8 @@ each 4-bit layer's quant_state equal to the one it was loaded with and its weigh
 packed (dtype and numel of the codes; under FSDP2 each rank holds half of them).
 
 Under bf16 mixed precision the codes train when stored as uint8 (never cast) or as bf16
-(the compute dtype), compared with the same precision in one process at two bf16
-roundings. Negative controls, each failing the same comparison: codes stored as fp16 under
+(the compute dtype), and under ddp (autocast casts no parameter), compared with the same
+precision in one process at two bf16 roundings. Negative controls, each failing the same comparison: codes stored as fp16 under
 bf16 (refused by wrap; with the refusal taken out, FSDP2 casts the codes as numbers), and
 an eval forward between steps with bitsandbytes' CPU inference repacking left on (wrap
 turns it off). A rank that loaded another base takes rank 0's codes *and* scales. The
@@ -68,6 +68,7 @@ LAYOUTS = {
     "ac": {"strategy": "full_shard", "activation_checkpointing": True},
     "hybrid": {"strategy": "hybrid_shard"},  # replicate 2 x shard 2
     "bf16": {"strategy": "full_shard", "mixed_precision": "bf16"},
+    "ddp_bf16": {"strategy": "ddp", "mixed_precision": "bf16"},  # autocast: nothing is cast
 }
 WORLD2 = [
     *(f"{s}/full_shard/{o}" for s in ("uint8", "bfloat16") for o in OPTIMIZERS),
@@ -75,7 +76,7 @@ WORLD2 = [
     "uint8/ac/sgd",
 ]
 WORLD4 = [f"uint8/hybrid/{o}" for o in OPTIMIZERS] + ["bfloat16/hybrid/sgd"]
-BF16 = ["uint8/bf16/sgd", "bfloat16/bf16/sgd", "uint8/bf16/adamw"]
+BF16 = ["uint8/bf16/sgd", "bfloat16/bf16/sgd", "uint8/bf16/adamw", "uint8/ddp_bf16/sgd"]
 
 
 def build(base_dir: str, storage: str = "uint8", bits: int = 4) -> nn.Module:
@@ -234,11 +235,11 @@ def _world4(base_dir: str) -> dict:  # type: ignore[type-arg]
 
 
 def _world1_bf16(base_dir: str) -> dict:  # type: ignore[type-arg]
-    """The bf16 references: FSDP2's own precision handling in one process."""
-    fields = {**LAYOUTS["bf16"], "force_wrap": True}
+    """The bf16 references: each strategy's own precision handling in one process."""
     out = {}
     for case in BF16:
-        storage, _, optimizer = case.split("/")
+        storage, layout, optimizer = case.split("/")
+        fields = {**LAYOUTS[layout], "force_wrap": True}
         model = shardwise.wrap(build(base_dir, storage), shardwise.ParallelConfig(**fields))
         out[case] = train(model, lambda b: b, optimizer)
     return out
@@ -287,7 +288,8 @@ def _assert_base_intact(refs: dict, case: str, run: dict, world: int) -> None:  
     start = refs[f"{storage}/start"]
     moved = [n for n, p in run["frozen"].items() if not _same_bytes(p, start["frozen"][n])]
     assert set(run["frozen"]) == set(start["frozen"]) and not moved, f"{case}: moved {moved[:3]}"
-    shards = {"ddp": 1, "hybrid": 2}.get(layout, world)
+    ddp = layout.startswith("ddp")
+    shards = 1 if ddp else 2 if layout == "hybrid" else world
     for when in ("after_wrap", "after_training"):
         for name, want in start["quantization"].items():
             got = run[when][name]
@@ -302,7 +304,7 @@ def _assert_base_intact(refs: dict, case: str, run: dict, world: int) -> None:  
             kind, dtype, whole, local = got["weight"]
             assert (dtype, whole) == (f"torch.{storage}", numel), (case, when, name)
             assert local == -(-numel // shards), (case, when, name, local)
-            assert kind == ("Params4bit" if layout == "ddp" else "DTensor")
+            assert kind == ("Params4bit" if ddp else "DTensor")
 
 
 @pytest.mark.parametrize("case", [*WORLD2, *WORLD4])
