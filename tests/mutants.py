@@ -590,6 +590,19 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_adapter_training.py::test_checkpoints_of_the_lora_run_hold_the_adapters_only",
         ),
     ),
+    Mutant(
+        "gradients_estimated_from_a_units_average_bytes",
+        "src/shardwise/memory/model_states.py",
+        "    trainable_bytes = sum(round(u.trainable_bytes * share[u.fqn]) for u in plan.units)\n",
+        "    trainable_bytes = sum(\n"
+        "        round(sum(u.bytes_by_dtype.values()) * u.trainable_params / u.num_params * share[u.fqn])\n"
+        "        for u in plan.units\n"
+        "        if u.num_params\n"
+        "    )\n",
+        (
+            "tests/unit/memory/test_frozen_estimate.py::test_gradients_and_optimizer_state_count_the_trainable_parameters_in_their_dtype",
+        ),
+    ),
 )
 
 

@@ -103,22 +103,26 @@ def estimate_memory(
     states = OPTIMIZER_STATES[optimizer]
     stored = sum(sum(u.bytes_by_dtype.values()) * share[u.fqn] for u in plan.units)
     trainable = sum(u.trainable_params * share[u.fqn] for u in plan.units)
-    trainable_bytes = sum(
-        round(sum(u.bytes_by_dtype.values()) * u.trainable_params / u.num_params * share[u.fqn])
-        for u in plan.units
-        if u.num_params
-    )
+    trainable_bytes = sum(round(u.trainable_bytes * share[u.fqn]) for u in plan.units)
+    whole = sum(u.whole_bytes for u in plan.units)
 
-    def compute_bytes(unit_params: int, unit_bytes: int) -> int:
-        return unit_params * compute_dtype_bytes if compute_dtype_bytes else unit_bytes
+    def compute_bytes(by_dtype: dict[str, int]) -> int:
+        # FSDP2 casts floating parameters to the compute dtype; integer ones (4-bit codes
+        # stored as uint8) are gathered as they are.
+        if not compute_dtype_bytes:
+            return sum(by_dtype.values())
+        return sum(
+            n // dtype_bytes(k) * compute_dtype_bytes if k in _DTYPE_BYTES else n
+            for k, n in by_dtype.items()
+        )
 
-    units = [
-        round(compute_bytes(u.num_params, sum(u.bytes_by_dtype.values())) * share[u.fqn])
-        for u in plan.units
-    ]
+    units = [round(compute_bytes(u.bytes_by_dtype) * share[u.fqn]) for u in plan.units]
     root = units[-1] if units else 0
     largest = max(units[:-1], default=0)
-    largest_numel = max((round(u.num_params * share[u.fqn]) for u in plan.units[:-1]), default=0)
+    # FSDP2 reduce-scatters the gradients of trainable parameters only (a frozen base has none).
+    largest_numel = max(
+        (round(u.trainable_params * share[u.fqn]) for u in plan.units[:-1]), default=0
+    )
     out = []
     for strategy in strategies:
         if tp > 1 and strategy == "ddp":
@@ -142,7 +146,7 @@ def estimate_memory(
                 world_size=world_size,
                 dp_replicate=spec.dp_replicate,
                 dp_shard=shard,
-                params=-(-round(stored) // shard),
+                params=-(-round(stored) // shard) + whole,
                 grads=-(-trainable_bytes // shard),
                 optimizer=-(-round(trainable * 4 * states) // shard),
                 gathered=gathered,

@@ -33,6 +33,7 @@ from shardwise.plan.policies import (
     param_holding_classes,
     resolve_policy,
 )
+from shardwise.plan.quantized import quant_state_bytes, stored_bytes
 from shardwise.plan.units import (
     ModelIndex,
     Unit,
@@ -72,6 +73,11 @@ class WrapUnit:
     reason: str
     """Why it is a unit: policy, keep_fp32, tied, frozen-split, trainable-split, root."""
     activation_checkpointing: bool = False
+    trainable_bytes: int = 0
+    """Bytes of the trainable parameters (their gradients' size), in their own dtypes."""
+    whole_bytes: int = 0
+    """Bytes every rank holds whole, which sharding does not divide: a quantized weight's
+    quant_state (plan/quantized.py)."""
 
     @property
     def is_root(self) -> bool:
@@ -403,9 +409,12 @@ def _describe(
     for unit, pids in zip(units, assign(units, index), strict=True):
         params = [index.params[p] for p in pids]
         by_dtype: dict[str, int] = {}
+        trainable_bytes = whole = 0
         for p in params:
-            key = str(p.dtype).removeprefix("torch.")
-            by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+            for key, n in stored_bytes(p).items():  # a 4-bit weight: its packed codes
+                by_dtype[key] = by_dtype.get(key, 0) + n
+                trainable_bytes += n if p.requires_grad else 0
+            whole += sum(quant_state_bytes(p).values())
         root = unit.members == ("",)
         out.append(
             WrapUnit(
@@ -422,6 +431,8 @@ def _describe(
                 reshard_after_forward=False if root else raf,
                 reason=unit.reason,
                 activation_checkpointing=id(unit) in checkpointed,
+                trainable_bytes=trainable_bytes,
+                whole_bytes=whole,
             )
         )
     return out
