@@ -70,6 +70,7 @@ from shardwise.distributed.watchdog import guard
 from shardwise.parallelize.weights import INDEX_FILE, SINGLE_FILE, WeightsError, _model_state
 from shardwise.parallelize.wrapped import unwrap
 from shardwise.plan.adapters import adapter_model
+from shardwise.plan.quantized import quantized_layers
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 STAGING_PREFIX = ".shardwise-export-"
@@ -243,6 +244,20 @@ def _write_all(
 
 
 @guard("export_weights")  # a rank that stops inside is named (StallError)
+def _refuse_quantized(model: nn.Module, kind: str) -> None:
+    """A bitsandbytes-quantized base exports as packed codes without their quant_state
+    (it lives on the layer, not in a parameter): no loader could reopen it."""
+    layers = quantized_layers(model)
+    if kind != "adapter" and layers:
+        raise NotImplementedError(
+            f"export_weights(kind={kind!r}): {len(layers)} layer(s) of the model are "
+            f"quantized by bitsandbytes (e.g. {layers[0]}), and their weights would be written "
+            "as packed codes without the quant_state that decodes them, which from_pretrained "
+            "cannot reopen. Export the adapters (kind='adapter', the default for a peft "
+            "model), or merge them into a dequantized base in one process."
+        )
+
+
 def export_weights(
     source: nn.Module | str | Path,
     out: str | Path,
@@ -292,6 +307,7 @@ def export_weights(
     if isinstance(source, nn.Module):
         record = adapter_record(source)  # the same on every rank: they all take one path
         chosen = _resolved_kind(kind, record, "the model")
+        _refuse_quantized(source, chosen)
         writer = _writer(out, max_shard_bytes, cast, chosen)
         tensors: Iterator[tuple[str, torch.Tensor | None]]
         # A refusal (what a merge cannot do) comes here, before `out` is touched.

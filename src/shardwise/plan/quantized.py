@@ -45,6 +45,7 @@ __all__ = [
     "check_storage",
     "quant_state_bytes",
     "quant_state_tensors",
+    "quantized_layers",
     "quantized_params",
     "stored_bytes",
 ]
@@ -119,6 +120,19 @@ def quantized_params(model: nn.Module) -> list[QuantizedParam]:
                 )
             )
     return out
+
+
+_LAYERS = ("Linear4bit", "Linear8bitLt")
+
+
+def quantized_layers(model: nn.Module) -> list[str]:
+    """Paths of bitsandbytes' quantized layers, by class: found also after fully_shard,
+    which swaps their weights for plain DTensor parameters."""
+    return [
+        fqn
+        for fqn, m in model.named_modules()
+        if any(c.__name__ in _LAYERS for c in type(m).__mro__)
+    ]
 
 
 def quant_state_tensors(p: torch.Tensor) -> list[torch.Tensor]:

@@ -222,3 +222,17 @@ def test_the_simulation_refuses_a_quantized_base():
         shardwise.simulate_step(
             _quantized_factory, shardwise.ParallelConfig(), world=2, batch=1, seq_len=4
         )
+
+
+def test_a_full_export_of_a_quantized_base_is_refused(tmp_path):
+    """Its codes would be written without the quant_state that decodes them."""
+    import shardwise
+
+    model = model_with(four_bit())
+    with pytest.raises(
+        NotImplementedError,
+        match=r"export_weights\(kind='full'\): 1 layer\(s\) of the model are quantized by "
+        r"bitsandbytes \(e\.g\. 1\.0\).*kind='adapter'",
+    ):
+        shardwise.export_weights(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
