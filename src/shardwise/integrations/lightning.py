@@ -122,6 +122,16 @@ class _StepRedirection(_DDPForwardRedirection):
         return out
 
 
+def _clip_trainable(optimizer: Any, max_norm: float) -> None:
+    """`gradient_clip_val`: clip by the norm over every shard and replica of the
+    optimizer's parameters that train (a frozen one never counts)."""
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer._optimizer
+    clip_grad_norm_(
+        [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad], max_norm
+    )
+
+
 class ShardwiseStrategy(ModelParallelStrategy):
     """Lightning strategy that parallelises the LightningModule with `shardwise.wrap`.
 
@@ -230,10 +240,7 @@ class ShardwiseStrategy(ModelParallelStrategy):
                 )
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        clip_grad_norm_(params, float(clip_val))  # a frozen parameter never counts
+        _clip_trainable(optimizer, float(clip_val))
 
     # --- steps: always through the root module's forward --------------------------------------
     # FSDP2 shards the LightningModule in place, so `self.model is self.lightning_module`
