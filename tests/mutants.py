@@ -603,6 +603,153 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/memory/test_frozen_estimate.py::test_gradients_and_optimizer_state_count_the_trainable_parameters_in_their_dtype",
         ),
     ),
+    # 14. Issue 34: every refusal for each class of bad input, each bound measured as it
+    # runs, the metadata read back.
+    Mutant(
+        "tp_plan_value_checked_only_when_a_string",
+        "src/shardwise/config/tensor_parallel.py",
+        "            if not isinstance(style, ParallelStyle) and style not in TP_STYLE_NAMES:\n",
+        "            if isinstance(style, str) and style not in TP_STYLE_NAMES:\n",
+        (
+            "tests/unit/parallelize/test_tensor_plan.py::test_a_plan_value_of_every_wrong_kind_is_refused",
+        ),
+    ),
+    Mutant(
+        "tp_plan_of_another_type_refused_only_when_a_number",
+        "src/shardwise/config/tensor_parallel.py",
+        "    elif not callable(plan):\n",
+        "    elif isinstance(plan, int | float):\n",
+        (
+            "tests/unit/parallelize/test_tensor_plan.py::test_a_plan_that_is_no_word_dict_or_callable_is_refused",
+        ),
+    ),
+    Mutant(
+        "moe_plan_naming_a_parameter_the_experts_lack_taken",
+        "src/shardwise/parallelize/moe.py",
+        "        if missing or unknown or inner:\n",
+        "        if missing or inner:\n",
+        (
+            "tests/unit/parallelize/test_tensor_plan.py::test_a_moe_plan_naming_parameters_the_experts_lack_is_refused",
+        ),
+    ),
+    Mutant(
+        "moe_inner_parameters_left_whole",
+        "src/shardwise/parallelize/moe.py",
+        "        if missing or unknown or inner:\n",
+        "        if missing or unknown:\n",
+        (
+            "tests/unit/parallelize/test_tensor_plan.py::test_experts_holding_parameters_in_inner_modules_are_refused",
+        ),
+    ),
+    Mutant(
+        "unpickler_takes_any_torch_attribute",
+        "src/shardwise/checkpoint/trust.py",
+        '                and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))\n',
+        '                and (name == "Size" or hasattr(torch, name))\n',
+        (
+            "tests/unit/checkpoint/test_trust.py::test_the_unpickler_refuses_every_global_outside_its_list",
+        ),
+    ),
+    Mutant(
+        "unpickler_takes_all_of_torch_serialization",
+        "src/shardwise/checkpoint/trust.py",
+        '            or (module == "torch.serialization" and name == "_get_layout")\n',
+        '            or (module == "torch.serialization")\n',
+        (
+            "tests/unit/checkpoint/test_trust.py::test_the_unpickler_refuses_every_global_outside_its_list",
+        ),
+    ),
+    Mutant(
+        "unpickler_takes_all_of_dcp_filesystem",
+        "src/shardwise/checkpoint/trust.py",
+        '            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")\n',
+        '            or (module == "torch.distributed.checkpoint.filesystem")\n',
+        (
+            "tests/unit/checkpoint/test_trust.py::test_the_unpickler_refuses_every_global_outside_its_list",
+        ),
+    ),
+    Mutant(
+        "manifest_counts_checked_for_type_not_range",
+        "src/shardwise/checkpoint/trust.py",
+        "    return isinstance(value, int) and not isinstance(value, bool) and value >= low\n",
+        "    return isinstance(value, int) and not isinstance(value, bool)\n",
+        (
+            "tests/unit/checkpoint/test_trust.py::test_a_manifest_field_out_of_its_range_is_refused_by_name",
+        ),
+    ),
+    Mutant(
+        "manifest_world_size_zero_taken",
+        "src/shardwise/checkpoint/trust.py",
+        '    for key, low in (("step", 0), ("world_size", 1)):\n',
+        '    for key, low in (("step", 0), ("world_size", 0)):\n',
+        (
+            "tests/unit/checkpoint/test_trust.py::test_a_manifest_field_out_of_its_range_is_refused_by_name",
+        ),
+    ),
+    Mutant(
+        "manifest_skipped_steps_unchecked",
+        "src/shardwise/checkpoint/trust.py",
+        '    for key in ("skipped_steps", "bytes"):\n',
+        '    for key in ("bytes",):\n',
+        (
+            "tests/unit/checkpoint/test_trust.py::test_a_manifest_field_out_of_its_range_is_refused_by_name",
+        ),
+    ),
+    Mutant(
+        "manifest_sha256_checked_for_hex_not_length",
+        "src/shardwise/checkpoint/trust.py",
+        "            isinstance(digest, str) and len(digest) == 64 and set(digest) <= _SHA256_HEX,\n",
+        "            isinstance(digest, str) and set(digest) <= _SHA256_HEX,\n",
+        (
+            "tests/unit/checkpoint/test_trust.py::test_a_manifest_field_out_of_its_range_is_refused_by_name",
+        ),
+    ),
+    Mutant(
+        "export_gathers_before_making_room",
+        "src/shardwise/checkpoint/export.py",
+        "        if keep and make_room is not None:\n            make_room(value)\n",
+        "",
+        (
+            "tests/unit/checkpoint/test_export_bounds.py::test_rank_0_holds_at_most_one_files_worth_at_every_gather",
+        ),
+    ),
+    Mutant(
+        "export_makes_room_at_the_stored_size",
+        "src/shardwise/checkpoint/export.py",
+        "        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else None\n",
+        "        dtype = None\n",
+        (
+            "tests/unit/checkpoint/test_export_bounds.py::test_index_total_size_and_file_packing_are_at_the_cast_size",
+        ),
+    ),
+    Mutant(
+        "export_counts_bytes_before_the_cast",
+        "src/shardwise/checkpoint/export.py",
+        "            tensor = tensor.to(self.dtype)\n        nbytes = tensor.numel() * tensor.element_size()\n",
+        "            pass\n        nbytes = tensor.numel() * tensor.element_size()\n"
+        "        tensor = tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor\n",
+        (
+            "tests/unit/checkpoint/test_export_bounds.py::test_index_total_size_and_file_packing_are_at_the_cast_size",
+        ),
+    ),
+    Mutant(
+        "re_export_moves_the_old_entry_last",
+        "src/shardwise/checkpoint/export.py",
+        "    for p in sorted(old, key=lambda p: p.name not in (SINGLE_FILE, INDEX_FILE, ADAPTER_FILE)):\n",
+        "    for p in sorted(old, key=lambda p: p.name in (SINGLE_FILE, INDEX_FILE, ADAPTER_FILE)):\n",
+        (
+            "tests/unit/checkpoint/test_export_bounds.py::test_every_move_of_a_re_export_leaves_one_loadable_export_or_none",
+        ),
+    ),
+    Mutant(
+        "re_export_moves_the_new_entry_first",
+        "src/shardwise/checkpoint/export.py",
+        "    for name in sorted(new, key=lambda n: n == written.name):\n",
+        "    for name in sorted(new, key=lambda n: n != written.name):\n",
+        (
+            "tests/unit/checkpoint/test_export_bounds.py::test_every_move_of_a_re_export_leaves_one_loadable_export_or_none",
+        ),
+    ),
 )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -338,3 +340,91 @@ def test_the_tp_estimate_needs_the_shares_of_what_the_plan_splits():
     plan = plan_wrap(_Stack(), ParallelConfig())
     with pytest.raises(ValueError, match=r"estimate_memory\(tp>1\) needs tp_share"):
         estimate_memory(plan, 4, tp=2)
+
+
+# --- issue 34: every class of bad plan value, each by its message ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("diagonal", r"'diagonal'"),  # a word shardwise does not know
+        ("Colwise", r"'Colwise'"),  # a known word in the wrong case
+        (ColwiseParallel, r"<class '[\w.]*ColwiseParallel'>"),  # the class, not an instance
+        (None, r"None"),
+        (1, r"1"),
+        (["colwise"], r"\['colwise'\]"),
+    ],
+)
+def test_a_plan_value_of_every_wrong_kind_is_refused(value, shown):
+    with pytest.raises(
+        ValueError,
+        match=rf"ParallelConfig.tp_plan\['up'\]={shown}: use one of colwise, rowwise, "
+        r"colwise_gather_output, .* or a torch ParallelStyle\.",
+    ):
+        ParallelConfig(tp=2, tp_plan={"up": value, "down": "rowwise"})
+
+
+@pytest.mark.parametrize("plan", [3, ["up", "colwise"], ("colwise",), None, b"auto"])
+def test_a_plan_that_is_no_word_dict_or_callable_is_refused(plan):
+    with pytest.raises(
+        TypeError,
+        match=rf"ParallelConfig.tp_plan={re.escape(repr(plan))}: use 'auto', a dict or a "
+        r"callable \(model, tp_mesh\)\.",
+    ):
+        ParallelConfig(tp=2, tp_plan=plan)
+
+
+def test_every_plan_word_and_a_style_instance_are_taken():
+    from shardwise.config.tensor_parallel import TP_STYLE_NAMES
+
+    for word in TP_STYLE_NAMES:
+        assert ParallelConfig(tp=2, tp_plan={"up": word}).tp_plan == {"up": word}
+    style = ColwiseParallel()
+    assert ParallelConfig(tp=2, tp_plan={"up": style}).tp_plan["up"] is style
+
+
+def test_a_moe_plan_naming_parameters_the_experts_lack_is_refused():
+    from shardwise.parallelize.moe import ExpertsParallel
+
+    # One more than the experts have: a typo, or another family's name (Qwen's up_proj).
+    extra = ExpertsParallel(
+        {"gate_up_proj": "packed_colwise", "down_proj": "rowwise", "up_proj": "rowwise"}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the 'moe_tp_experts' module model.layers.0.mlp.experts has the parameters "
+        r"\['down_proj', 'gate_up_proj'\], but the plan splits \['down_proj', 'gate_up_proj', "
+        r"'up_proj'\]: each of its own parameters, and no other, needs a split",
+    ):
+        resolve_tp_plan(_moe(), {"model.layers.*.mlp.experts": extra})
+    # The same through the model's own plan words: an entry for a parameter they lack.
+    words = {
+        "model.layers.*.mlp.experts": "moe_tp_experts",
+        "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "model.layers.*.mlp.experts.down_proj": "rowwise",
+        "model.layers.*.mlp.experts.bias": "rowwise",
+    }
+    with pytest.raises(ValueError, match=r"but the plan splits \['bias', 'down_proj', "):
+        resolve_tp_plan(_moe(), words)
+    # Renamed: each of the two names right, in the wrong places, is refused too.
+    swapped = ExpertsParallel({"gate_proj": "packed_colwise", "down_proj": "rowwise"})
+    with pytest.raises(ValueError, match=r"but the plan splits \['down_proj', 'gate_proj'\]"):
+        resolve_tp_plan(_moe(), {"model.layers.*.mlp.experts": swapped})
+
+
+def test_experts_holding_parameters_in_inner_modules_are_refused():
+    from shardwise.parallelize.moe import ExpertsParallel
+
+    model = _moe()
+    for layer in model.model.layers:  # a parameter below the experts module: left whole
+        layer.mlp.experts.scale = nn.Linear(2, 2, bias=False)
+    whole = ExpertsParallel({"gate_up_proj": "packed_colwise", "down_proj": "rowwise"})
+    with pytest.raises(
+        ValueError,
+        match=r"experts has the parameters \['down_proj', 'gate_up_proj'\] and inner ones "
+        r"\['scale.weight'\], but the plan splits \['down_proj', 'gate_up_proj'\]",
+    ):
+        resolve_tp_plan(model, {"model.layers.*.mlp.experts": whole})
+    # Without the inner module the same style is taken.
+    assert resolve_tp_plan(_moe(), {"model.layers.*.mlp.experts": whole})
