@@ -750,6 +750,63 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/checkpoint/test_export_bounds.py::test_every_move_of_a_re_export_leaves_one_loadable_export_or_none",
         ),
     ),
+    # The instant estimate under tp, term by term against the simulation.
+    Mutant(
+        "tp_share_splits_whole_parameters_too",
+        "src/shardwise/memory/model_states.py",
+        "        held[fqn] = held.get(fqn, 0.0) + p.numel() / (tp if id(p) in split else 1)\n",
+        "        held[fqn] = held.get(fqn, 0.0) + p.numel() / tp\n",
+        (
+            "tests/unit/memory/test_tp_estimate.py::test_each_term_of_the_tp_estimate_equals_the_simulation",
+        ),
+    ),
+    Mutant(
+        "tp_share_by_the_shallowest_unit",
+        "src/shardwise/memory/model_states.py",
+        "key=lambda x: -len(x[0]))",
+        "key=lambda x: len(x[0]))",
+        (
+            "tests/unit/memory/test_tp_estimate.py::test_each_term_of_the_tp_estimate_equals_the_simulation",
+        ),
+    ),
+    Mutant(
+        "row_split_bias_counted_as_split",
+        "src/shardwise/parallelize/tensor.py",
+        '        elif isinstance(style, RowwiseParallel) and "weight" in own:\n'
+        '            out.add(id(own["weight"]))\n',
+        "        elif isinstance(style, RowwiseParallel):\n"
+        "            out.update(id(p) for p in own.values())\n",
+        (
+            "tests/unit/memory/test_tp_estimate.py::test_each_term_of_the_tp_estimate_equals_the_simulation",
+        ),
+    ),
+    Mutant(
+        "gathered_without_the_tp_share",
+        "src/shardwise/memory/model_states.py",
+        "    units = [round(compute_bytes(u.bytes_by_dtype) * share[u.fqn]) for u in plan.units]\n",
+        "    units = [compute_bytes(u.bytes_by_dtype) for u in plan.units]\n",
+        (
+            "tests/unit/memory/test_tp_estimate.py::test_each_term_of_the_tp_estimate_equals_the_simulation",
+        ),
+    ),
+    Mutant(
+        "gathered_root_counted_as_a_block",
+        "src/shardwise/memory/model_states.py",
+        "    largest = max(units[:-1], default=0)\n",
+        "    largest = max(units, default=0)\n",
+        (
+            "tests/unit/memory/test_tp_estimate.py::test_each_term_of_the_tp_estimate_equals_the_simulation",
+        ),
+    ),
+    Mutant(
+        "unit_gradients_without_the_tp_share",
+        "src/shardwise/memory/model_states.py",
+        "        (round(u.trainable_params * share[u.fqn]) for u in plan.units[:-1]), default=0\n",
+        "        (u.trainable_params for u in plan.units[:-1]), default=0\n",
+        (
+            "tests/unit/memory/test_tp_estimate.py::test_each_term_of_the_tp_estimate_equals_the_simulation",
+        ),
+    ),
 )
 
 
