@@ -807,6 +807,60 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/memory/test_tp_estimate.py::test_each_term_of_the_tp_estimate_equals_the_simulation",
         ),
     ),
+    # Edges: clipping a non-finite norm, the second node's report, the tp check under sp.
+    Mutant(
+        "clip_scales_by_a_nonfinite_norm",
+        "src/shardwise/train/engine.py",
+        "    return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))\n",
+        "    return coef\n",
+        ("tests/unit/train/test_clip_nonfinite.py::test_a_nonfinite_norm_scales_no_gradient",),
+    ),
+    Mutant(
+        "clip_guards_an_infinite_norm_not_a_nan",
+        "src/shardwise/train/engine.py",
+        "    return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))\n",
+        "    return torch.where(~torch.isinf(norm), coef, torch.ones_like(coef))\n",
+        ("tests/unit/train/test_clip_nonfinite.py::test_a_nonfinite_norm_scales_no_gradient",),
+    ),
+    Mutant(
+        "mmengine_nonfinite_refusal_misses_nan",
+        "src/shardwise/integrations/mmengine.py",
+        "    if error_if_nonfinite and not torch.isfinite(total):",
+        "    if error_if_nonfinite and torch.isinf(total):",
+        (
+            "tests/unit/train/test_clip_nonfinite.py::test_mmengine_global_clip_of_a_nonfinite_norm_scales_nothing_and_refuses_if_asked",
+        ),
+    ),
+    Mutant(
+        "report_reads_the_global_rank_as_local",
+        "src/shardwise/cli/report.py",
+        "        elif any(f.local_rank == 0 for f in group) and _shown_live(first.message):\n",
+        "        elif any(f.rank == 0 for f in group) and _shown_live(first.message):\n",
+        (
+            "tests/unit/cli/test_report.py::"
+            "test_the_second_node_of_a_two_node_job_reads_its_local_rank_0_by_local_rank",
+        ),
+    ),
+    Mutant(
+        "tp_gradient_check_reads_the_first_mesh_dim",
+        "src/shardwise/parallelize/tensor.py",
+        "            if TP_DIM in dims and not isinstance(g.placements[dims.index(TP_DIM)], Replicate):\n",
+        "            if TP_DIM in dims and not isinstance(g.placements[0], Replicate):\n",
+        (
+            "tests/distributed/test_tp_gradient_check.py::"
+            "test_a_whole_parameters_gradient_that_differs_over_tp_is_refused",
+        ),
+    ),
+    Mutant(
+        "tp_gradient_check_skips_the_tp_mesh",
+        "src/shardwise/parallelize/tensor.py",
+        "            if TP_DIM in dims and not isinstance(g.placements[dims.index(TP_DIM)], Replicate):\n",
+        "            if TP_DIM in dims:\n",
+        (
+            "tests/distributed/test_tp_gradient_check.py::"
+            "test_a_whole_parameters_gradient_that_differs_over_tp_is_refused",
+        ),
+    ),
 )
 
 

@@ -191,3 +191,53 @@ def test_a_restart_is_announced_with_the_report_of_the_attempt(tmp_path, capsys)
     assert "  rank 2: stopped because rank 3 ended\n" in err
     assert "restarting the workers: restart 1 of 2 (1 left)" in err
     assert logging.getLogger(agent).filters == []  # put back as it was
+
+
+def _node_failure(tmp_path, rank: int, local: int, exc: BaseException | None, code: int = 1):
+    """torch's ProcessFailure for global `rank` (local rank `local`), with the error file the
+    worker hook writes when `exc` is given."""
+    path = tmp_path / f"error-{rank}.json"
+    if exc is not None:
+        try:
+            raise exc
+        except BaseException as raised:  # recorded, as the hook does
+            record_error(raised, str(path))
+    return ProcessFailure(local_rank=local, pid=100 + rank, exitcode=code, error_file=str(path))
+
+
+def test_the_second_node_of_a_two_node_job_reads_its_local_rank_0_by_local_rank(tmp_path):
+    """Node 1 of 2 runs global ranks 2 and 3 as local ranks 0 and 1. Its local rank 0 (global
+    rank 2) printed its own error live; global rank 0 is on the other node."""
+    from shardwise.config import ConfigError
+
+    typo = ConfigError("unknown key 'train.max_stepz'. Did you mean 'max_steps'?")
+    both = failures_from_torch(
+        {2: _node_failure(tmp_path, 2, 0, typo), 3: _node_failure(tmp_path, 3, 1, typo)}
+    )
+    assert [(f.rank, f.local_rank) for f in both] == [(2, 0), (3, 1)]
+    out = summary(both, world=4, stopped=set())
+    assert out.splitlines() == [
+        "shardwise run: 2 of 4 rank(s) failed:",
+        "  ranks 2, 3: ConfigError (shown above)",
+    ]
+    # Only global rank 3 (local rank 1) raised: nobody printed it, so it is printed once,
+    # whole; global rank 2, stopped by the launcher, is named as such.
+    boom = ValueError("boom on rank 3")
+    one = failures_from_torch(
+        {2: _node_failure(tmp_path, 2, 0, None, -15), 3: _node_failure(tmp_path, 3, 1, boom)}
+    )
+    lines = summary(one, world=4, stopped={2}).splitlines()
+    assert lines[:2] == ["shardwise run: 2 of 4 rank(s) failed:", "  rank 3 raised:"]
+    assert lines[-2:] == [
+        "    ValueError: boom on rank 3",
+        "  rank 2: stopped because rank 3 ended",
+    ]
+    assert sum("boom on rank 3" in line for line in lines) == 1
+    # Only global rank 2 (local rank 0): printed live, so pointed to, not printed again.
+    own = failures_from_torch(
+        {2: _node_failure(tmp_path, 2, 0, typo), 3: _node_failure(tmp_path, 3, 1, None, -15)}
+    )
+    assert summary(own, world=4, stopped={3}).splitlines()[1:] == [
+        "  rank 2: ConfigError (shown above)",
+        "  rank 3: stopped because rank 2 ended",
+    ]
