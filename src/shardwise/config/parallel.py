@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
 from shardwise.config.names import StrategySetting, closest, normalize_strategy
+from shardwise.config.pipeline import PPSchedule, PPSplit, validate_pp
 from shardwise.config.precision import Precision, PrecisionSetting, resolve_precision
 from shardwise.config.tensor_parallel import TPPlan, validate_tp
 from shardwise.config.vocabulary import FOREIGN_WORDS, integral, policy_from_dict, translate
@@ -220,6 +221,24 @@ class ParallelConfig:
     which divides that activation memory by tp. The first layer splits the sequence and the
     last gathers it; every batch's sequence length must divide by tp. Not with a callable
     tp_plan (it applies its own styles)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model is cut into `pp` stages, each held by its own
+    ranks (the outermost mesh dimension), which send activations to the next stage and
+    gradients back (torch's pipelining). Each stage shards or replicates over its
+    world_size // (pp * tp) data-parallel ranks. 1: none."""
+    pp_schedule: PPSchedule = "1f1b"
+    """With pp > 1: the schedule of micro-batches: '1f1b' (one forward, one backward; at
+    most pp micro-batches in flight) or 'gpipe' (all forwards, then all backwards).
+    'interleaved_1f1b' and 'zbv' are named but not built yet (an error says so)."""
+    pp_microbatches: int | None = None
+    """With pp > 1: micro-batches each rank's batch is cut into per step. None: 2 * pp. 1F1B
+    needs at least pp; the batch's rows must divide by it."""
+    pp_split: PPSplit = "auto"
+    """With pp > 1: 'auto' (the repeated blocks balanced over the stages: what comes before
+    them, such as the embeddings, goes to the first stage, what comes after, such as the
+    final norm and the head, to the last), or the module names at which each stage after
+    the first begins, e.g. ['model.layers.2'] (the names of blocks in the model's list of
+    layers)."""
     cp: int = 1
     """Context-parallel degree. Only 1 for now: anything else is refused (see the error)."""
     mixed_precision: PrecisionSetting = "fp32"
@@ -356,6 +375,7 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
             "Use a positive number of ranks, or -1 to infer it."
         )
     validate_tp(cfg)
+    validate_pp(cfg)
     cfg._precision = resolve_precision(cfg.mixed_precision)
     _keep_fp32_from_fsdp1(cfg)
     cfg._offload = resolve_cpu_offload(cfg.cpu_offload)

@@ -1,8 +1,9 @@
-"""The parallel degrees (replicate × shard × tp) and the named `DeviceMesh` built from them.
+"""The parallel degrees (pp × replicate × shard × tp) and the named `DeviceMesh` built from them.
 
-Owns: turning (strategy, dp_shard, tp, world size) into one validated `MeshSpec`, and
-building torch's DeviceMesh from it: (dp_replicate, dp_shard, tp), tp innermost so that a
-tensor-parallel group is adjacent ranks (one node's fast links). Resolution is a pure
+Owns: turning (strategy, dp_shard, tp, pp, world size) into one validated `MeshSpec`, and
+building torch's DeviceMesh from it: (pp, dp_replicate, dp_shard, tp), tp innermost so that
+a tensor-parallel group is adjacent ranks (one node's fast links), pp outermost so that
+only activations cross between the blocks of ranks that hold one stage each. Resolution is a pure
 function, so every error can be raised (and tested) before a process group exists. A layout
 that does not fit the job is refused with a ValueError marked `refused`: the user's setting,
 not a bug, so a worker of `shardwise run` shows it in one line, as it does a ConfigError.
@@ -23,6 +24,7 @@ from shardwise.distributed.worker_errors import refused
 REPLICATE_DIM = "dp_replicate"
 SHARD_DIM = "dp_shard"
 TP_DIM = "tp"
+PP_DIM = "pp"
 
 _HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 
@@ -46,10 +48,12 @@ class MeshSpec:
     """'ddp' (DistributedDataParallel) or 'fsdp' (fully_shard)."""
     tp: int = 1
     """Tensor-parallel degree (the innermost mesh dimension); 1: none."""
+    pp: int = 1
+    """Pipeline stages (the outermost mesh dimension); 1: none."""
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp_size(self) -> int:
@@ -62,8 +66,9 @@ class MeshSpec:
 
     def __str__(self) -> str:
         tp = f" x tp {self.tp}" if self.tp > 1 else ""
+        pp = f"pp {self.pp} x " if self.pp > 1 else ""
         return (
-            f"{self.strategy}: {self.dp_replicate} replica group(s) x {self.dp_shard} shard "
+            f"{self.strategy}: {pp}{self.dp_replicate} replica group(s) x {self.dp_shard} shard "
             f"rank(s){tp} = world {self.world_size}, engine={self.engine}, "
             f"reshard_after_forward={self.reshard_after_forward}"
         )
@@ -75,11 +80,14 @@ class MeshSpec:
         """The DeviceMesh for fully_shard (None for ddp, which uses the default group)."""
         if self.engine == "ddp":
             return None
-        if self.tp > 1:  # the whole (replicate, shard, tp) grid; see dp_mesh and tp_mesh
+        if self.tp > 1 or self.pp > 1:  # the whole (pp, replicate, shard, tp) grid; see dp_mesh
+            dims = [(PP_DIM, self.pp)] if self.pp > 1 else []
+            dims += [(REPLICATE_DIM, self.dp_replicate), (SHARD_DIM, self.dp_shard)]
+            dims += [(TP_DIM, self.tp)] if self.tp > 1 else []
             return init_device_mesh(
                 device_type,
-                (self.dp_replicate, self.dp_shard, self.tp),
-                mesh_dim_names=(REPLICATE_DIM, SHARD_DIM, TP_DIM),
+                tuple(size for _, size in dims),
+                mesh_dim_names=tuple(name for name, _ in dims),
             )
         if self.is_2d:
             # FSDP2 treats a 2-D mesh as (replicate, shard): HSDP, or no_shard with shard size 1.
@@ -93,7 +101,7 @@ class MeshSpec:
 
 def dp_mesh(spec: MeshSpec, mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel part of `mesh`, which fully_shard shards (or replicates) over."""
-    if spec.tp == 1:
+    if spec.tp == 1 and spec.pp == 1:
         return mesh
     return mesh[(REPLICATE_DIM, SHARD_DIM)] if spec.is_2d else mesh[SHARD_DIM]
 
@@ -151,12 +159,18 @@ def resolve_mesh(
     local_world_size: int | None = None,
     reshard_after_forward: bool | int | None = None,
     tp: int = 1,
+    pp: int = 1,
 ) -> MeshSpec:
     """Validate the degrees against the world size and fix every -1. With `tp` > 1 the
-    strategy applies to the world_size // tp data-parallel ranks."""
+    strategy applies to the world_size // tp data-parallel ranks; with `pp` > 1 each
+    stage's world_size // pp ranks are laid out as without pp."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1.")
     local_world = local_world_size or world_size
+    if pp > 1:
+        return _with_stages(
+            strategy, dp_shard, world_size, local_world, reshard_after_forward, tp, pp
+        )
     if tp > 1:
         if strategy == "ddp":
             raise _refused(
@@ -222,6 +236,45 @@ def resolve_mesh(
     raf = strategy_reshards(strategy) if reshard_after_forward is None else reshard_after_forward
     engine = "ddp" if strategy == "ddp" else "fsdp"
     return MeshSpec(strategy, replicate, shard, raf, engine)
+
+
+def _with_stages(
+    strategy: str,
+    dp_shard: int,
+    world_size: int,
+    local_world: int,
+    reshard_after_forward: bool | int | None,
+    tp: int,
+    pp: int,
+) -> MeshSpec:
+    """`pp` stages, each over world_size // pp ranks laid out as a job of that size."""
+    if strategy == "ddp":
+        raise _refused(
+            f"ParallelConfig.pp={pp} with strategy='ddp' is not built yet: pipeline stages "
+            "are replicated through fully_shard's mesh. Use strategy='no_shard' (it "
+            "replicates as DDP does, over each stage's data-parallel ranks) or a sharded "
+            "strategy."
+        )
+    if world_size % pp != 0:
+        fits = [d for d in divisors(world_size) if d > 1]
+        raise _refused(
+            f"ParallelConfig.pp={pp} does not divide the job's {world_size} rank(s): each "
+            f"stage is held by world_size // pp ranks. Choose pp in {fits or [1]}, or launch "
+            f"a multiple of {pp} ranks."
+        )
+    inner = world_size // pp
+    spec = resolve_mesh(
+        strategy,
+        dp_shard,
+        inner,
+        local_world_size=min(local_world, inner),
+        reshard_after_forward=reshard_after_forward,
+        tp=tp,
+    )
+    return MeshSpec(
+        spec.strategy, spec.dp_replicate, spec.dp_shard, spec.reshard_after_forward,
+        spec.engine, spec.tp, pp,
+    )  # fmt: skip
 
 
 def from_user_mesh(
