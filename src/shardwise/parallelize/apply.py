@@ -10,6 +10,7 @@ Must not: hand-write collectives or sharding (torch does both), or read config f
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, unit_prepa
 from shardwise.parallelize.global_batch import groups_of
 from shardwise.parallelize.materialize import has_meta
 from shardwise.parallelize.materialize import materialize as materialize  # memory/fake.py swaps it
+from shardwise.parallelize.pipeline import build_stage, start_schedule
 from shardwise.parallelize.quantized import prepare_quantized, unit_compute_dtypes
 from shardwise.parallelize.recompute import apply_activation_checkpointing
 from shardwise.parallelize.tensor import apply_tensor_parallel, check_tensor_parallel
@@ -38,6 +40,7 @@ from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding
 from shardwise.plan.planner import WrapPlan, plan_wrap
 from shardwise.plan.quantized import check_quantized, check_storage
+from shardwise.plan.stages import plan_stages
 
 
 def _sharded_description(module: nn.Module) -> str | None:
@@ -232,34 +235,10 @@ def wrap(
         setattr(model, INFO_ATTR, WrapInfo(config, info, None, plan))
         return model
 
-    user_mesh = None
-    if config.device_mesh is not None:
-        spec, user_mesh = from_user_mesh(
-            config.strategy,
-            config.dp_shard,
-            config.device_mesh,
-            info.device.type,
-            config.reshard_after_forward,
-        )
-    else:
-        spec = resolve_mesh(
-            config.strategy,
-            config.dp_shard,
-            info.world_size,
-            local_world_size=info.local_world_size,
-            reshard_after_forward=config.reshard_after_forward,
-            tp=config.tp_size,
-        )
-    if spec.tp > 1:
-        mesh_2d = _wrap_2d(model, config, info, spec, on_meta)
-        if on_meta:
-            fill(model, mesh_2d)  # after sharding: each rank allocates only its parts
-        elif weights is not None:  # after sharding: each rank reads (or is sent) its slices
-            load_weights(model, weights, broadcast_from_rank0=broadcast_from_rank0)
-        return model
-    plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
-    _prepare_blocks(model, plan, config)
-    if spec.engine == "ddp":
+    spec, user_mesh = _resolve_layout(config, info)
+    if spec.engine == "ddp":  # one replica per rank: no mesh dimension to apply
+        plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
+        _prepare_blocks(model, plan, config)
         if move:
             model.to(info.device)
         fill(model)  # DDP replicates: every rank holds the full model anyway
@@ -268,54 +247,137 @@ def wrap(
         prepare_batch_statistics(wrapped, model, groups_of(None, ddp_group(wrapped)))
         setattr(wrapped, INFO_ATTR, WrapInfo(config, info, spec, plan))
         return wrapped
-
-    # An optimizer built from the parameters sharding replaces would train nothing: refuse
-    # it at its first step. Marked now, so no list of them keeps a full copy alive.
-    mark_before_sharding(model, keep={*plan.ignored_params, *plan.replicated_params})
-    # Each unit moves to the device and takes rank 0's values (a meta model has none) just
-    # before it is sharded: no rank ever holds the full model on its device.
-    sync = config.sync_module_states and not on_meta  # a meta model has no values yet
-    if quantized:
-        check_storage(quantized, unit_compute_dtypes(plan, config.precision), _PRECISION)
-        prepare_quantized(model, quantized, device=info.device if move else None, sync=sync)
-    prepare = unit_preparer(info.device if move else None, sync)
-    mesh = apply_fsdp(model, config, info, spec, plan, user_mesh, prepare=prepare)
-    fill(model, mesh)  # after sharding: each rank allocates and fills only its shards
-    replicate_scalars(model, plan.replicated_params)
-    prepare_batch_statistics(model, model, groups_of(mesh))
-    setattr(model, INFO_ATTR, WrapInfo(config, info, spec, plan, mesh))
+    _apply_dimensions(model, config, info, spec, user_mesh, on_meta, quantized, fill)
     return model
 
 
-def _wrap_2d(
-    model: nn.Module, config: ParallelConfig, info: DistInfo, spec: MeshSpec, on_meta: bool
-) -> DeviceMesh:
-    """Tensor parallel over the mesh's tp dimension, then the strategy over the
-    data-parallel ones (torch's documented order: TP before FSDP); returns the mesh.
+def _resolve_layout(config: ParallelConfig, info: DistInfo) -> tuple[MeshSpec, DeviceMesh | None]:
+    """The degrees of every mesh dimension for this job (and the user's own mesh, if any)."""
+    if config.device_mesh is not None:
+        if config.pp > 1:
+            raise NotImplementedError(
+                f"ParallelConfig.pp={config.pp} with a device_mesh of your own is not built "
+                "yet: shardwise lays out the (pp, dp_replicate, dp_shard, tp) mesh itself. "
+                "Leave device_mesh unset."
+            )
+        return from_user_mesh(
+            config.strategy,
+            config.dp_shard,
+            config.device_mesh,
+            info.device.type,
+            config.reshard_after_forward,
+        )
+    spec = resolve_mesh(
+        config.strategy,
+        config.dp_shard,
+        info.world_size,
+        local_world_size=info.local_world_size,
+        reshard_after_forward=config.reshard_after_forward,
+        tp=config.tp_size,
+        pp=config.pp,
+    )
+    return spec, None
 
-    A model built on the CPU is moved to the device and takes rank 0's values whole
-    first: TP cuts each rank's slice from the same tensor. A meta-built one is split and
-    sharded on meta and materialised by the caller. Not built yet for tp: CPU offload
-    (NotImplementedError)."""
-    if config.offload_policy is not None:
+
+def _apply_dimensions(
+    model: nn.Module,
+    config: ParallelConfig,
+    info: DistInfo,
+    spec: MeshSpec,
+    user_mesh: DeviceMesh | None,
+    on_meta: bool,
+    quantized: Any,
+    fill: Callable[[nn.Module, DeviceMesh | None], None],
+) -> None:
+    """The one order over the mesh's dimensions; each step applies when its degree is
+    above 1 (torchtitan's parallelize functions read the same way):
+
+    1. split into pipeline stages (pp): every later step sees only this rank's stage;
+    2. tensor parallel (tp): torch's documented order is TP before FSDP, which shards the
+       DTensors TP made;
+    3. activation checkpointing, then compile, on the planned blocks: inside FSDP's
+       hooks, so parameters are gathered before a recompute;
+    4. fully_shard over the data-parallel dimensions, post-order, root last;
+    5. materialise or load: after sharding, so each rank allocates and reads only its part;
+    6. start the pipeline schedule: it drives the sharded stage.
+
+    Splitting (stages, tp) cuts each rank's part from the whole model, so a model built
+    on the CPU is moved whole to the device and takes rank 0's values first; otherwise each
+    unit moves and syncs just before it is sharded, and no rank holds the whole model on
+    its device. A meta-built model is split and sharded on meta and filled in step 5."""
+    stage_plan = plan_stages(model, spec.pp, config.pp_split) if spec.pp > 1 else None
+    tp_plan = check_tensor_parallel(model, config) if spec.tp > 1 else None  # before any group
+    _refuse_unbuilt(config, spec, on_meta, quantized)
+    mesh = user_mesh if user_mesh is not None else spec.build(info.device.type)
+    assert mesh is not None  # only ddp builds none
+    move = not on_meta and config.offload_policy is None
+    sync = config.sync_module_states and not on_meta  # a meta model has no values yet
+    whole_first = stage_plan is not None or tp_plan is not None
+    # An optimizer built from the parameters sharding replaces would train nothing: refuse
+    # it at its first step. Marked now, so no list of them keeps a full copy alive.
+    if whole_first:
+        mark_before_sharding(model, keep=set())
+        if not on_meta:
+            unit_preparer(info.device, config.sync_module_states)([model])
+    state = None
+    if stage_plan is not None:  # 1
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None  # every rank is in the mesh wrap built
+        state = build_stage(model, stage_plan, coordinate[0])
+    if tp_plan is not None:  # 2
+        apply_tensor_parallel(model, mesh[TP_DIM], tp_plan)
+    plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
+    _prepare_blocks(model, plan, config)  # 3
+    if not whole_first:
+        mark_before_sharding(model, keep={*plan.ignored_params, *plan.replicated_params})
+        if quantized:
+            check_storage(quantized, unit_compute_dtypes(plan, config.precision), _PRECISION)
+            prepare_quantized(model, quantized, device=info.device if move else None, sync=sync)
+    prepare = None if whole_first else unit_preparer(info.device if move else None, sync)
+    data_parallel = dp_mesh(spec, mesh)
+    apply_fsdp(model, config, info, spec, plan, data_parallel, prepare=prepare)  # 4
+    fill(model, mesh)  # 5
+    replicate_scalars(model, plan.replicated_params)
+    if state is not None:  # 6
+        start_schedule(
+            model,
+            state,
+            mesh,
+            info.device,
+            schedule=config.pp_schedule,
+            microbatches=config.pp_microbatches,
+        )
+    prepare_batch_statistics(model, model, groups_of(data_parallel))
+    described = tp_plan.described if tp_plan is not None else None
+    setattr(
+        model,
+        INFO_ATTR,
+        WrapInfo(config, info, spec, plan, mesh, tp_plan=described, stages=stage_plan),
+    )
+
+
+def _refuse_unbuilt(config: ParallelConfig, spec: MeshSpec, on_meta: bool, quantized: Any) -> None:
+    """Combinations not built yet, refused with the reason before any group is made."""
+    if spec.tp > 1 and config.offload_policy is not None:
         raise NotImplementedError(
             f"ParallelConfig.tp={spec.tp} with cpu_offload is not built yet: tp cuts each "
             "rank's slice from the model on its device, so the whole model would sit on the "
             "GPU before anything is offloaded, and no GPU test covers the combination. Leave "
             "cpu_offload off (tp and sequence_parallel divide the memory instead), or use tp=1."
         )
-    tp_plan = check_tensor_parallel(model, config)  # before any group is made
-    mesh = spec.build(info.device.type)
-    assert mesh is not None  # tp > 1 is never ddp (refused by resolve_mesh)
-    mark_before_sharding(model, keep=set())
-    if not on_meta:
-        unit_preparer(info.device, config.sync_module_states)([model])
-    apply_tensor_parallel(model, mesh[TP_DIM], tp_plan)
-    plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
-    _prepare_blocks(model, plan, config)
-    data_parallel = dp_mesh(spec, mesh)
-    apply_fsdp(model, config, info, spec, plan, data_parallel)
-    replicate_scalars(model, plan.replicated_params)
-    prepare_batch_statistics(model, model, groups_of(data_parallel))
-    setattr(model, INFO_ATTR, WrapInfo(config, info, spec, plan, mesh, tp_plan=tp_plan.described))
-    return mesh
+    if spec.pp == 1:
+        return
+    unbuilt = {
+        "cpu_offload": config.offload_policy is not None,
+        "a model built on the meta device": on_meta,
+        "a quantized base (QLoRA)": bool(quantized),
+        "sequence_parallel": config.sequence_parallel,
+        "loss_parallel": config.loss_parallel,
+    }
+    for what, present in unbuilt.items():
+        if present:
+            raise NotImplementedError(
+                f"ParallelConfig.pp={spec.pp} with {what} is not built yet: the stage is cut "
+                "from the whole model on each rank's device, and no test proves this "
+                f"combination equal to one process. Use pp=1 with {what}, or leave it out."
+            )

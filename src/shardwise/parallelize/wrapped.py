@@ -26,6 +26,7 @@ from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import MeshSpec
 from shardwise.distributed.process_group import DistInfo
 from shardwise.plan.planner import WrapPlan
+from shardwise.plan.stages import StagePlan
 
 INFO_ATTR = "_shardwise_wrap_info"
 
@@ -43,6 +44,8 @@ class WrapInfo:
     tensor parallelism the whole (dp_replicate, dp_shard, tp) mesh."""
     tp_plan: dict[str, str] | None = None
     """Under tensor parallelism: each planned module pattern and its style."""
+    stages: StagePlan | None = None
+    """Under pipeline parallelism: the model's stages (this rank holds `pp_rank`'s)."""
 
     @property
     def wrapped(self) -> bool:
@@ -57,11 +60,22 @@ class WrapInfo:
     def dp_rank(self) -> int:
         """This rank's data-parallel index, for a sampler: the ranks of one tp group share it."""
         spec, mesh = self.mesh_spec, self.device_mesh
-        if spec is None or spec.tp == 1 or mesh is None:
+        if spec is None or (spec.tp == 1 and spec.pp == 1) or mesh is None:
             return self.dist.rank
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # every rank is in the mesh wrap built
-        return coordinate[0] * spec.dp_shard + coordinate[1]
+        first = 1 if spec.pp > 1 else 0  # (pp, dp_replicate, dp_shard[, tp])
+        return coordinate[first] * spec.dp_shard + coordinate[first + 1]
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 without pipeline stages)."""
+        spec, mesh = self.mesh_spec, self.device_mesh
+        if spec is None or spec.pp == 1 or mesh is None:
+            return 0
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None
+        return coordinate[0]
 
     def __str__(self) -> str:
         if self.mesh_spec is None:
@@ -69,7 +83,8 @@ class WrapInfo:
         if self.plan is None or self.mesh_spec.engine == "ddp":  # DDP has no shard units
             return str(self.mesh_spec)
         tp = "".join(f"\n  tp: {k} -> {v}" for k, v in (self.tp_plan or {}).items())
-        return f"{self.mesh_spec}{tp}\n{self.plan}"
+        stages = f"\n{self.stages}" if self.stages is not None else ""
+        return f"{self.mesh_spec}{tp}{stages}\n{self.plan}"
 
 
 def wrap_info(model: nn.Module) -> WrapInfo | None:

@@ -1,0 +1,459 @@
+"""Pipeline stages: turn the whole model into this rank's stage, and run a step over the
+schedule (torch's PipelineStage with Schedule1F1B or ScheduleGPipe).
+
+Owns: building the stage in place from a `StagePlan` (the blocks and modules other stages
+hold are replaced by shims without parameters, so names never change and the model's own
+forward runs on every stage: positions, rotary embeddings and the causal mask are
+recomputed there, and the received hidden states enter at the first block this stage
+holds, never through the embeddings, so no family's embedding scale is applied twice),
+the schedule, `pipeline_step` (a step's forward and backward; the batch's mean loss on
+every rank), `pipeline_eval`, the sum of tied parameters' gradients between the first
+and last stage, and the gradient norm over the stages.
+
+Must not: hand-write send/recv or schedules (torch's pipelining does both), decide the
+split (plan/stages.py does), or shard (fsdp.py does, after this).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from shardwise.config.pipeline import check_microbatches, default_microbatches
+from shardwise.distributed.mesh import PP_DIM
+from shardwise.plan.stages import StagePlan
+
+__all__ = [
+    "PipelineState",
+    "build_stage",
+    "pipeline_eval",
+    "pipeline_state",
+    "pipeline_step",
+    "start_schedule",
+]
+
+STATE_ATTR = "_shardwise_pipeline"
+TARGET_NAMES = ("labels", "targets", "target")
+"""Keyword arguments that carry the loss's targets: only the last stage, which computes the
+loss, is given them (the others stop at their last block)."""
+
+
+class _Skip(nn.Module):
+    """A block another stage holds: hands its input on."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class _Pass(nn.Module):
+    """A module before or after the blocks that another stage holds (norm, head)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class _ZeroEmbedding(nn.Module):
+    """An embedding the first stage holds: zeros of its output's shape (the hidden states
+    that stage sends replace them at this stage's first block)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+
+
+@dataclass
+class PipelineState:
+    """This rank's stage and schedule, kept on the model (`pipeline_state`)."""
+
+    plan: StagePlan
+    index: int
+    first_param: str
+    """The name of the first block's input (for blocks called with keywords)."""
+    forward: Callable[..., Any]
+    """The model's own forward, run on every stage."""
+    signature: inspect.Signature
+    tied_names: list[str] = field(default_factory=list)
+    """This stage's names of parameters the first and last stage share."""
+    tied: list[nn.Parameter] = field(default_factory=list)
+    """Those parameters, as sharded (found by name once sharding has replaced them)."""
+    schedule: Any = None
+    microbatches: int = 0
+    schedule_name: str = "1f1b"
+    group: Any = None
+    """The process group of this rank's pipeline (one rank per stage)."""
+    tie_group: Any = None
+    """The first and last stage of this rank's pipeline, for tied gradients."""
+    last_rank: int = 0
+    """The global rank of this pipeline's last stage."""
+    running: bool = False
+    received: torch.Tensor | None = None
+    captured: torch.Tensor | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.plan.pp - 1
+
+
+def pipeline_state(model: nn.Module) -> PipelineState | None:
+    """The stage `wrap` made of `model`, or None when it has no pipeline stages."""
+    state = model.__dict__.get(STATE_ATTR)
+    return state if isinstance(state, PipelineState) else None
+
+
+_NOT_CALLABLE = (
+    "a model wrapped with ParallelConfig.pp={pp} is one stage of a pipeline and cannot be "
+    "called like a plain module: run a training step with shardwise.pipeline_step(model, "
+    "batch) (forward and backward over the schedule; it returns the batch's mean loss on "
+    "every rank), evaluate with shardwise.pipeline_eval(model, batch), or let the Engine "
+    "or Runner step it."
+)
+
+
+class _StageForward:
+    """Mixed into the model's class: the forward the schedule calls on this stage."""
+
+    def forward(self, *received: Any, **batch: Any) -> Any:
+        state = pipeline_state(self)  # type: ignore[arg-type]
+        assert state is not None  # the class is only swapped in with the state
+        if not state.running:
+            raise RuntimeError(_NOT_CALLABLE.format(pp=state.plan.pp))
+        if not state.is_first:
+            state.received = received[0]
+        if not state.is_last:
+            batch = {k: v for k, v in batch.items() if k not in TARGET_NAMES}
+        out = state.forward(**batch)
+        if not state.is_last:
+            captured, state.captured = state.captured, None
+            assert captured is not None  # the last block's hook ran
+            return captured
+        return _loss_of(out)
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)
+    if isinstance(loss, (tuple, list)) and loss:
+        loss = loss[0]
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(
+            "ParallelConfig.pp: the last stage's forward must return the loss (a 0-dim "
+            "tensor, or an output with .loss), but it returned "
+            f"{type(out).__name__}. Pass the targets in the batch under one of "
+            f"{list(TARGET_NAMES)} so the model computes its own loss."
+        )
+    return loss
+
+
+def _first_param(block: nn.Module) -> str:
+    params = [
+        p
+        for p in inspect.signature(block.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return params[0].name if params else "hidden_states"
+
+
+def _shim(module: nn.Module, first_stage: bool) -> nn.Module:
+    if first_stage and isinstance(module, nn.Embedding):
+        return _ZeroEmbedding(module.embedding_dim, module.weight.dtype)
+    return _Pass()
+
+
+def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, name = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, name, new)
+
+
+def build_stage(model: nn.Module, plan: StagePlan, index: int) -> PipelineState:
+    """Make `model` stage `index` of `plan`, in place: what other stages hold is replaced
+    by shims, hooks carry the hidden states in and out, and the model's class gains the
+    stage's forward. Returns the state (also kept on the model)."""
+    stage = plan.stages[index]
+    modules = dict(model.named_modules())
+    blocks = [f"{plan.container}.{i}" for i in range(len(modules[plan.container]))]
+    first_block = modules[stage.blocks[0]]
+    state = PipelineState(
+        plan=plan,
+        index=index,
+        first_param=_first_param(first_block),
+        forward=type(model).forward.__get__(model),
+        signature=inspect.signature(type(model).forward),
+    )
+    for first, last in plan.tied:
+        if index == 0:
+            state.tied_names.append(first)
+        elif index == plan.pp - 1:
+            state.tied_names.append(last)
+    for fqn in blocks:
+        if fqn not in stage.blocks:
+            _replace(model, fqn, _Skip())
+    for fqn in plan.before:
+        if fqn not in stage.modules:
+            _replace(model, fqn, _shim(modules[fqn], first_stage=True))
+    for fqn in plan.after:
+        if fqn not in stage.modules:
+            _replace(model, fqn, _shim(modules[fqn], first_stage=False))
+    if not state.is_first:
+        first_block.register_forward_pre_hook(_injector(state), with_kwargs=True)
+    if not state.is_last:
+        modules[stage.blocks[-1]].register_forward_hook(_capturer(state))
+    model.__dict__[STATE_ATTR] = state
+    cls = type(model)
+    model.__class__ = type(f"Stage{cls.__name__}", (_StageForward, cls), {})
+    return state
+
+
+def _injector(state: PipelineState) -> Callable[..., Any]:
+    def inject(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        received, state.received = state.received, None
+        if received is None:
+            return None
+        if args:
+            return (received, *args[1:]), kwargs
+        return args, {**kwargs, state.first_param: received}
+
+    return inject
+
+
+def _capturer(state: PipelineState) -> Callable[..., None]:
+    def capture(module: nn.Module, args: Any, output: Any) -> None:
+        state.captured = output if isinstance(output, torch.Tensor) else output[0]
+
+    return capture
+
+
+def start_schedule(
+    model: nn.Module,
+    state: PipelineState,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    schedule: str,
+    microbatches: int | None,
+) -> None:
+    """torch's PipelineStage over the mesh's pp dimension, and the schedule that drives it;
+    the groups for tied gradients."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    pp_mesh = mesh[PP_DIM]
+    state.group = pp_mesh.get_group()
+    state.microbatches = microbatches or default_microbatches(state.plan.pp)
+    state.schedule_name = schedule
+    ranks = dist.get_process_group_ranks(state.group)
+    state.last_rank = ranks[-1]
+    if state.plan.tied:
+        state.tie_group = _tie_group(mesh)
+        state.tied = [model.get_parameter(name) for name in state.tied_names]
+    stage = PipelineStage(model, state.index, state.plan.pp, device, group=state.group)
+    kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    # Each micro-batch's loss is weighted by the step itself (`_weighted`), so the schedule
+    # must not divide gradients again: its division would also hit gradients accumulated
+    # by earlier steps of an accumulation window.
+    state.schedule = kind(stage, state.microbatches, loss_fn=_weighted, scale_grads=False)
+
+
+def _tie_group(mesh: DeviceMesh) -> Any:
+    """The (first stage, last stage) pair of every pipeline, made on every rank in the same
+    order; this rank's pair."""
+    grid = mesh.mesh.reshape(mesh.mesh.shape[0], -1)
+    mine = None
+    me = dist.get_rank()
+    for column in range(grid.shape[1]):
+        pair = [int(grid[0, column]), int(grid[-1, column])]
+        group = dist.new_group(pair)
+        if me in pair:
+            mine = group
+    return mine
+
+
+# The weight of each micro-batch's loss in the step, set by pipeline_step around the
+# schedule (one step runs at a time in a process).
+_WEIGHT = [1.0]
+
+
+def _weighted(output: torch.Tensor, target: Any) -> torch.Tensor:
+    return output * _WEIGHT[0]
+
+
+def _as_keywords(state: PipelineState, batch: Any) -> dict[str, Any]:
+    """The batch as the forward's keyword arguments: the schedule hands keywords to every
+    stage, positional arguments only to the first."""
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    args = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
+    bound = state.signature.bind(None, *args)  # None stands for self
+    self_name = next(iter(state.signature.parameters))
+    return {k: v for k, v in bound.arguments.items() if k != self_name}
+
+
+def _rows(kwargs: dict[str, Any]) -> int:
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise ValueError(
+        "ParallelConfig.pp: the batch holds no tensor to cut into micro-batches; give the "
+        "model's inputs as tensors whose first dimension is the batch."
+    )
+
+
+def _counted_tokens(model: nn.Module, kwargs: dict[str, Any]) -> int | None:
+    """For a Hugging Face causal LM with labels: the tokens its loss averages over in the
+    whole batch, so that each micro-batch's loss is a share of the batch's mean."""
+    labels = kwargs.get("labels")
+    if labels is None or getattr(model, "loss_type", None) != "ForCausalLM":
+        return None
+    if "num_items_in_batch" in kwargs:
+        return None
+    return int((labels[..., 1:] != -100).sum())
+
+
+def pipeline_step(
+    model: nn.Module, batch: Any, *, scale: float = 1.0, sync: bool = True
+) -> torch.Tensor:
+    """One step's forward and backward over the schedule; the batch's loss on every rank
+    (a 0-dim fp32 tensor), as one process would compute it on this rank's batch.
+
+    `batch` is what the model's forward takes: a mapping of keyword arguments or a tuple
+    of positional ones, with the targets under one of `TARGET_NAMES`. It is cut into
+    `pp_microbatches` equal micro-batches. A Hugging Face causal LM's loss is weighted by
+    the tokens it counts in the whole batch (exact with padding); any other model's
+    per-micro-batch mean counts each micro-batch equally. Gradients are multiplied by
+    `scale` (the Engine passes 1 / accumulate_steps). With `sync` (the default), tied
+    parameters' gradients are summed between the first and last stage after the
+    backward: pass sync=False on all but the last step of an accumulation window.
+    """
+    state = _checked_state(model)
+    kwargs = _as_keywords(state, batch)
+    rows = _rows(kwargs)
+    check_microbatches(state.plan.pp, state.schedule_name, state.microbatches, rows)
+    counted = _counted_tokens(model, kwargs)
+    if counted is not None:
+        kwargs["num_items_in_batch"] = max(counted, 1)
+        _WEIGHT[0] = scale
+    else:
+        _WEIGHT[0] = scale / state.microbatches
+    losses: list[torch.Tensor] = []
+    extra: dict[str, Any] = {}
+    if state.is_last:
+        extra = {"target": torch.zeros(rows), "losses": losses}
+    state.running = True
+    try:
+        state.schedule.step(**kwargs, **extra, return_outputs=False)
+    finally:
+        state.running = False
+        state.received = state.captured = None
+    if sync:
+        sync_tied_grads(model)
+    return _loss_on_every_rank(state, losses, scale)
+
+
+def pipeline_eval(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The batch's loss, forward only over the schedule, on every rank (no gradients)."""
+    state = _checked_state(model)
+    kwargs = _as_keywords(state, batch)
+    rows = _rows(kwargs)
+    check_microbatches(state.plan.pp, state.schedule_name, state.microbatches, rows)
+    counted = _counted_tokens(model, kwargs)
+    if counted is not None:
+        kwargs["num_items_in_batch"] = max(counted, 1)
+        _WEIGHT[0] = 1.0
+    else:
+        _WEIGHT[0] = 1.0 / state.microbatches
+    losses: list[torch.Tensor] = []
+    extra: dict[str, Any] = {}
+    if state.is_last:
+        extra = {"target": torch.zeros(rows), "losses": losses}
+    state.running = True
+    try:
+        with torch.no_grad():
+            state.schedule.eval(**kwargs, **extra, return_outputs=False)
+    finally:
+        state.running = False
+        state.received = state.captured = None
+    return _loss_on_every_rank(state, losses, 1.0)
+
+
+def _checked_state(model: nn.Module) -> PipelineState:
+    state = pipeline_state(model)
+    if state is None or state.schedule is None:
+        raise ValueError(
+            "shardwise.pipeline_step: the model has no pipeline stages. It takes a model "
+            "wrapped with ParallelConfig(pp=N) for N > 1; train any other model as usual."
+        )
+    return state
+
+
+def _loss_on_every_rank(
+    state: PipelineState, losses: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """The last stage's loss (the weighted micro-batch losses summed, unscaled), sent to
+    the other stages of its pipeline, for logging, metrics and non-finite checks."""
+    device = losses[0].device if losses else _group_device(state)
+    if state.is_last:
+        value = torch.stack([x.detach().float() for x in losses]).sum() / scale
+    else:
+        value = torch.zeros((), device=device)
+    dist.broadcast(value, src=state.last_rank, group=state.group)
+    return value
+
+
+def _group_device(state: PipelineState) -> torch.device:
+    backend = dist.get_backend(state.group)
+    return (
+        torch.device("cpu")
+        if backend == "gloo"
+        else torch.device("cuda", torch.cuda.current_device())
+    )
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
+def sync_tied_grads(model: nn.Module) -> None:
+    """Sum the gradients of parameters the first and last stage share (tied embeddings)
+    between those two stages, so both copies step identically. Each stage's copy is
+    sharded the same way over its data-parallel ranks, so local shards are summed."""
+    state = pipeline_state(model)
+    if state is None or state.tie_group is None or not state.tied:
+        return
+    for p in state.tied:
+        if p.grad is None:
+            raise RuntimeError(
+                "ParallelConfig.pp: a tied parameter has no gradient on stage "
+                f"{state.index} after the backward; both ends of the tie must use it."
+            )
+        dist.all_reduce(_local(p.grad), group=state.tie_group)
+
+
+def stage_grad_norm_squared(
+    model: nn.Module,
+    parameters: Iterable[nn.Parameter],
+    norm_of: Callable[[list[nn.Parameter]], torch.Tensor],
+) -> torch.Tensor | None:
+    """The squared gradient norm over every stage of this rank's pipeline, or None without
+    pipeline stages: each stage's own (`norm_of`), a tied parameter counted once (on the
+    first stage), summed over the pipeline."""
+    state = pipeline_state(model)
+    if state is None or state.group is None:
+        return None
+    skip = {id(p) for p in state.tied} if not state.is_first else set()
+    mine = [p for p in parameters if id(p) not in skip]
+    squared = norm_of(mine).float() ** 2
+    dist.all_reduce(squared, group=state.group)
+    return squared
