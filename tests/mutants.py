@@ -861,6 +861,96 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_whole_parameters_gradient_that_differs_over_tp_is_refused",
         ),
     ),
+    # Issue 34's own audit: ten planted bugs in config, plan, the memory simulation, the
+    # Runner and the integrations (3 of 10 were caught before these tests).
+    Mutant(
+        "warm_up_starts_at_zero",
+        "src/shardwise/config/run_file.py",
+        "                return (step + 1) / warmup\n",
+        "                return step / warmup\n",
+        (
+            "tests/unit/config/test_optimizer_section.py::"
+            "test_warm_up_starts_at_one_warmup_th_of_the_peak_and_reaches_it",
+        ),
+    ),
+    Mutant(
+        "adam_betas_not_passed",
+        "src/shardwise/config/run_file.py",
+        "return cls(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)",
+        "return cls(params, lr=self.lr, weight_decay=self.weight_decay)",
+        ("tests/unit/config/test_optimizer_section.py::test_adams_fields_reach_the_optimizer",),
+    ),
+    Mutant(
+        "regex_policy_prefix_match",
+        "src/shardwise/plan/policies.py",
+        "lambda fqn, m, n: compiled.fullmatch(fqn) is not None,",
+        "lambda fqn, m, n: compiled.match(fqn) is not None,",
+        ("tests/unit/plan/test_plan.py::test_regex_policy_fullmatches_fqns",),
+    ),
+    Mutant(
+        "fsdp1_callable_asked_with_recurse",
+        "src/shardwise/plan/policies.py",
+        "return Policy(lambda fqn, m, n: fn(m, False, n),",
+        "return Policy(lambda fqn, m, n: fn(m, True, n),",
+        (
+            "tests/unit/plan/test_policy_forms.py::"
+            "test_an_fsdp1_style_callable_is_asked_whether_to_wrap_the_module_itself",
+        ),
+    ),
+    Mutant(
+        "ddp_buckets_count_frozen_parameters",
+        "src/shardwise/memory/simulate.py",
+        "for p in model.parameters() if p.requires_grad)",
+        "for p in model.parameters())",
+        ("tests/unit/memory/test_simulate.py::test_ddp_buckets_hold_the_trainable_gradients_only",),
+    ),
+    Mutant(
+        "category_peak_is_the_last_value",
+        "src/shardwise/memory/simulate.py",
+        "peaks[name] = max(peaks.get(name, 0), int(value))",
+        "peaks[name] = int(value)",
+        ("tests/unit/memory/test_simulate.py::test_model_states_match_the_analytic_plan",),
+    ),
+    Mutant(
+        "val_batches_one_too_many",
+        "src/shardwise/train/runner.py",
+        "if self.config.val_batches is not None and i >= self.config.val_batches:",
+        "if self.config.val_batches is not None and i > self.config.val_batches:",
+        (
+            "tests/unit/train/test_runner.py::"
+            "test_validation_reads_val_batches_batches_and_weights_each_by_its_samples",
+        ),
+    ),
+    Mutant(
+        "val_mean_of_batch_means",
+        "src/shardwise/train/runner.py",
+        "            samples = count_batch(batch)[0] or 1\n",
+        "            samples = 1\n",
+        (
+            "tests/unit/train/test_runner.py::"
+            "test_validation_reads_val_batches_batches_and_weights_each_by_its_samples",
+        ),
+    ),
+    Mutant(
+        "mmengine_sync_back_on_before_backward",
+        "src/shardwise/integrations/mmengine.py",
+        "                if not self._in_train_step:\n                    self._set_gradient_sync(True)\n",
+        "                self._set_gradient_sync(True)\n",
+        (
+            "tests/unit/integrations/test_mmengine_contract.py::"
+            "test_sharded_wrapper_keeps_sync_off_through_an_accumulating_backward_and_clips_globally",
+        ),
+    ),
+    Mutant(
+        "mmengine_clip_by_torchs_norm",
+        "src/shardwise/integrations/mmengine.py",
+        "            wrapper.clip_func = _global_norm_clip\n",
+        "            pass\n",
+        (
+            "tests/unit/integrations/test_mmengine_contract.py::"
+            "test_sharded_wrapper_keeps_sync_off_through_an_accumulating_backward_and_clips_globally",
+        ),
+    ),
 )
 
 

@@ -378,3 +378,38 @@ def test_hosts_refuse_tensor_parallel_saying_why(host):
         NotImplementedError, match=r"tp=2 inside .* is not built yet: the host's sampler"
     ):
         make()
+
+
+def test_sharded_wrapper_keeps_sync_off_through_an_accumulating_backward_and_clips_globally():
+    """ShardwiseDataParallel under FSDP2 (world 1, force_wrap): mmengine runs backward after
+    the no_sync context has closed, so the flag must stay off until the step ends; and the
+    wrapper's clip is replaced by the global-norm one (torch's fails on mixed meshes and
+    scales by a non-finite norm). Read from FSDP2's own flag at each backward."""
+    import torch.distributed as dist
+
+    from shardwise.integrations.mmengine import ShardwiseDataParallel, _global_norm_clip
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = ShardwiseDataParallel(MMToy(), strategy="full_shard", force_wrap=True)
+        assert model.sharded
+        wrapper = OptimWrapper(
+            sgd(model.parameters()), accumulative_counts=2, clip_grad={"max_norm": 0.05}
+        )
+        wrapper.initialize_count_status(model, 0, 4)
+        group = model.module._get_fsdp_state()._fsdp_param_group
+        synced: list[bool] = []
+        backward = wrapper.backward
+
+        def watched(loss, **kwargs):
+            synced.append(group.reduce_grads)  # what FSDP2 reads during this backward
+            return backward(loss, **kwargs)
+
+        wrapper.backward = watched
+        for i in range(4):
+            model.train_step(batch(i), wrapper)
+        assert synced == [False, True, False, True]
+        assert group.reduce_grads  # on again after the step
+        assert wrapper.clip_func is _global_norm_clip
+    finally:
+        dist.destroy_process_group()

@@ -150,3 +150,28 @@ def test_bad_arguments_are_refused():
         simulate_step(factory, ParallelConfig(), world=2, batch=1, seq_len=8, backend="mpi")
     with pytest.raises(NotImplementedError, match=r"compile"):
         simulate_step(factory, ParallelConfig(compile=True), world=2, batch=1, seq_len=8)
+
+
+def test_ddp_buckets_hold_the_trainable_gradients_only():
+    """DDP's reducer buckets the gradients of parameters that train; a frozen part has none.
+    Read from a real DDP at world 1: simulate_step under ddp cannot run a model with frozen
+    parameters yet (torch's MemTracker hooks every parameter's gradient, and a frozen one
+    refuses the hook), so the count is checked on the function the simulation adds."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shardwise.memory.simulate import _ddp_bucket_bytes
+
+    model = GPT(CFG)
+    for p in model.blocks[1:3].parameters():
+        p.requires_grad_(False)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert trainable < 0.8 * every  # the frozen part is not negligible
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert _ddp_bucket_bytes(DistributedDataParallel(model)) == trainable
+        as_views = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        assert _ddp_bucket_bytes(as_views) == 0  # the gradients are the buckets
+    finally:
+        dist.destroy_process_group()
+    assert _ddp_bucket_bytes(model) == 0  # no DDP, no buckets

@@ -434,3 +434,25 @@ def test_max_steps_below_the_checkpoints_step_is_refused(tmp_path, capsys):
         again(2).fit()
     assert again(3).fit()["steps"] == 3
     assert "the run is already complete at step 3 (max_steps=3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("val_batches", "sizes"), [(2, [3, 3]), (None, [3, 3, 2])])
+def test_validation_reads_val_batches_batches_and_weights_each_by_its_samples(
+    tmp_path, val_batches, sizes
+):
+    runner = make_runner(
+        tmp_path, batch_size=3, max_steps=1, max_epochs=None, val_batches=val_batches
+    )
+    losses: list[tuple[int, float]] = []
+    real_step = runner.engine.val_step
+
+    def val_step(batch):
+        out = real_step(batch)
+        losses.append((len(batch[0]), float(out["loss"] if isinstance(out, dict) else out)))
+        return out
+
+    runner.engine.val_step = val_step
+    result = runner.validate()
+    assert [n for n, _ in losses] == sizes  # 8 samples in batches of 3: 3, 3, 2
+    want = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
+    assert result["loss"] == pytest.approx(want, rel=1e-6)
