@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters lint typecheck unit layout bench gpu-check soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline lint typecheck unit layout bench gpu-check soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,11 @@ test-batch-stats: $(STAMP)
 # exports; .ci/run runs it after `test`.
 test-adapters: $(STAMP)
 	$(VENV)/bin/pytest -q -m adapters tests/distributed tests/e2e/test_bench_smoke.py
+
+# Pipeline parallel (pp 2 x dp 2 at world 4) under 1F1B and GPipe against one process: seven
+# model families through the Engine, the layout and a negative control; .ci/run runs it.
+test-pipeline: $(STAMP)
+	$(VENV)/bin/pytest -q -m pipeline tests/distributed/test_pipeline.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

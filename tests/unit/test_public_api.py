@@ -75,6 +75,9 @@ PUBLIC: dict[str, str] = {
     # issue 32: losses from statistics of the whole batch
     "global_batch_sum": "function",
     "BatchStatisticNotice": "exception",
+    # issue 36: a step of a pipelined model
+    "pipeline_step": "function",
+    "pipeline_eval": "function",
 }
 
 OLD_PATHS: dict[str, list[str]] = {

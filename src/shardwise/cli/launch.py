@@ -255,7 +255,9 @@ def check_layout(script_args: list[str], world: int) -> None:
     if parallel.strategy == "auto" or parallel.device_mesh is not None:
         return
     try:
-        resolve_mesh(parallel.strategy, parallel.dp_shard, world)
+        resolve_mesh(
+            parallel.strategy, parallel.dp_shard, world, tp=parallel.tp_size, pp=parallel.pp
+        )
     except ValueError as exc:
         raise ValueError(
             f"{path}{' with ' + ' '.join(overrides) if overrides else ''} at world size "

@@ -49,6 +49,8 @@ def validate_pp(cfg: Any) -> None:
     cfg.pp = integral(cfg.pp, "ParallelConfig.pp")
     if cfg.pp < 1:
         raise ValueError(f"ParallelConfig.pp={cfg.pp} must be >= 1 (1: no pipeline stages).")
+    if isinstance(cfg.pp_schedule, str) and cfg.pp_schedule.lower() in PP_SCHEDULES:
+        cfg.pp_schedule = cfg.pp_schedule.lower()  # torch's class names: Schedule1F1B
     if cfg.pp_schedule not in PP_SCHEDULES:
         raise ValueError(
             f"ParallelConfig.pp_schedule={cfg.pp_schedule!r} is not a schedule shardwise "

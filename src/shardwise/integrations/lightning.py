@@ -167,6 +167,15 @@ class ShardwiseStrategy(ModelParallelStrategy):
                 "ShardwiseStrategy(config=...) expects a shardwise.ParallelConfig, got "
                 f"{type(self.config).__name__}."
             )
+        if self.config.pp != 1:
+            raise NotImplementedError(
+                f"ParallelConfig.pp={self.config.pp} inside Lightning's Trainer is not built "
+                "yet: the host runs each batch through the model's forward and its own "
+                "backward, while a pipeline stage is stepped by its schedule over "
+                "micro-batches, and every stage of one pipeline must read the same rows. Use "
+                "pp=1 here, or train with "
+                "shardwise's Engine and Runner."
+            )
         if self.config.tp != 1:
             raise NotImplementedError(
                 f"ParallelConfig.tp={self.config.tp} inside Lightning's Trainer is not "

@@ -86,6 +86,14 @@ class ShardwiseDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         config = ParallelConfig(**kwargs)
+        if config.pp != 1:
+            raise NotImplementedError(
+                f"ParallelConfig.pp={config.pp} inside mmengine's Runner is not built yet: the "
+                "host runs each batch through the model's forward and its own backward, while "
+                "a pipeline stage is stepped by its schedule over micro-batches, and every "
+                "stage of one pipeline must read the same rows. Use pp=1 here, or train with "
+                "shardwise's Engine and Runner."
+            )
         if config.tp != 1:
             raise NotImplementedError(
                 f"ParallelConfig.tp={config.tp} inside mmengine's Runner is not "

@@ -1,7 +1,8 @@
 """Applying a plan: `wrap(model, config)` and what it leaves behind.
 
 apply.py holds wrap's one documented order; ddp.py and fsdp.py apply the two engines;
-recompute.py and autocast.py apply activation checkpointing and autocast; batch_stats.py,
+pipeline.py cuts the model into this rank's pipeline stage and steps it over the
+schedule; recompute.py and autocast.py apply activation checkpointing and autocast; batch_stats.py,
 global_batch.py and router_loss.py make losses built from statistics of the batch (a mixture
 of experts' load balancing) whole-batch ones and say what stays per rank; materialize.py
 builds meta models for real; weights.py loads safetensors into local shards; wrapped.py is
@@ -14,6 +15,7 @@ from shardwise.parallelize.batch_stats import BatchStatisticNotice
 from shardwise.parallelize.fsdp import sync_module_states
 from shardwise.parallelize.global_batch import global_batch_sum
 from shardwise.parallelize.materialize import InitializationError, has_meta, init_empty, materialize
+from shardwise.parallelize.pipeline import pipeline_eval, pipeline_step
 from shardwise.parallelize.recompute import apply_activation_checkpointing, is_checkpointed
 from shardwise.parallelize.weights import INDEX_FILE, SINGLE_FILE, WeightsError, load_weights
 from shardwise.parallelize.wrapped import (
@@ -41,6 +43,8 @@ __all__ = [
     "load_weights",
     "mark_replaced",
     "materialize",
+    "pipeline_eval",
+    "pipeline_step",
     "stale_parameters",
     "sync_module_states",
     "unwrap",

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import TP_DIM, MeshSpec, dp_mesh, from_user_mesh, resolve_mesh
 from shardwise.distributed.process_group import DistInfo, env_world_size, get_dist_info, serves_cpu
+from shardwise.distributed.worker_errors import refused
 from shardwise.parallelize.autocast import apply_autocast, tf32_advice
 from shardwise.parallelize.batch_stats import prepare as prepare_batch_statistics
 from shardwise.parallelize.ddp import apply_ddp, ddp_group
@@ -225,6 +226,14 @@ def wrap(
     if info.world_size > 1 or config.force_wrap:
         _check_job(config, info)
     if info.world_size == 1 and not config.force_wrap:
+        if config.pp > 1:
+            raise refused(
+                ValueError(
+                    f"ParallelConfig.pp={config.pp} at world size 1: each pipeline stage needs "
+                    f"ranks of its own. Launch at least {config.pp} processes (shardwise run "
+                    f"--nproc {config.pp} ...), or use pp=1."
+                )
+            )
         if move:
             model.to(info.device)
         prepare_quantized(model, quantized)

@@ -17,7 +17,7 @@ split (plan/stages.py does), or shard (fsdp.py does, after this).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,6 +259,8 @@ def start_schedule(
     if state.plan.tied:
         state.tie_group = _tie_group(mesh)
         state.tied = [model.get_parameter(name) for name in state.tied_names]
+    for p in model.parameters():
+        setattr(p, _STAGE_ATTR, state)
     stage = PipelineStage(model, state.index, state.plan.pp, device, group=state.group)
     kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     # Each micro-batch's loss is weighted by the step itself (`_weighted`), so the schedule
@@ -279,6 +281,11 @@ def _tie_group(mesh: DeviceMesh) -> Any:
         if me in pair:
             mine = group
     return mine
+
+
+# Each stage's parameters carry their stage, for norms over the whole pipeline from a list
+# of parameters alone (shardwise.clip_grad_norm_ in a plain loop is given no model).
+_STAGE_ATTR = "_shardwise_stage"
 
 
 # The weight of each micro-batch's loss in the step, set by pipeline_step around the
@@ -442,16 +449,15 @@ def sync_tied_grads(model: nn.Module) -> None:
 
 
 def stage_grad_norm_squared(
-    model: nn.Module,
-    parameters: Iterable[nn.Parameter],
-    norm_of: Callable[[list[nn.Parameter]], torch.Tensor],
+    parameters: list[nn.Parameter], norm_of: Callable[[list[nn.Parameter]], torch.Tensor]
 ) -> torch.Tensor | None:
-    """The squared gradient norm over every stage of this rank's pipeline, or None without
-    pipeline stages: each stage's own (`norm_of`), a tied parameter counted once (on the
-    first stage), summed over the pipeline."""
-    state = pipeline_state(model)
-    if state is None or state.group is None:
+    """The squared gradient norm over every stage of the pipeline `parameters` belong to,
+    or None when they belong to none: each stage's own (`norm_of`), a tied parameter
+    counted once (on the first stage), summed over the pipeline's stages."""
+    states = {id(s): s for p in parameters if (s := getattr(p, _STAGE_ATTR, None)) is not None}
+    if not states:
         return None
+    (state,) = states.values()  # one model's parameters
     skip = {id(p) for p in state.tied} if not state.is_first else set()
     mine = [p for p in parameters if id(p) not in skip]
     squared = norm_of(mine).float() ** 2

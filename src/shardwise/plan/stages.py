@@ -190,18 +190,19 @@ def _ties(model: nn.Module, before: list[str], after: list[str]) -> list[tuple[s
 def plan_stages(model: nn.Module, pp: int, split: str | Sequence[str] = "auto") -> StagePlan:
     """Cut `model` into `pp` stages (see the module docstring); a ValueError naming
     `pp_split` for a model that cannot be cut that way."""
+    blocks: nn.Module | None
     if split == "auto":
         container, blocks = _block_list(model)
     else:
         first = split[0] if split else ""
         container = first.rsplit(".", 1)[0] if "." in first else ""
-        blocks = dict(model.named_modules()).get(container)  # type: ignore[assignment]
+        blocks = dict(model.named_modules()).get(container)
         if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
             raise _refuse(
                 f"{first!r} is not a block of a ModuleList or Sequential: name the blocks at "
                 f"which each later stage begins ({_EXAMPLE})."
             )
-    n_blocks = len(blocks)
+    n_blocks = len(list(blocks.children()))
     starts = _starts(container, n_blocks, pp, split)
     before, after = _siblings(model, container)
     modules = dict(model.named_modules())

@@ -36,6 +36,12 @@ from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import TrainConfig
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.fsdp import frozen_units, keep_gathered
+from shardwise.parallelize.pipeline import (
+    pipeline_eval,
+    pipeline_state,
+    pipeline_step,
+    stage_grad_norm_squared,
+)
 from shardwise.parallelize.tensor import check_tp_gradients
 from shardwise.parallelize.wrapped import unwrap, wrap_info
 from shardwise.train.losses import VIS_KEYS, model_parse_losses, parse_losses, split_outputs
@@ -135,13 +141,22 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float | None) 
     non-finite norm clips nothing. `max_norm=None` only measures. No host sync.
 
     Unlike `torch.nn.utils.clip_grad_norm_`, gradients may be sharded over different meshes
-    (FSDP, HSDP, tensor parallel and plain tensors in one model): the norm is one
-    process's over the whole model."""
+    (FSDP, HSDP, tensor parallel and plain tensors in one model), and a pipeline stage's
+    parameters are measured with every other stage's: the norm is one process's over the
+    whole model."""
     parameters = list(parameters)
-    norm = total_grad_norm(parameters)
+    norm = grad_norm(parameters)
     if max_norm is not None:
         scale_grads_(parameters, clip_coefficient(norm, max_norm))
     return norm
+
+
+def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """`total_grad_norm` of the whole model: for a pipeline stage's parameters, over every
+    stage (each holds only its own gradients), a tied parameter counted once."""
+    parameters = list(parameters)
+    squared = stage_grad_norm_squared(parameters, total_grad_norm)
+    return total_grad_norm(parameters) if squared is None else squared.sqrt()
 
 
 @contextlib.contextmanager
@@ -218,6 +233,7 @@ class Engine:
             self.config = config or ParallelConfig()
             self.model = wrap(model, self.config)
         self.device = _model_device(self.model)
+        self._pipeline = pipeline_state(unwrap(self.model)) is not None
         wrapper_scaler = None
         if is_optim_wrapper(optimizer):
             optimizer, self.train_config, wrapper_scaler = from_optim_wrapper(
@@ -226,6 +242,12 @@ class Engine:
         self.optimizer = build_optimizer(optimizer, self.model)
         self.scheduler = build_scheduler(scheduler, self.optimizer)
         self.scaler = wrapper_scaler if wrapper_scaler is not None else self._build_scaler()
+        if self._pipeline and self.scaler is not None:
+            raise NotImplementedError(
+                f"Engine: fp16 loss scaling with ParallelConfig.pp={self.config.pp} is not "
+                "built yet: the schedule runs the backward, so the loss cannot be scaled "
+                "before it. Use mixed_precision='bf16' (no scaling needed) or pp=1."
+            )
         self.micro_step = 0
         self.step = 0
         self.skipped_steps = 0
@@ -309,12 +331,22 @@ class Engine:
             self.model.train()
         if self._held and self.micro_step == 0:  # gathered at this forward, kept to the last
             keep_gathered(self._held, True)
-        with step_context(self.model, update or tc.sync_each_microbatch):
-            outputs = self.forward(batch, "loss")
-            losses, passed = split_outputs(outputs)
-            loss, logs = model_parse_losses(unwrap(self.model), losses)
-            scaled = loss / tc.accumulate_steps
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        passed: dict[str, Any] = {}
+        if self._pipeline:  # the schedule runs forward and backward over micro-batches
+            loss = pipeline_step(
+                self.model,
+                self._pipeline_batch(batch),
+                scale=1.0 / tc.accumulate_steps,
+                sync=update or tc.sync_each_microbatch,
+            )
+            logs = {"loss": loss}
+        else:
+            with step_context(self.model, update or tc.sync_each_microbatch):
+                outputs = self.forward(batch, "loss")
+                losses, passed = split_outputs(outputs)
+                loss, logs = model_parse_losses(unwrap(self.model), losses)
+                scaled = loss / tc.accumulate_steps
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         if self._held and update:
             keep_gathered(self._held, False)
         logs = local_values(logs)
@@ -339,7 +371,7 @@ class Engine:
         if not self._tp_checked:  # once: a parameter left whole between split layers
             self._tp_checked = True
             check_tp_gradients(self.model)
-        norm = total_grad_norm(params)
+        norm = grad_norm(params)
         asked = self._stop_requested
         reduced = _reduce_window(self._window, norm, self.device, self.scaler is None, asked)
         self._window = []
@@ -399,9 +431,23 @@ class Engine:
         """Predict on `batch` without gradients, in eval mode."""
         return self._predict(batch)
 
+    def _pipeline_batch(self, batch: Any) -> Any:
+        if callable(getattr(unwrap(self.model), "data_preprocessor", None)):
+            raise NotImplementedError(
+                f"Engine: ParallelConfig.pp={self.config.pp} with an OpenMMLab-style model "
+                "(data_preprocessor + forward(mode=)) is not built yet: the schedule calls "
+                "forward with the batch's tensors as keywords. Use pp=1 for this model."
+            )
+        return _to_device(batch, self.device)
+
     def _predict(self, batch: Any) -> Any:
         was_training = self.model.training
         self.model.eval()
+        if self._pipeline:  # the last stage's loss, on every rank (forward-only schedule)
+            try:
+                return {"loss": pipeline_eval(self.model, self._pipeline_batch(batch))}
+            finally:
+                self.model.train(was_training)
         try:
             with torch.no_grad(), step_context(self.model, sync=True):
                 return whole_loss(self.forward(batch, "predict"))
