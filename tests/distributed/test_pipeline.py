@@ -1,0 +1,238 @@
+"""Pipeline parallel × FSDP2 at world 4 (pp 2 × dp 2) equals one process.
+
+Six transformers families (llama, gemma with tied embeddings, qwen2, mistral, olmo2 and
+the mixture of experts qwen3_moe) and shardwise's own GPT (tied) are built tiny with four
+blocks, wrapped through the Engine with `pp_split='auto'`, and trained 3 SGD steps with
+clipping active, under 1F1B and GPipe. Each data-parallel rank reads its half of every
+global batch; both stages of one pipeline read the same half. Compared with one process
+on the whole batch: the loss at every step (on every rank), every gradient of the first
+step (after clipping, whose norm spans both stages) and the final parameters, each within
+rel 1e-5. The labels of a Hugging Face batch carry padding (-100) spread unevenly over
+micro-batches: each micro-batch is weighted by the tokens the whole batch counts.
+
+The layout is shown to be real: the first stage holds the embeddings and the first two
+blocks and no head, the last holds the other blocks, the norm and the head and no
+embedding (a tied one excepted: both ends hold it and step it identically), and every
+name is the whole model's. The negative control, tied gradients not summed between the
+two stages, fails the same comparison. All cases run in one spawned group of 4.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import shardwise
+from shardwise.parallelize import pipeline
+from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, GPTConfig
+
+pytestmark = [pytest.mark.pipeline, pytest.mark.timeout(1500)]
+
+VOCAB, BATCH, SEQ, STEPS, LAYERS = 32, 8, 6, 3, 4
+MAX_NORM = 0.5  # below the gradients' norm: clipping acts
+RTOL = 1e-5
+_COMMON = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=16,
+    use_cache=False,
+)
+
+
+def _hf(family: str) -> nn.Module:
+    t = transformers
+    if family == "gemma":
+        return t.GemmaForCausalLM(t.GemmaConfig(**_COMMON, head_dim=4))
+    if family == "qwen3_moe":
+        cfg = t.Qwen3MoeConfig(
+            **_COMMON, head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8
+        )
+        return t.Qwen3MoeForCausalLM(cfg)
+    classes = {
+        "llama": (t.LlamaConfig, t.LlamaForCausalLM),
+        "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
+        "mistral": (t.MistralConfig, t.MistralForCausalLM),
+        "olmo2": (t.Olmo2Config, t.Olmo2ForCausalLM),
+    }
+    config_cls, model_cls = classes[family]
+    return model_cls(config_cls(**_COMMON))
+
+
+def build(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=LAYERS))
+    model = _hf(family)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+FAMILIES = ("llama", "gemma", "qwen2", "mistral", "olmo2", "qwen3_moe", "gpt")
+TIED = {
+    "gemma": ("model.embed_tokens.weight", "lm_head.weight"),
+    "gpt": ("tok_emb.weight", "head.weight"),
+}
+
+
+def batches(family: str) -> list[Any]:
+    g = torch.Generator().manual_seed(1)
+    out: list[Any] = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        if family == "gpt":
+            out.append((ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)))
+            continue
+        labels = ids.clone()
+        labels[0, :3] = -100  # micro-batch 0 of data-parallel rank 0, not its micro-batch 1
+        labels[5, :3] = -100  # micro-batch 0 of data-parallel rank 1 (ranks count alike)
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _rows(batch: Any, rank: int, size: int) -> Any:
+    per = BATCH // size
+    if isinstance(batch, dict):
+        return {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+    return tuple(t[rank * per : (rank + 1) * per] for t in batch)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
+
+
+def train(family: str, config: shardwise.ParallelConfig | None) -> dict[str, Any]:
+    """3 SGD steps through the Engine; each rank reads its data-parallel rows."""
+    engine = shardwise.Engine(
+        build(family),
+        functools.partial(torch.optim.SGD, lr=0.5),
+        config,
+        train=shardwise.TrainConfig(max_grad_norm=MAX_NORM),
+    )
+    info = shardwise.wrap_info(engine.model)
+    rank, size = (info.dp_rank, info.dp_size) if info is not None else (0, 1)
+    first: dict[str, torch.Tensor] = {}
+
+    def record(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not first:
+            for name, p in engine.model.named_parameters():
+                first[name] = _full(p.grad)
+
+    engine.optimizer.register_step_pre_hook(record)
+    losses = [engine.train_step(_rows(b, rank, size))["loss"] for b in batches(family)]
+    params = {n: _full(p) for n, p in engine.model.named_parameters()}
+    return {"losses": losses, "grads": first, "params": params, "dp": (rank, size)}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def compare(got: list[dict[str, Any]], ref: dict[str, Any], family: str) -> float:
+    """The largest relative difference of losses, first gradients and final parameters."""
+    stage_0, stage_1 = got[0], got[2]  # ranks 0, 1 hold stage 0; ranks 2, 3 stage 1
+    grads = {**stage_1["grads"], **stage_0["grads"]}
+    params = {**stage_1["params"], **stage_0["params"]}
+    assert set(ref["params"]) <= set(params), set(ref["params"]) - set(params)
+    worst = max(
+        abs(a - b) / abs(b) for r in got for a, b in zip(r["losses"], ref["losses"], strict=True)
+    )
+    for name in ref["params"]:
+        worst = max(worst, _rel(grads[name], ref["grads"][name]))
+        worst = max(worst, _rel(params[name], ref["params"][name]))
+    if family in TIED:  # the last stage's copy of the tie steps as the first's
+        first, last = TIED[family]
+        worst = max(worst, _rel(stage_1["params"][last], ref["params"][first]))
+    return worst
+
+
+def _layout(family: str, schedule: str) -> dict[str, Any]:
+    engine = shardwise.Engine(
+        build(family),
+        functools.partial(torch.optim.SGD, lr=0.5),
+        shardwise.ParallelConfig(strategy="full_shard", pp=2, pp_schedule=schedule),
+    )
+    info = shardwise.wrap_info(engine.model)
+    assert info is not None and info.stages is not None
+    return {
+        "names": sorted(n for n, _ in engine.model.named_parameters()),
+        "pp_rank": info.pp_rank,
+        "dp": (info.dp_rank, info.dp_size),
+        "plan": str(info.stages),
+    }
+
+
+def run_cases() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for family in FAMILIES:
+        for schedule in ("1f1b", "gpipe"):
+            config = shardwise.ParallelConfig(strategy="full_shard", pp=2, pp_schedule=schedule)
+            out[f"{family}/{schedule}"] = train(family, config)
+    # The negative control: ties whose gradients each stage keeps to itself.
+    original = pipeline.sync_tied_grads
+    pipeline.sync_tied_grads = lambda model: None  # type: ignore[assignment]
+    try:
+        out["gemma/no tie sum"] = train("gemma", shardwise.ParallelConfig(pp=2))
+    finally:
+        pipeline.sync_tied_grads = original
+    out["layout/llama"] = _layout("llama", "1f1b")
+    out["layout/gemma"] = _layout("gemma", "1f1b")
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    got = run_distributed(run_cases, 4, timeout_s=900)
+    refs = {family: train(family, None) for family in FAMILIES}
+    return got, refs
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pp2_dp2_trains_equal_to_one_process(results: Any, family: str, schedule: str) -> None:
+    got, refs = results
+    per_rank = [r[f"{family}/{schedule}"] for r in got]
+    assert [r["dp"] for r in per_rank] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    worst = compare(per_rank, refs[family], family)
+    print(f"{family} {schedule}: rel {worst:.2e}")
+    assert worst < RTOL, f"{family} {schedule}: rel {worst:.2e}"
+
+
+def test_tied_gradients_not_summed_between_the_stages_fail_the_comparison(results: Any) -> None:
+    got, refs = results
+    worst = compare([r["gemma/no tie sum"] for r in got], refs["gemma"], "gemma")
+    print(f"gemma without the tie sum: rel {worst:.2e}")
+    assert worst > 100 * RTOL, f"rel {worst:.2e}: the control did not fail"
+
+
+def test_each_stage_holds_only_its_part_under_the_whole_models_names(results: Any) -> None:
+    got, _ = results
+    first, last = got[0]["layout/llama"], got[2]["layout/llama"]
+    assert (first["pp_rank"], last["pp_rank"]) == (0, 1)
+    whole = {n for n, _ in build("llama").named_parameters()}
+    assert set(first["names"]) | set(last["names"]) == whole
+    assert not set(first["names"]) & set(last["names"])
+    assert "model.embed_tokens.weight" in first["names"]
+    assert not any(n.startswith(("lm_head", "model.norm")) for n in first["names"])
+    assert not any(n.startswith("model.embed_tokens") for n in last["names"])
+    assert {n.split(".")[2] for n in first["names"] if ".layers." in n} == {"0", "1"}
+    assert {n.split(".")[2] for n in last["names"] if ".layers." in n} == {"2", "3"}
+    assert "stage 0: model.layers.0 .. model.layers.1 + model.embed_tokens" in first["plan"]
+    tied_first, tied_last = got[0]["layout/gemma"], got[2]["layout/gemma"]
+    assert "model.embed_tokens.weight" in tied_first["names"]
+    assert "lm_head.weight" not in tied_first["names"]
+    assert "lm_head.weight" in tied_last["names"]
+    assert (
+        "tied: model.embed_tokens.weight (stage 0) = lm_head.weight (stage 1)"
+        in (tied_first["plan"])
+    )

@@ -1,0 +1,237 @@
+"""Pipeline stages in one process: the split, the stage's forward, and every guard.
+
+The stage's forward is checked without processes: two copies of one model are made stage 0
+and stage 1, the first's output is fed to the second, and the loss must equal the whole
+model's to the bit. Gemma scales its embeddings' output by sqrt(hidden); a stage that took
+the received hidden states in through the embeddings would apply it twice, so gemma is one
+of the families. Each guard is checked by its message, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import shardwise
+from shardwise.cli.launch import check_layout
+from shardwise.config.pipeline import check_microbatches
+from shardwise.distributed.mesh import resolve_mesh
+from shardwise.parallelize.pipeline import build_stage
+from shardwise.plan.stages import plan_stages
+from shardwise.testing.models import GPT, GPTConfig
+
+COMMON = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=32,
+    max_position_embeddings=16,
+    use_cache=False,
+)
+
+
+def llama() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+
+
+def gemma() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.GemmaForCausalLM(transformers.GemmaConfig(**COMMON, head_dim=4))
+
+
+def gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, seq_len=6, d_model=16, n_layers=3))
+
+
+# --- the split -----------------------------------------------------------------------------
+
+
+def test_auto_split_balances_blocks_and_sends_the_rest_to_the_ends() -> None:
+    plan = plan_stages(llama(), 2)
+    assert plan.container == "model.layers"
+    assert [s.blocks for s in plan.stages] == [
+        ("model.layers.0", "model.layers.1"),
+        ("model.layers.2", "model.layers.3"),
+    ]
+    assert plan.stages[0].modules == ("model.embed_tokens",)
+    assert set(plan.stages[1].modules) == {"model.norm", "lm_head"}
+    assert plan.tied == ()
+    three = plan_stages(gpt(), 3)  # 3 blocks: one each; embeddings first, norm and head last
+    assert [len(s.blocks) for s in three.stages] == [1, 1, 1]
+    assert three.stages[0].modules == ("tok_emb", "pos_emb")
+    assert three.stages[1].modules == ()
+    assert three.tied == (("tok_emb.weight", "head.weight"),)
+    assert [len(s.blocks) for s in plan_stages(llama(), 3).stages] == [2, 1, 1]
+
+
+def test_the_stages_hold_every_parameter_once_and_the_plan_prints_them() -> None:
+    model = llama()
+    plan = plan_stages(model, 2)
+    assert sum(s.params for s in plan.stages) == sum(p.numel() for p in model.parameters())
+    text = str(plan)
+    assert "stage 0: model.layers.0 .. model.layers.1 + model.embed_tokens" in text
+    assert '"container": "model.layers"' in plan.to_json()
+
+
+def test_a_given_split_is_followed_and_a_wrong_one_refused_by_name() -> None:
+    plan = plan_stages(llama(), 2, ("model.layers.3",))
+    assert [len(s.blocks) for s in plan.stages] == [3, 1]
+    with pytest.raises(ValueError, match=r"pp_split: 'model.layers.0' is not a block at which"):
+        plan_stages(llama(), 2, ("model.layers.0",))
+    with pytest.raises(ValueError, match=r"pp_split: 'model.layers.9' is not a block"):
+        plan_stages(llama(), 2, ("model.layers.9",))
+    with pytest.raises(ValueError, match=r"must name blocks in increasing order"):
+        plan_stages(llama(), 3, ("model.layers.3", "model.layers.2"))
+    with pytest.raises(ValueError, match=r"'lm_head' is not a block of a ModuleList"):
+        plan_stages(llama(), 2, ("lm_head",))
+
+
+def test_more_stages_than_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"pp=5 stages but model.layers holds 4 block\(s\)"):
+        plan_stages(llama(), 5)
+
+
+def test_a_model_without_one_block_list_is_refused_naming_pp_split() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"pp_split: 'auto' splits a model at its one list"):
+        plan_stages(model, 2)
+
+
+# --- the stage's forward -------------------------------------------------------------------
+
+
+def _chained(make: object, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole model's loss, and stage 1's loss on stage 0's output (two copies)."""
+    whole = make()  # type: ignore[operator]
+    expected = _loss(whole(**batch))
+    first, last = copy.deepcopy(whole), copy.deepcopy(whole)
+    plan = plan_stages(whole, 2)
+    s0, s1 = build_stage(first, plan, 0), build_stage(last, plan, 1)
+    s0.running = s1.running = True
+    hidden = first(**batch)
+    return expected, last(hidden, **batch)
+
+
+def _loss(out: object) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.loss  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("make", [llama, gemma], ids=["llama", "gemma"])
+def test_two_stages_chained_give_the_whole_models_loss(make: object) -> None:
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    expected, got = _chained(make, {"input_ids": ids, "labels": ids})
+    assert torch.equal(got, expected)
+
+
+def test_two_stages_of_our_gpt_give_its_loss() -> None:
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    expected, got = _chained(gpt, {"idx": ids, "targets": ids})
+    assert torch.equal(got, expected)
+
+
+def test_a_stage_keeps_the_whole_models_names_and_only_its_own_parameters() -> None:
+    model = gemma()
+    whole = {n for n, _ in model.named_parameters()}
+    plan = plan_stages(model, 2)
+    build_stage(model, plan, 1)
+    names = {n for n, _ in model.named_parameters()}
+    assert names <= whole | {"lm_head.weight"}
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
+    assert not any(".layers.0." in n or ".layers.1." in n for n in names)
+
+
+def test_calling_a_stage_like_a_plain_module_says_what_to_call() -> None:
+    model = llama()
+    build_stage(model, plan_stages(model, 2), 0)
+    with pytest.raises(RuntimeError, match=r"shardwise.pipeline_step\(model, batch\)"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_pipeline_step_on_a_model_without_stages_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"the model has no pipeline stages"):
+        shardwise.pipeline_step(llama(), {"input_ids": torch.zeros(2, 4, dtype=torch.long)})
+
+
+# --- guards, before any group --------------------------------------------------------------
+
+
+def test_config_guards_name_the_field_and_the_fix() -> None:
+    cases = [
+        (dict(pp=0), ValueError, r"ParallelConfig.pp=0 must be >= 1"),
+        (dict(pp=2, pp_schedule="1fb1"), ValueError, r"pp_schedule='1fb1' is not a schedule.*"),
+        (dict(pp=2, pp_schedule="interleaved_1f1b"), NotImplementedError, r"two or more stages"),
+        (dict(pp=2, pp_schedule="zbv"), NotImplementedError, r"not built yet"),
+        (dict(pp=2, pp_microbatches=0), ValueError, r"pp_microbatches=0 must be >= 1"),
+        (
+            dict(pp=3, pp_split=["model.layers.1"]),
+            ValueError,
+            r"lists 1 module name\(s\) with pp=3",
+        ),
+        (dict(pp=2, pp_split="even"), ValueError, r"give 'auto' or a list"),
+        (dict(pp=2, pp_split=[3]), TypeError, r"each entry must be a module name"),
+        (dict(pp=2, strategy="auto"), NotImplementedError, r"does not simulate pipeline stages"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            shardwise.ParallelConfig(**kwargs)
+
+
+def test_torchs_spelling_of_a_schedule_is_read_as_ours() -> None:
+    assert shardwise.ParallelConfig(pp=2, pp_schedule="GPipe").pp_schedule == "gpipe"
+
+
+def test_micro_batch_rules_of_the_schedules() -> None:
+    check_microbatches(2, "1f1b", 2, 4)
+    check_microbatches(4, "gpipe", 2, 4)  # GPipe takes fewer micro-batches than stages
+    with pytest.raises(ValueError, match=r"1F1B needs at least as many micro-batches as stages"):
+        check_microbatches(4, "1f1b", 2, 8)
+    with pytest.raises(
+        ValueError, match=r"pp_microbatches=4 does not divide this rank's batch of 6"
+    ):
+        check_microbatches(2, "1f1b", 4, 6)
+
+
+def test_the_mesh_puts_pp_outermost_and_refuses_what_does_not_fit() -> None:
+    spec = resolve_mesh("hybrid_shard", -1, 8, pp=2)
+    assert (spec.pp, spec.dp_replicate, spec.dp_shard, spec.world_size) == (2, 2, 2, 8)
+    assert resolve_mesh("full_shard", -1, 8, pp=2, tp=2).dp_size == 2
+    with pytest.raises(ValueError, match=r"pp=4 does not divide the job's 6 rank\(s\)"):
+        resolve_mesh("full_shard", -1, 6, pp=4)
+    with pytest.raises(ValueError, match=r"pp=2 with strategy='ddp' is not built yet"):
+        resolve_mesh("ddp", -1, 4, pp=2)
+
+
+def test_wrap_at_world_one_refuses_stages() -> None:
+    with pytest.raises(ValueError, match=r"pp=2 at world size 1: each pipeline stage needs"):
+        shardwise.wrap(llama(), shardwise.ParallelConfig(pp=2))
+
+
+def test_run_refuses_a_pp_the_world_cannot_hold_before_spawning(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "job.yaml"
+    config.write_text("parallel:\n  strategy: full_shard\n")
+    check_layout(["--config", str(config), "parallel.pp=2"], 4)
+    with pytest.raises(ValueError, match=r"at world size 3: ParallelConfig.pp=2 does not divide"):
+        check_layout(["--config", str(config), "parallel.pp=2"], 3)
+
+
+def test_hosts_refuse_pipeline_stages_with_the_reason() -> None:
+    mmengine = pytest.importorskip("shardwise.integrations.mmengine")
+    with pytest.raises(NotImplementedError, match=r"pp=2 inside mmengine's Runner is not built"):
+        mmengine.ShardwiseDataParallel(nn.Linear(2, 2), strategy="full_shard", pp=2)
+    lightning = pytest.importorskip("shardwise.integrations.lightning")
+    with pytest.raises(NotImplementedError, match=r"pp=2 inside Lightning's Trainer"):
+        lightning.ShardwiseStrategy(config=shardwise.ParallelConfig(pp=2))
+
+
+def test_wraps_signature_is_unchanged_by_the_new_dimension() -> None:
+    params = list(inspect.signature(shardwise.wrap).parameters)
+    assert params == ["model", "config", "weights", "broadcast_from_rank0"]
