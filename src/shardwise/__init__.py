@@ -52,7 +52,15 @@ from shardwise.parallelize import (
     wrap,
     wrap_info,
 )
-from shardwise.plan import PlanNotice, WrapPlan, WrapUnit, plan_wrap, register_wrap_policy
+from shardwise.plan import (
+    PlanNotice,
+    StagePlan,
+    WrapPlan,
+    WrapUnit,
+    plan_stages,
+    plan_wrap,
+    register_wrap_policy,
+)
 from shardwise.train import (
     PREEMPTED_EXIT_CODE,
     Engine,
@@ -89,6 +97,7 @@ __all__ = [
     "Runner",
     "RunnerConfig",
     "SimReport",
+    "StagePlan",
     "StallError",
     "TrainConfig",
     "WeightsError",
@@ -110,6 +119,7 @@ __all__ = [
     "parse_losses",
     "pipeline_eval",
     "pipeline_step",
+    "plan_stages",
     "plan_wrap",
     "print0",
     "register_wrap_policy",

@@ -78,6 +78,8 @@ PUBLIC: dict[str, str] = {
     # issue 36: a step of a pipelined model
     "pipeline_step": "function",
     "pipeline_eval": "function",
+    "plan_stages": "function",
+    "StagePlan": "class",
 }
 
 OLD_PATHS: dict[str, list[str]] = {

@@ -316,7 +316,7 @@ def _apply_dimensions(
     its device. A meta-built model is split and sharded on meta and filled in step 5."""
     stage_plan = plan_stages(model, spec.pp, config.pp_split) if spec.pp > 1 else None
     tp_plan = check_tensor_parallel(model, config) if spec.tp > 1 else None  # before any group
-    _refuse_unbuilt(config, spec, on_meta, quantized)
+    _refuse_unbuilt(model, config, spec, on_meta, quantized)
     mesh = user_mesh if user_mesh is not None else spec.build(info.device.type)
     assert mesh is not None  # only ddp builds none
     move = not on_meta and config.offload_policy is None
@@ -365,7 +365,9 @@ def _apply_dimensions(
     )
 
 
-def _refuse_unbuilt(config: ParallelConfig, spec: MeshSpec, on_meta: bool, quantized: Any) -> None:
+def _refuse_unbuilt(
+    model: nn.Module, config: ParallelConfig, spec: MeshSpec, on_meta: bool, quantized: Any
+) -> None:
     """Combinations not built yet, refused with the reason before any group is made."""
     if spec.tp > 1 and config.offload_policy is not None:
         raise NotImplementedError(
@@ -382,6 +384,11 @@ def _refuse_unbuilt(config: ParallelConfig, spec: MeshSpec, on_meta: bool, quant
         "a quantized base (QLoRA)": bool(quantized),
         "sequence_parallel": config.sequence_parallel,
         "loss_parallel": config.loss_parallel,
+        f"tp={spec.tp} (3-D)": spec.tp > 1,
+        # Each stage would see only its own layers' router logits: a silent wrong.
+        "a mixture of experts' router auxiliary loss (output_router_logits)": bool(
+            getattr(getattr(model, "config", None), "output_router_logits", False)
+        ),
     }
     for what, present in unbuilt.items():
         if present:

@@ -14,6 +14,7 @@ from shardwise.plan.policies import (
     registered_policies,
     resolve_policy,
 )
+from shardwise.plan.stages import StagePlan, plan_stages
 
 __all__ = [
     "DetectedBlocks",
@@ -21,9 +22,11 @@ __all__ = [
     "PlanNotice",
     "Policy",
     "PolicyFactory",
+    "StagePlan",
     "WrapPlan",
     "WrapUnit",
     "detect_blocks",
+    "plan_stages",
     "plan_wrap",
     "register_wrap_policy",
     "registered_policies",

@@ -242,12 +242,8 @@ class Engine:
         self.optimizer = build_optimizer(optimizer, self.model)
         self.scheduler = build_scheduler(scheduler, self.optimizer)
         self.scaler = wrapper_scaler if wrapper_scaler is not None else self._build_scaler()
-        if self._pipeline and self.scaler is not None:
-            raise NotImplementedError(
-                f"Engine: fp16 loss scaling with ParallelConfig.pp={self.config.pp} is not "
-                "built yet: the schedule runs the backward, so the loss cannot be scaled "
-                "before it. Use mixed_precision='bf16' (no scaling needed) or pp=1."
-            )
+        if self._pipeline:
+            _check_pipelined(self.model, self.config, self.scaler)
         self.micro_step = 0
         self.step = 0
         self.skipped_steps = 0
@@ -335,7 +331,7 @@ class Engine:
         if self._pipeline:  # the schedule runs forward and backward over micro-batches
             loss = pipeline_step(
                 self.model,
-                self._pipeline_batch(batch),
+                _to_device(batch, self.device),
                 scale=1.0 / tc.accumulate_steps,
                 sync=update or tc.sync_each_microbatch,
             )
@@ -431,21 +427,12 @@ class Engine:
         """Predict on `batch` without gradients, in eval mode."""
         return self._predict(batch)
 
-    def _pipeline_batch(self, batch: Any) -> Any:
-        if callable(getattr(unwrap(self.model), "data_preprocessor", None)):
-            raise NotImplementedError(
-                f"Engine: ParallelConfig.pp={self.config.pp} with an OpenMMLab-style model "
-                "(data_preprocessor + forward(mode=)) is not built yet: the schedule calls "
-                "forward with the batch's tensors as keywords. Use pp=1 for this model."
-            )
-        return _to_device(batch, self.device)
-
     def _predict(self, batch: Any) -> Any:
         was_training = self.model.training
         self.model.eval()
         if self._pipeline:  # the last stage's loss, on every rank (forward-only schedule)
             try:
-                return {"loss": pipeline_eval(self.model, self._pipeline_batch(batch))}
+                return {"loss": pipeline_eval(self.model, _to_device(batch, self.device))}
             finally:
                 self.model.train(was_training)
         try:
@@ -456,6 +443,22 @@ class Engine:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _check_pipelined(model: nn.Module, config: ParallelConfig, scaler: Any) -> None:
+    """What the Engine cannot do with a pipelined model yet, refused at construction."""
+    if scaler is not None:
+        raise NotImplementedError(
+            f"Engine: fp16 loss scaling with ParallelConfig.pp={config.pp} is not built yet: "
+            "the schedule runs the backward, so the loss cannot be scaled before it. Use "
+            "mixed_precision='bf16' (no scaling needed) or pp=1."
+        )
+    if callable(getattr(unwrap(model), "data_preprocessor", None)):
+        raise NotImplementedError(
+            f"Engine: ParallelConfig.pp={config.pp} with an OpenMMLab-style model "
+            "(data_preprocessor + forward(mode=)) is not built yet: the schedule calls "
+            "forward with the batch's tensors as keywords. Use pp=1 for this model."
+        )
 
 
 def _with_adapter(model: nn.Module, adapter: AdapterConfig | None) -> nn.Module:

@@ -235,3 +235,19 @@ def test_hosts_refuse_pipeline_stages_with_the_reason() -> None:
 def test_wraps_signature_is_unchanged_by_the_new_dimension() -> None:
     params = list(inspect.signature(shardwise.wrap).parameters)
     assert params == ["model", "config", "weights", "broadcast_from_rank0"]
+
+
+def test_combinations_not_built_are_refused_before_any_group() -> None:
+    from shardwise.parallelize.apply import _refuse_unbuilt
+
+    spec = resolve_mesh("full_shard", -1, 8, pp=2, tp=2)
+    with pytest.raises(NotImplementedError, match=r"pp=2 with tp=2 \(3-D\) is not built yet"):
+        _refuse_unbuilt(llama(), shardwise.ParallelConfig(pp=2, tp=2), spec, False, None)
+    moe = llama()
+    moe.config.output_router_logits = True
+    spec = resolve_mesh("full_shard", -1, 4, pp=2)
+    with pytest.raises(NotImplementedError, match=r"router auxiliary loss"):
+        _refuse_unbuilt(moe, shardwise.ParallelConfig(pp=2), spec, False, None)
+    with pytest.raises(NotImplementedError, match=r"a model built on the meta device"):
+        _refuse_unbuilt(llama(), shardwise.ParallelConfig(pp=2), spec, True, None)
+    _refuse_unbuilt(llama(), shardwise.ParallelConfig(pp=2), spec, False, None)
