@@ -85,7 +85,7 @@ TIED = {
 }
 
 
-def batches(family: str) -> list[Any]:
+def batches(family: str, padded: bool = True) -> list[Any]:
     g = torch.Generator().manual_seed(1)
     out: list[Any] = []
     for _ in range(STEPS):
@@ -94,6 +94,9 @@ def batches(family: str) -> list[Any]:
             out.append((ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)))
             continue
         labels = ids.clone()
+        if not padded:  # every rank counts alike at any dp size
+            out.append({"input_ids": ids, "labels": labels})
+            continue
         labels[0, :3] = -100  # micro-batch 0 of data-parallel rank 0, not its micro-batch 1
         labels[5, :3] = -100  # micro-batch 0 of data-parallel rank 1 (ranks count alike)
         out.append({"input_ids": ids, "labels": labels})
@@ -172,8 +175,47 @@ def _layout(family: str, schedule: str) -> dict[str, Any]:
     }
 
 
-def run_cases() -> dict[str, Any]:
+def _ckpt_engine(config: shardwise.ParallelConfig | None) -> shardwise.Engine:
+    return shardwise.Engine(
+        build("gemma"),
+        functools.partial(torch.optim.AdamW, lr=1e-2),
+        config,
+        scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5),
+    )
+
+
+def _steps(engine: shardwise.Engine, which: slice) -> list[float]:
+    info = shardwise.wrap_info(engine.model)
+    rank, size = (info.dp_rank, info.dp_size) if info is not None else (0, 1)
+    return [
+        engine.train_step(_rows(b, rank, size))["loss"]
+        for b in batches("gemma", padded=False)[which]
+    ]
+
+
+def save_then_step(root: str, config: shardwise.ParallelConfig) -> dict[str, Any]:
+    """Two AdamW steps, a checkpoint, then the uninterrupted third step."""
+    engine = _ckpt_engine(config)
+    _steps(engine, slice(0, 2))
+    shardwise.save_checkpoint(root, engine)
+    saved = {n: _full(p) for n, p in engine.model.named_parameters()}
+    return {"saved": saved, "next": _steps(engine, slice(2, 3))[0]}
+
+
+def load_then_step(root: str, config: shardwise.ParallelConfig | None) -> dict[str, Any]:
+    engine = _ckpt_engine(config)
+    shardwise.load_checkpoint(root, engine)
+    loaded = {n: _full(p) for n, p in engine.model.named_parameters()}
+    lr = engine.optimizer.param_groups[0]["lr"]
+    return {"loaded": loaded, "next": _steps(engine, slice(2, 3))[0], "lr": lr}
+
+
+def run_cases(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    # Checkpoints across pp degrees (gemma: the tie's optimizer state moves too).
+    out["ckpt/pp2 saved"] = save_then_step(f"{root}/pp2", shardwise.ParallelConfig(pp=2))
+    out["ckpt/pp1 saved"] = save_then_step(f"{root}/pp1", shardwise.ParallelConfig())
+    out["ckpt/pp1 into pp2"] = load_then_step(f"{root}/pp1", shardwise.ParallelConfig(pp=2))
     for family in FAMILIES:
         for schedule in ("1f1b", "gpipe"):
             config = shardwise.ParallelConfig(strategy="full_shard", pp=2, pp_schedule=schedule)
@@ -191,10 +233,52 @@ def run_cases() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
-    got = run_distributed(run_cases, 4, timeout_s=900)
+def root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("pipeline_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def results(root: str) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    got = run_distributed(run_cases, 4, args=(root,), timeout_s=900)
     refs = {family: train(family, None) for family in FAMILIES}
     return got, refs
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) <= set(b), set(a) - set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_a_pp2_checkpoint_loads_at_world_2_and_1_exactly_and_steps_on(
+    results: Any, root: str
+) -> None:
+    got, _ = results
+    saved_0, saved_1 = got[0]["ckpt/pp2 saved"], got[2]["ckpt/pp2 saved"]
+    whole = {**saved_1["saved"], **saved_0["saved"]}
+    uninterrupted = saved_0["next"]
+    assert saved_1["next"] == uninterrupted  # both stages report the pipeline's loss
+    at_2 = run_distributed(
+        load_then_step, 2, args=(f"{root}/pp2", shardwise.ParallelConfig()), timeout_s=600
+    )
+    at_1 = load_then_step(f"{root}/pp2", None)
+    for loaded in [*at_2, at_1]:
+        _same(loaded["loaded"], whole)
+        assert loaded["lr"] == pytest.approx(1e-2 * 0.25)  # the scheduler's two steps
+        assert abs(loaded["next"] - uninterrupted) / uninterrupted < RTOL
+    assert at_2[0]["next"] == uninterrupted  # at world 2 bit for bit
+
+
+def test_a_pp1_checkpoint_loads_into_two_stages_with_the_ties_optimizer_state(
+    results: Any,
+) -> None:
+    got, _ = results
+    whole = got[0]["ckpt/pp1 saved"]["saved"]
+    uninterrupted = got[0]["ckpt/pp1 saved"]["next"]
+    for rank in range(4):
+        loaded = got[rank]["ckpt/pp1 into pp2"]
+        _same(loaded["loaded"], {**whole, "lm_head.weight": whole["model.embed_tokens.weight"]})
+        assert abs(loaded["next"] - uninterrupted) / uninterrupted < RTOL
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

@@ -57,16 +57,23 @@ from shardwise.distributed.process_group import (
     rank_and_world,
 )
 from shardwise.distributed.watchdog import guard
+from shardwise.parallelize.pipeline import tied_aliases
+from shardwise.parallelize.wrapped import unwrap, wrap_info
 
 
-def _check_keys(model_sd: dict[str, Any], metadata: Metadata, where: Path) -> None:
+def _check_keys(
+    model_sd: dict[str, Any], metadata: Metadata, where: Path, *, stage: bool = False
+) -> None:
+    """Every key of the model in the checkpoint with its shape, and (for a whole model) no
+    key the model lacks. A pipeline stage holds only its part: the checkpoint's other keys
+    are the other stages'."""
     saved = {
         k.removeprefix("model."): md
         for k, md in metadata.state_dict_metadata.items()
         if k.startswith("model.")
     }
     missing = sorted(set(model_sd) - set(saved))
-    unexpected = sorted(set(saved) - set(model_sd))
+    unexpected = [] if stage else sorted(set(saved) - set(model_sd))
     mismatched = []
     for key in sorted(set(model_sd) & set(saved)):
         md = saved[key]
@@ -149,14 +156,18 @@ def load_checkpoint(
             model_sd, optim_sd = get_model_state_dict(engine.model, options=options), {}
         if contents == ADAPTERS:
             model_sd = without_frozen(engine.model, model_sd)
-        _check_keys(model_sd, metadata, path)
+        info = wrap_info(engine.model)
+        _check_keys(model_sd, metadata, path, stage=info is not None and info.stages is not None)
     except CheckpointError as exc:
         error = exc
     _agree(error, "checking the checkpoint")
 
     state: dict[str, Any] = {"model": model_sd}
+    # The last pipeline stage's copy of a tied parameter reads the optimizer state a whole
+    # model saved under the first stage's name (both copies hold the same state).
+    aliases = tied_aliases(unwrap(engine.model)) if load_optimizer else {}
     if load_optimizer:
-        state["optim"] = optim_sd["state"]
+        state["optim"] = {aliases.get(k, k): v for k, v in optim_sd["state"].items()}
     try:
         with single_process_ok():
             dcp.load(
@@ -171,8 +182,9 @@ def load_checkpoint(
             raise stalled from exc
         raise CheckpointError(f"could not read checkpoint {path}: {root_cause(exc)}") from None
     if load_optimizer and engine.optimizer is not None:
+        back = {first: last for last, first in aliases.items()}
         optim_state = {
-            "state": state["optim"],
+            "state": {back.get(k, k): v for k, v in state["optim"].items()},
             "param_groups": manifest["optimizer"]["param_groups"],
         }
         result = set_state_dict(

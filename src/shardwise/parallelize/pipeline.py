@@ -428,6 +428,16 @@ def _group_device(state: PipelineState) -> torch.device:
     )
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """On the last stage: each tied parameter's name here -> its name on the first stage
+    (the name a whole model's optimizer keys its state by), for checkpoints that move
+    between pp degrees. Empty elsewhere."""
+    state = pipeline_state(model)
+    if state is None or state.is_first or not state.is_last:
+        return {}
+    return {last: first for first, last in state.plan.tied}
+
+
 def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad._local_tensor if isinstance(grad, DTensor) else grad
 
