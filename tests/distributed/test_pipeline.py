@@ -137,6 +137,27 @@ def train(family: str, config: shardwise.ParallelConfig | None) -> dict[str, Any
     return {"losses": losses, "grads": first, "params": params, "dp": (rank, size)}
 
 
+def accumulate_and_evaluate(config: shardwise.ParallelConfig | None) -> dict[str, Any]:
+    """Two updates of two accumulated batches each, then val_step on a fifth batch."""
+    engine = shardwise.Engine(
+        build("llama"),
+        functools.partial(torch.optim.SGD, lr=0.5),
+        config,
+        train=shardwise.TrainConfig(accumulate_steps=2, max_grad_norm=MAX_NORM),
+    )
+    info = shardwise.wrap_info(engine.model)
+    rank, size = (info.dp_rank, info.dp_size) if info is not None else (0, 1)
+    data = batches("llama") + batches("llama", padded=False)[:2]
+    results = [engine.train_step(_rows(b, rank, size)) for b in data[:4]]
+    out = engine.val_step(_rows(data[4], rank, size))
+    val = out["loss"] if isinstance(out, dict) else out.loss
+    return {
+        "losses": [r["loss"] for r in results[1::2]],
+        "val": float(shardwise.mean_across_ranks(val) if info is not None else val),
+        "params": {n: _full(p) for n, p in engine.model.named_parameters()},
+    }
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -227,6 +248,7 @@ def run_cases(root: str) -> dict[str, Any]:
         out["gemma/no tie sum"] = train("gemma", shardwise.ParallelConfig(pp=2))
     finally:
         pipeline.sync_tied_grads = original
+    out["accumulate/1f1b"] = accumulate_and_evaluate(shardwise.ParallelConfig(pp=2))
     out["layout/llama"] = _layout("llama", "1f1b")
     out["layout/gemma"] = _layout("gemma", "1f1b")
     return out
@@ -320,3 +342,18 @@ def test_each_stage_holds_only_its_part_under_the_whole_models_names(results: An
         "tied: model.embed_tokens.weight (stage 0) = lm_head.weight (stage 1)"
         in (tied_first["plan"])
     )
+
+
+def test_accumulation_and_val_step_equal_one_process(results: Any) -> None:
+    got, _ = results
+    ref = accumulate_and_evaluate(None)
+    params = {**got[2]["accumulate/1f1b"]["params"], **got[0]["accumulate/1f1b"]["params"]}
+    worst = max(_rel(params[n], ref["params"][n]) for n in ref["params"])
+    for r in got:
+        mine = r["accumulate/1f1b"]
+        worst = max(
+            worst, *(abs(a - b) / b for a, b in zip(mine["losses"], ref["losses"], strict=True))
+        )
+        worst = max(worst, abs(mine["val"] - ref["val"]) / ref["val"])
+    print(f"accumulation 2 and val_step: rel {worst:.2e}")
+    assert worst < RTOL
