@@ -162,9 +162,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def compare(got: list[dict[str, Any]], ref: dict[str, Any], family: str) -> float:
-    """The largest relative difference of losses, first gradients and final parameters."""
-    stage_0, stage_1 = got[0], got[2]  # ranks 0, 1 hold stage 0; ranks 2, 3 stage 1
+def compare(got: list[dict[str, Any]], ref: dict[str, Any], family: str, last: int = 2) -> float:
+    """The largest relative difference of losses, first gradients and final parameters.
+    `got[0]` holds stage 0, `got[last]` stage 1."""
+    stage_0, stage_1 = got[0], got[last]
     grads = {**stage_1["grads"], **stage_0["grads"]}
     params = {**stage_1["params"], **stage_0["params"]}
     assert set(ref["params"]) <= set(params), set(ref["params"]) - set(params)
@@ -356,4 +357,39 @@ def test_accumulation_and_val_step_equal_one_process(results: Any) -> None:
         )
         worst = max(worst, abs(mine["val"] - ref["val"]) / ref["val"])
     print(f"accumulation 2 and val_step: rel {worst:.2e}")
+    assert worst < RTOL
+
+
+def three_d() -> dict[str, Any]:
+    """llama at pp 2 x dp 2 x tp 2, and what the stage's first block holds on this rank."""
+    out = train("llama", shardwise.ParallelConfig(strategy="full_shard", pp=2, tp=2))
+    engine_model = shardwise.Engine(
+        build("llama"),
+        functools.partial(torch.optim.SGD, lr=0.5),
+        shardwise.ParallelConfig(pp=2, tp=2),
+    ).model
+    info = shardwise.wrap_info(engine_model)
+    assert info is not None
+    block = next(
+        n
+        for n in ("model.layers.0", "model.layers.2")
+        if n in dict(engine_model.named_modules())
+        and any(True for _ in engine_model.get_submodule(n).parameters())
+    )
+    q = engine_model.get_submodule(f"{block}.self_attn.q_proj").weight
+    out["q_proj"] = (tuple(q.to_local().shape), tuple(q.shape), q.device_mesh.mesh_dim_names)
+    out["pp_rank"] = info.pp_rank
+    return out
+
+
+def test_pp2_dp2_tp2_at_world_8_trains_equal_to_one_process() -> None:
+    got = run_distributed(three_d, 8, timeout_s=900)
+    ref = train("llama", None)
+    assert [r["pp_rank"] for r in got] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [r["dp"] for r in got] == [(0, 2), (0, 2), (1, 2), (1, 2)] * 2
+    for r in got:  # q_proj is split over tp (and its rows over dp) inside each stage
+        local, whole, dims = r["q_proj"]
+        assert whole == (16, 16) and local[0] == 4 and dims == ("dp_shard", "tp"), r["q_proj"]
+    worst = compare([got[0], got[1], got[4], got[5]], ref, "llama", last=2)
+    print(f"llama pp 2 x dp 2 x tp 2: rel {worst:.2e}")
     assert worst < RTOL

@@ -11,7 +11,7 @@ Must not: write anything.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -167,7 +167,8 @@ def load_checkpoint(
     # model saved under the first stage's name (both copies hold the same state).
     aliases = tied_aliases(unwrap(engine.model)) if load_optimizer else {}
     if load_optimizer:
-        state["optim"] = {aliases.get(k, k): v for k, v in optim_sd["state"].items()}
+        held = cast(dict[str, Any], optim_sd["state"])
+        state["optim"] = {aliases.get(k, k): v for k, v in held.items()}
     try:
         with single_process_ok():
             dcp.load(

@@ -41,7 +41,7 @@ from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding
 from shardwise.plan.planner import WrapPlan, plan_wrap
 from shardwise.plan.quantized import check_quantized, check_storage
-from shardwise.plan.stages import plan_stages
+from shardwise.plan.stages import StagePlan, plan_stages
 
 
 def _sharded_description(module: nn.Module) -> str | None:
@@ -316,7 +316,7 @@ def _apply_dimensions(
     its device. A meta-built model is split and sharded on meta and filled in step 5."""
     stage_plan = plan_stages(model, spec.pp, config.pp_split) if spec.pp > 1 else None
     tp_plan = check_tensor_parallel(model, config) if spec.tp > 1 else None  # before any group
-    _refuse_unbuilt(model, config, spec, on_meta, quantized)
+    _refuse_unbuilt(model, config, spec, on_meta, quantized, stage_plan)
     mesh = user_mesh if user_mesh is not None else spec.build(info.device.type)
     assert mesh is not None  # only ddp builds none
     move = not on_meta and config.offload_policy is None
@@ -366,7 +366,12 @@ def _apply_dimensions(
 
 
 def _refuse_unbuilt(
-    model: nn.Module, config: ParallelConfig, spec: MeshSpec, on_meta: bool, quantized: Any
+    model: nn.Module,
+    config: ParallelConfig,
+    spec: MeshSpec,
+    on_meta: bool,
+    quantized: Any,
+    stages: StagePlan | None = None,
 ) -> None:
     """Combinations not built yet, refused with the reason before any group is made."""
     if spec.tp > 1 and config.offload_policy is not None:
@@ -378,13 +383,16 @@ def _refuse_unbuilt(
         )
     if spec.pp == 1:
         return
+    plan_tied = stages.tied if stages is not None else ()
     unbuilt = {
         "cpu_offload": config.offload_policy is not None,
         "a model built on the meta device": on_meta,
         "a quantized base (QLoRA)": bool(quantized),
         "sequence_parallel": config.sequence_parallel,
         "loss_parallel": config.loss_parallel,
-        f"tp={spec.tp} (3-D)": spec.tp > 1,
+        # The tie's two copies would be split differently (the head by tp, the embedding
+        # as its plan says): their gradients could not be summed shard by shard.
+        f"tp={spec.tp} and tied embeddings": spec.tp > 1 and bool(plan_tied),
         # Each stage would see only its own layers' router logits: a silent wrong.
         "a mixture of experts' router auxiliary loss (output_router_logits)": bool(
             getattr(getattr(model, "config", None), "output_router_logits", False)

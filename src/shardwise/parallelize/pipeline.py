@@ -72,6 +72,11 @@ class _ZeroEmbedding(nn.Module):
         return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
 
 
+def is_shim(module: nn.Module) -> bool:
+    """Whether `module` stands in for a part another pipeline stage holds."""
+    return isinstance(module, (_Skip, _Pass, _ZeroEmbedding))
+
+
 @dataclass
 class PipelineState:
     """This rank's stage and schedule, kept on the model (`pipeline_state`)."""

@@ -35,6 +35,7 @@ from shardwise.config.tensor_parallel import TP_STYLE_NAMES
 from shardwise.distributed.mesh import TP_DIM
 from shardwise.parallelize.adapters import adapter_plan, base_plan
 from shardwise.parallelize.moe import EXPERTS_WORD, ExpertsParallel
+from shardwise.parallelize.pipeline import is_shim
 from shardwise.parallelize.sequence import add_sequence_parallel
 from shardwise.plan.adapters import adapted_layers, adapter_model, saved_modules
 
@@ -291,7 +292,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: CheckedPl
     if isinstance(plan.apply, dict):
         # One entry per module: torch warns of a pattern that misses in some layers (Qwen3-MoE's
         # dense mlp.gate_proj in its layers with experts) as if a plan entry were skipped.
-        parallelize_module(model, tp_mesh, per_module(model, plan.apply))
+        # A pipeline stage's shims (what other stages hold) have nothing to split.
+        styles = {
+            n: st
+            for n, st in per_module(model, plan.apply).items()
+            if not is_shim(model.get_submodule(n))
+        }
+        parallelize_module(model, tp_mesh, styles)
     else:
         plan.apply(model, tp_mesh)
     _retie(model, ties)

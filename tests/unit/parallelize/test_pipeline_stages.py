@@ -241,8 +241,10 @@ def test_combinations_not_built_are_refused_before_any_group() -> None:
     from shardwise.parallelize.apply import _refuse_unbuilt
 
     spec = resolve_mesh("full_shard", -1, 8, pp=2, tp=2)
-    with pytest.raises(NotImplementedError, match=r"pp=2 with tp=2 \(3-D\) is not built yet"):
-        _refuse_unbuilt(llama(), shardwise.ParallelConfig(pp=2, tp=2), spec, False, None)
+    tied = plan_stages(gemma(), 2)
+    with pytest.raises(NotImplementedError, match=r"pp=2 with tp=2 and tied embeddings is not"):
+        _refuse_unbuilt(gemma(), shardwise.ParallelConfig(pp=2, tp=2), spec, False, None, tied)
+    _refuse_unbuilt(llama(), shardwise.ParallelConfig(pp=2, tp=2), spec, False, None)
     moe = llama()
     moe.config.output_router_logits = True
     spec = resolve_mesh("full_shard", -1, 4, pp=2)
