@@ -222,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tensor-parallel degree (the same as the override parallel.tp=N)",
     )
+    plan.add_argument(
+        "--pp",
+        type=int,
+        default=None,
+        help="pipeline stages (the same as the override parallel.pp=N): each stage's part "
+        "and model states",
+    )
     plan.add_argument("overrides", nargs="*", help="section.key=value")
     plan.set_defaults(func=plan_command)
 

@@ -98,6 +98,10 @@ def plan_command(args: argparse.Namespace) -> int:
             "(the total number of ranks, e.g. --world 8 for 8 GPUs)."
         )
     overrides = list(args.overrides)
+    if getattr(args, "pp", None) is not None:
+        if any(o.startswith("parallel.pp=") for o in overrides):
+            raise ValueError("--pp and parallel.pp=... both given: keep one of them.")
+        overrides.append(f"parallel.pp={args.pp}")
     if args.tp is not None:
         if any(o.startswith("parallel.tp=") for o in overrides):
             raise ValueError("--tp and parallel.tp=... both given: keep one of them.")
@@ -107,10 +111,15 @@ def plan_command(args: argparse.Namespace) -> int:
     spec = None
     if parallel.strategy != "auto" and parallel.device_mesh is None:
         # The layout against the world size, before any model is built: one line.
-        spec = resolve_mesh(parallel.strategy, parallel.dp_shard, args.world, tp=parallel.tp_size)
+        spec = resolve_mesh(
+            parallel.strategy, parallel.dp_shard, args.world, tp=parallel.tp_size, pp=parallel.pp
+        )
     factory = _load_factory(args.target)
     with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere
         model = factory()
+    if spec is not None and spec.pp > 1:
+        args.optimizer_name = config.optimizer.name
+        return _plan_pp(args, factory, model, parallel, spec)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanNotice)
         plan = plan_wrap(model, config.parallel)
@@ -319,6 +328,69 @@ def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, pla
         )
     else:
         print(sim)
+    return 0
+
+
+def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, spec: Any) -> int:
+    """The stages: each one's blocks, other modules and parameters, and the model states
+    per rank of each stage, sharded over its data-parallel ranks (the instant estimate; the
+    simulation does not model stages yet)."""
+    import warnings
+
+    import torch
+
+    from shardwise.memory.model_states import dtype_bytes, estimate_memory, format_memory
+    from shardwise.parallelize.pipeline import build_stage
+    from shardwise.plan.planner import PlanNotice, plan_wrap
+    from shardwise.plan.stages import plan_stages
+
+    if args.simulate or spec.tp > 1:
+        raise NotImplementedError(
+            f"shardwise plan with parallel.pp={spec.pp}: "
+            f"{'--simulate' if args.simulate else f'tp={spec.tp}'} is not modelled for "
+            "pipeline stages yet; leave it out for each stage's model states."
+        )
+    stages = plan_stages(model, spec.pp, parallel.pp_split)
+    precision = parallel.precision
+    compute = (
+        dtype_bytes(str(precision.param_dtype).removeprefix("torch."))
+        if precision.is_mixed
+        else None
+    )
+    per_stage = []
+    for index in range(spec.pp):
+        with torch.device("meta"):
+            stage_model = factory()
+        build_stage(stage_model, stages, index)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PlanNotice)
+            stage_plan = plan_wrap(stage_model, parallel)
+        estimates = estimate_memory(
+            stage_plan, spec.dp_size, optimizer=args.optimizer_name, compute_dtype_bytes=compute
+        )
+        per_stage.append([e for e in estimates if e.strategy != "ddp"])  # refused under pp
+    if args.json:
+        out = {
+            "mesh": str(spec),
+            "stages": json.loads(stages.to_json()),
+            "memory": [[dataclasses.asdict(e) for e in est] for est in per_stage],
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    print(spec)
+    print(stages)
+    for index, estimates in enumerate(per_stage):
+        print()
+        print(
+            f"stage {index}, over its {spec.dp_size} data-parallel rank(s), optimizer "
+            f"{args.optimizer_name}, precision {precision}:"
+        )
+        print(format_memory(estimates))
+    print()
+    print(
+        "activations: not in these figures; under 1F1B the first stage holds up to "
+        f"{spec.pp} micro-batches' activations in flight, the last stage one."
+    )
     return 0
 
 

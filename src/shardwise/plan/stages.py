@@ -64,7 +64,7 @@ class StagePlan:
     def __str__(self) -> str:
         lines = [f"pipeline: {self.pp} stages over {self.container}"]
         for s in self.stages:
-            blocks = f"{s.blocks[0]} .. {s.blocks[-1]}" if s.blocks else "no blocks"
+            blocks = s.blocks[0] if len(s.blocks) == 1 else f"{s.blocks[0]} .. {s.blocks[-1]}"
             extra = f" + {', '.join(s.modules)}" if s.modules else ""
             lines.append(f"  stage {s.index}: {blocks}{extra} ({s.params:,} parameters)")
         for first, last in self.tied:

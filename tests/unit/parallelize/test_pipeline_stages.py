@@ -253,3 +253,22 @@ def test_combinations_not_built_are_refused_before_any_group() -> None:
     with pytest.raises(NotImplementedError, match=r"a model built on the meta device"):
         _refuse_unbuilt(llama(), shardwise.ParallelConfig(pp=2), spec, True, None)
     _refuse_unbuilt(llama(), shardwise.ParallelConfig(pp=2), spec, False, None)
+
+
+def test_plan_shows_each_stage_and_its_model_states(capsys) -> None:  # type: ignore[no-untyped-def]
+    from shardwise.cli.main import main
+
+    argv = ["plan", "shardwise.testing.models:GPT", "--world", "4", "--pp", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("full_shard: pp 2 x 1 replica group(s) x 2 shard rank(s) = world 4")
+    assert "stage 0: blocks.0 + tok_emb, pos_emb (15,168 parameters)" in out
+    assert "stage 1: blocks.1 + ln_f, head (14,720 parameters)" in out
+    assert "stage 1, over its 2 data-parallel rank(s), optimizer adamw" in out
+    assert "ddp " not in out  # refused under pp: not offered
+    # 15,168 fp32 parameters over 2 ranks: 29.6 KiB each, gradients alike, AdamW twice that.
+    assert "full_shard               1x2     29.6 KiB     29.6 KiB     59.2 KiB" in out
+    assert main([*argv, "--simulate"]) == 2
+    assert "--simulate is not modelled for pipeline stages yet" in capsys.readouterr().err
+    assert main(["plan", "shardwise.testing.models:GPT", "--world", "3", "--pp", "2"]) == 2
+    assert "ParallelConfig.pp=2 does not divide the job's 3 rank(s)" in capsys.readouterr().err
