@@ -951,6 +951,116 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_sharded_wrapper_keeps_sync_off_through_an_accumulating_backward_and_clips_globally",
         ),
     ),
+    # Issue 36: pipeline stages.
+    Mutant(
+        "stage_never_takes_the_received_hidden_states",
+        "src/shardwise/parallelize/pipeline.py",
+        "    if not state.is_first:\n        first_block.register_forward_pre_hook(",
+        "    if False:\n        first_block.register_forward_pre_hook(",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_two_stages_chained_give_the_whole_models_loss",
+        ),
+    ),
+    Mutant(
+        "stage_keeps_the_blocks_of_other_stages",
+        "src/shardwise/parallelize/pipeline.py",
+        "        if fqn not in stage.blocks:\n",
+        "        if False:\n",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_a_stage_keeps_the_whole_models_names_and_only_its_own_parameters",
+        ),
+    ),
+    Mutant(
+        "auto_split_gives_the_remainder_to_the_last_stages",
+        "src/shardwise/plan/stages.py",
+        "(1 if s < extra else 0)",
+        "(1 if s >= pp - extra else 0)",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_auto_split_balances_blocks_and_sends_the_rest_to_the_ends",
+        ),
+    ),
+    Mutant(
+        "one_f_one_b_takes_fewer_micro_batches_than_stages",
+        "src/shardwise/config/pipeline.py",
+        'if schedule == "1f1b" and microbatches < pp:',
+        'if schedule == "1f1b" and microbatches < 1:',
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_micro_batch_rules_of_the_schedules",
+        ),
+    ),
+    Mutant(
+        "pp_taken_at_world_one",
+        "src/shardwise/parallelize/apply.py",
+        "    if info.world_size == 1 and not config.force_wrap:\n        if config.pp > 1:\n",
+        "    if info.world_size == 1 and not config.force_wrap:\n        if False:\n",
+        ("tests/unit/parallelize/test_pipeline_stages.py::test_wrap_at_world_one_refuses_stages",),
+    ),
+    Mutant(
+        "lightning_takes_pp",
+        "src/shardwise/integrations/lightning.py",
+        "    if config.pp != 1:\n",
+        "    if False:\n",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_hosts_refuse_pipeline_stages_with_the_reason",
+        ),
+    ),
+    Mutant(
+        "run_spawns_a_pp_the_world_cannot_hold",
+        "src/shardwise/cli/launch.py",
+        "tp=parallel.tp_size, pp=parallel.pp",
+        "tp=parallel.tp_size",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_run_refuses_a_pp_the_world_cannot_hold_before_spawning",
+        ),
+    ),
+    Mutant(
+        "micro_batches_weighted_by_their_own_token_means",
+        "src/shardwise/parallelize/pipeline.py",
+        'if labels is None or getattr(model, "loss_type", None) != "ForCausalLM":',
+        "if True:",
+        ("tests/distributed/test_pipeline.py::test_pp2_dp2_trains_equal_to_one_process",),
+    ),
+    Mutant(
+        "tied_gradients_kept_per_stage",
+        "src/shardwise/parallelize/pipeline.py",
+        "        dist.all_reduce(_local(p.grad), group=state.tie_group)\n",
+        "        pass\n",
+        ("tests/distributed/test_pipeline.py::test_pp2_dp2_trains_equal_to_one_process",),
+    ),
+    Mutant(
+        "clipping_norm_of_one_stage",
+        "src/shardwise/parallelize/pipeline.py",
+        "    dist.all_reduce(squared, group=state.group)\n",
+        "",
+        ("tests/distributed/test_pipeline.py::test_pp2_dp2_trains_equal_to_one_process",),
+    ),
+    Mutant(
+        "stage_refuses_the_other_stages_checkpoint_keys",
+        "src/shardwise/checkpoint/load.py",
+        "unexpected = [] if stage else sorted(",
+        "unexpected = [] if False else sorted(",
+        (
+            "tests/distributed/test_pipeline.py::test_a_pp2_checkpoint_loads_at_world_2_and_1_exactly_and_steps_on",
+        ),
+    ),
+    Mutant(
+        "tied_optimizer_state_read_under_the_last_stages_name",
+        "src/shardwise/checkpoint/load.py",
+        "aliases = tied_aliases(unwrap(engine.model)) if load_optimizer else {}",
+        "aliases: dict[str, str] = {}",
+        (
+            "tests/distributed/test_pipeline.py::test_a_pp1_checkpoint_loads_into_two_stages_with_the_ties_optimizer_state",
+        ),
+    ),
+    Mutant(
+        "tp_applied_to_another_stages_shims",
+        "src/shardwise/parallelize/tensor.py",
+        "            if not is_shim(model.get_submodule(n))\n",
+        "            if True\n",
+        (
+            "tests/distributed/test_pipeline.py::test_pp2_dp2_tp2_at_world_8_trains_equal_to_one_process",
+        ),
+    ),
 )
 
 
