@@ -64,7 +64,7 @@ test-adapters: $(STAMP)
 # Pipeline parallel (pp 2 x dp 2 at world 4) under 1F1B and GPipe against one process: seven
 # model families through the Engine, the layout and a negative control; .ci/run runs it.
 test-pipeline: $(STAMP)
-	$(VENV)/bin/pytest -q -m pipeline tests/distributed/test_pipeline.py
+	$(VENV)/bin/pytest -q -m pipeline tests/distributed/test_pipeline.py tests/e2e/test_bench_smoke.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

@@ -1,0 +1,116 @@
+"""Pipeline schedules against no stages: step time at world 4 on one global batch (CPU/gloo).
+
+Three layouts of the same GPT train through the Engine in one spawned group of 4, stepped
+alternately (round r runs every layout once, in a rotating order), so a load that comes
+and goes on the machine falls on all of them alike:
+
+- `full_shard`: pp 1, the batch split over 4 data-parallel ranks;
+- `1f1b` and `gpipe`: pp 2 x dp 2 (full_shard within each stage), the batch split over 2
+  data-parallel ranks and cut into `--microbatches` micro-batches per step.
+
+Reported per layout: the median over rounds of the slowest rank's step time, and its ratio
+to full_shard. What CPU timing can say: the cost of the schedule's extra work (micro-batch
+overheads, send/recv of activations, the bubble where a stage waits for its neighbour) on
+this machine. What it cannot: the bubble's cost on GPUs, where a stage's compute is fast
+against its send, or the all-gathers pp saves across slow links between nodes (here every
+rank shares one host's memory).
+
+    python bench/pipeline.py            # GPT 256 wide, 8 layers, 16 sequences of 128
+    python bench/pipeline.py --smoke    # a tiny GPT (seconds)
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from typing import Any
+
+import common
+import torch
+
+from shardwise import Engine, ParallelConfig, wrap_info
+from shardwise.testing import run_distributed
+from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
+
+WORLD = 4
+LAYOUTS = ("full_shard", "1f1b", "gpipe")
+
+
+def _engine(layout: str, cfg: GPTConfig, microbatches: int) -> Engine:
+    torch.manual_seed(0)
+    if layout == "full_shard":
+        config = ParallelConfig(strategy="full_shard")
+    else:
+        config = ParallelConfig(pp=2, pp_schedule=layout, pp_microbatches=microbatches)
+    return Engine(GPT(cfg), functools.partial(torch.optim.AdamW, lr=1e-4), config)
+
+
+def _rank(cfg: GPTConfig, batch: int, rounds: int, microbatches: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    engines = {name: _engine(name, cfg, microbatches) for name in LAYOUTS}
+    data = random_lm_batches(cfg, 1, batch)[0]
+
+    def step(name: str) -> Any:
+        engine = engines[name]
+        info = wrap_info(engine.model)
+        assert info is not None
+        per = batch // info.dp_size
+        rows = slice(info.dp_rank * per, (info.dp_rank + 1) * per)
+        return engine.train_step((data[0][rows], data[1][rows]))["loss"]
+
+    orders = [LAYOUTS[r % 3 :] + LAYOUTS[: r % 3] for r in range(rounds + 1)]
+    steps = {name: functools.partial(step, name) for name in LAYOUTS}
+    times, losses = common.timed_rounds(steps, orders, warmup=1, barrier=True)
+    return {"times": times, "losses": losses}
+
+
+def run(cfg: GPTConfig, batch: int, rounds: int, microbatches: int) -> dict[str, Any]:
+    per_rank = run_distributed(
+        _rank, WORLD, args=(cfg, batch, rounds, microbatches), timeout_s=1800
+    )
+    figures: dict[str, Any] = {}
+    for name in LAYOUTS:
+        slowest = [max(r["times"][name][i] for r in per_rank) for i in range(rounds)]
+        figures[name] = {"median_s": statistics.median(slowest), "rounds_s": slowest}
+    base = figures["full_shard"]["median_s"]
+    for name in LAYOUTS:
+        figures[name]["ratio_to_full_shard"] = common.ratio(figures[name]["median_s"], base)
+    return figures
+
+
+def table(figures: dict[str, Any], microbatches: int) -> str:
+    lines = [f"{'layout':<28} {'step (median, slowest rank)':>28} {'vs full_shard':>14}"]
+    for name in LAYOUTS:
+        label = "full_shard (pp 1, dp 4)" if name == "full_shard" else f"{name} (pp 2 x dp 2)"
+        f = figures[name]
+        lines.append(
+            f"{label:<28} {f['median_s'] * 1000:>25.1f} ms {f['ratio_to_full_shard']:>13.2f}x"
+        )
+    lines.append(f"({microbatches} micro-batches per step under pp)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = common.arg_parser(__doc__)
+    parser.add_argument("--smoke", action="store_true", help="a tiny GPT (seconds)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--microbatches", type=int, default=4)
+    args = parser.parse_args()
+    if args.smoke:
+        cfg, batch, rounds = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2), 8, 2
+    else:
+        cfg = GPTConfig(vocab_size=1024, seq_len=128, d_model=256, n_layers=8)
+        batch, rounds = 16, args.rounds
+    figures = run(cfg, batch, rounds, args.microbatches)
+    print(table(figures, args.microbatches))
+    header = common.dated_header(
+        "pipeline", common.command_line("python bench/pipeline.py"),
+        common.device_description("cpu", WORLD),
+    )  # fmt: skip
+    common.emit_json(
+        {**header, "global_batch": batch, "microbatches": args.microbatches, **figures}
+    )
+
+
+if __name__ == "__main__":
+    main()
