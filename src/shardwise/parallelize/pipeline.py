@@ -302,7 +302,7 @@ def _weighted(output: torch.Tensor, target: Any) -> torch.Tensor:
     return output * _WEIGHT[0]
 
 
-def _as_keywords(state: PipelineState, batch: Any) -> dict[str, Any]:
+def _as_keywords(state: PipelineState, batch: object) -> dict[str, Any]:
     """The batch as the forward's keyword arguments: the schedule hands keywords to every
     stage, positional arguments only to the first."""
     if isinstance(batch, Mapping):
@@ -335,7 +335,7 @@ def _counted_tokens(model: nn.Module, kwargs: dict[str, Any]) -> int | None:
 
 
 def pipeline_step(
-    model: nn.Module, batch: Any, *, scale: float = 1.0, sync: bool = True
+    model: nn.Module, batch: object, *, scale: float = 1.0, sync: bool = True
 ) -> torch.Tensor:
     """One step's forward and backward over the schedule; the batch's loss on every rank
     (a 0-dim fp32 tensor), as one process would compute it on this rank's batch.
@@ -374,7 +374,7 @@ def pipeline_step(
     return _loss_on_every_rank(state, losses, scale)
 
 
-def pipeline_eval(model: nn.Module, batch: Any) -> torch.Tensor:
+def pipeline_eval(model: nn.Module, batch: object) -> torch.Tensor:
     """The batch's loss, forward only over the schedule, on every rank (no gradients)."""
     state = _checked_state(model)
     kwargs = _as_keywords(state, batch)
