@@ -951,6 +951,16 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_sharded_wrapper_keeps_sync_off_through_an_accumulating_backward_and_clips_globally",
         ),
     ),
+    Mutant(
+        "frozen_parameters_hooked_by_the_ddp_tracker",
+        "src/shardwise/memory/simulate.py",
+        "    _skip_frozen_grad_hooks(tracker, model)\n",
+        "",
+        (
+            "tests/unit/memory/test_simulate.py::"
+            "test_a_model_with_frozen_parameters_simulates_under_ddp",
+        ),
+    ),
     # Issue 36: pipeline stages.
     Mutant(
         "stage_never_takes_the_received_hidden_states",

@@ -201,8 +201,24 @@ def _tracker(model: nn.Module, optimizer: Any, inputs: Any) -> Any:
         fsdp_tracker.track_inputs(inputs if isinstance(inputs, tuple) else (inputs,))
         return fsdp_tracker
     tracker = MemTracker()
+    _skip_frozen_grad_hooks(tracker, model)
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     return tracker
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen_grad_hooks(tracker: Any, model: nn.Module) -> None:
+    """torch's MemTracker hooks every parameter's gradient as it meets the parameter, and
+    `register_hook` refuses one that does not require a gradient: a model with frozen
+    parameters (an adapter model under ddp) could not be simulated. A frozen parameter gets
+    no gradient, so it is marked as hooked already, with handles that remove nothing."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
 
 
 def _peaks(tracker: Any) -> tuple[int, dict[str, int], dict[str, int]]:

@@ -154,9 +154,8 @@ def test_bad_arguments_are_refused():
 
 def test_ddp_buckets_hold_the_trainable_gradients_only():
     """DDP's reducer buckets the gradients of parameters that train; a frozen part has none.
-    Read from a real DDP at world 1: simulate_step under ddp cannot run a model with frozen
-    parameters yet (torch's MemTracker hooks every parameter's gradient, and a frozen one
-    refuses the hook), so the count is checked on the function the simulation adds."""
+    Read from a real DDP at world 1, on the function the simulation adds (the simulation of
+    a frozen model under ddp is the next test)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from shardwise.memory.simulate import _ddp_bucket_bytes
@@ -175,3 +174,26 @@ def test_ddp_buckets_hold_the_trainable_gradients_only():
     finally:
         dist.destroy_process_group()
     assert _ddp_bucket_bytes(model) == 0  # no DDP, no buckets
+
+
+def test_a_model_with_frozen_parameters_simulates_under_ddp():
+    """torch's MemTracker used to refuse a frozen parameter's gradient hook (the error read
+    as if the input were wrong). Frozen parameters hold no gradient and no optimizer state."""
+
+    def frozen_gpt() -> nn.Module:
+        model = GPT(CFG)
+        for p in model.blocks.parameters():
+            p.requires_grad_(False)
+        return model
+
+    def run(factory):  # type: ignore[no-untyped-def]
+        return simulate_step(
+            factory, ParallelConfig(strategy="ddp"), world=WORLD, batch=2, seq_len=CFG.seq_len
+        )
+
+    whole, frozen = run(functools.partial(GPT, CFG)), run(frozen_gpt)
+    model = frozen_gpt()
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert frozen.category_peaks["grads"] == pytest.approx(trainable, rel=0.01)
+    assert frozen.category_peaks["grads"] < 0.8 * whole.category_peaks["grads"]
+    assert frozen.at_peak["params"] == whole.at_peak["params"]
