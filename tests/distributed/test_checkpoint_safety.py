@@ -680,7 +680,7 @@ def _sharded_export(tmp_path: Path) -> Path:
     return tmp_path / "w" / INDEX_FILE
 
 
-@pytest.mark.parametrize("how", ["absolute", "dotdot", "link"])
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "link", "missing"])
 def test_index_naming_a_file_outside_is_refused(tmp_path, how):
     index_path = _sharded_export(tmp_path)
     index = json.loads(index_path.read_text())
@@ -691,9 +691,11 @@ def test_index_naming_a_file_outside_is_refused(tmp_path, how):
         name, why = str(outside), "an absolute path"
     elif how == "dotdot":
         name, why = "../outside.safetensors", "a path with '..'"
-    else:
+    elif how == "link":
         (index_path.parent / "link.safetensors").symlink_to(outside)
         name, why = "link.safetensors", "a path that resolves outside that directory"
+    else:  # a file the index names that is not there: a WeightsError, not FileNotFoundError
+        name, why = "gone.safetensors", r"which is not in that directory \(an incomplete"
     index["weight_map"][tensor] = name
     index_path.write_text(json.dumps(index))
     with pytest.raises(

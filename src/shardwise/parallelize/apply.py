@@ -197,6 +197,13 @@ def wrap(
             "seq_len=...).config (or read the choice from `shardwise plan --world N "
             "--simulate parallel.strategy=auto`), then wrap with that config."
         )
+    if config.pp > 1 and weights is not None:
+        raise NotImplementedError(
+            f"shardwise.wrap(weights=...) with ParallelConfig.pp={config.pp} is not built yet: "
+            "a stage holds part of the model, and no test proves a file read into it. Load "
+            "the weights into the whole model first (shardwise.load_weights(model, path)), "
+            "then wrap it, or load a checkpoint after wrapping."
+        )
     info = _check_process_group(config)
     on_meta = has_meta(model)
     sharded = info.world_size > 1 or config.force_wrap

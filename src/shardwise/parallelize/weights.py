@@ -81,6 +81,8 @@ def _inside(index: Path, tensor: str, file: Any) -> Path:
         why = "a path with '..'"
     elif not (base / file).resolve().is_relative_to(base):
         why = "a path that resolves outside that directory (through a link)"
+    elif not (index.parent / file).is_file():
+        why = "which is not in that directory (an incomplete copy or export?)"
     else:
         return index.parent / file
     raise WeightsError(

@@ -210,6 +210,11 @@ def test_the_mesh_puts_pp_outermost_and_refuses_what_does_not_fit() -> None:
         resolve_mesh("ddp", -1, 4, pp=2)
 
 
+def test_wrap_refuses_a_weights_file_with_stages() -> None:
+    with pytest.raises(NotImplementedError, match=r"wrap\(weights=...\) with ParallelConfig.pp=2"):
+        shardwise.wrap(llama(), shardwise.ParallelConfig(pp=2), weights="w.safetensors")
+
+
 def test_wrap_at_world_one_refuses_stages() -> None:
     with pytest.raises(ValueError, match=r"pp=2 at world size 1: each pipeline stage needs"):
         shardwise.wrap(llama(), shardwise.ParallelConfig(pp=2))
