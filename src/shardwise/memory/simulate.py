@@ -335,6 +335,13 @@ def _resolve_config(
             "fake tensors traces a different graph than the eager step). Simulate with "
             "compile=False: eager activations are an upper bound for the compiled ones."
         )
+    if config.pp > 1:
+        raise NotImplementedError(
+            f"simulate_step: ParallelConfig.pp={config.pp} is not simulated yet (a stage's "
+            "step runs over a schedule whose sends a fake world cannot carry). For each "
+            "stage's model states per rank, run `shardwise plan MODULE:FACTORY --world N "
+            f"--pp {config.pp}`."
+        )
     if config.device_mesh is not None:
         raise NotImplementedError(
             "simulate_step: ParallelConfig.device_mesh is a mesh of the real job and cannot "

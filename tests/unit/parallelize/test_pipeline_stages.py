@@ -277,3 +277,8 @@ def test_plan_shows_each_stage_and_its_model_states(capsys) -> None:  # type: ig
     assert "--simulate is not modelled for pipeline stages yet" in capsys.readouterr().err
     assert main(["plan", "shardwise.testing.models:GPT", "--world", "3", "--pp", "2"]) == 2
     assert "ParallelConfig.pp=2 does not divide the job's 3 rank(s)" in capsys.readouterr().err
+
+
+def test_the_simulation_refuses_stages_and_names_the_plan_command() -> None:
+    with pytest.raises(NotImplementedError, match=r"pp=2 is not simulated yet.*--pp 2"):
+        shardwise.simulate_step(gpt, shardwise.ParallelConfig(pp=2), world=4, batch=1, seq_len=6)
