@@ -68,7 +68,7 @@ from shardwise.config.precision import parse_dtype
 from shardwise.distributed.process_group import rank_and_world
 from shardwise.distributed.watchdog import guard
 from shardwise.parallelize.weights import INDEX_FILE, SINGLE_FILE, WeightsError, _model_state
-from shardwise.parallelize.wrapped import unwrap
+from shardwise.parallelize.wrapped import unwrap, wrap_info
 from shardwise.plan.adapters import adapter_model
 from shardwise.plan.quantized import quantized_layers
 
@@ -258,6 +258,19 @@ def _refuse_quantized(model: nn.Module, kind: str) -> None:
         )
 
 
+def _refuse_pipeline_stage(model: nn.Module) -> None:
+    """A pipelined model holds one stage per rank: exporting it live would write rank 0's
+    stage alone. Its checkpoint holds every stage."""
+    info = wrap_info(model)
+    if info is not None and info.stages is not None:
+        raise NotImplementedError(
+            f"export_weights of a model wrapped with ParallelConfig.pp={info.stages.pp} is not "
+            "built yet: each rank holds one stage, so rank 0 would write its own stage alone. "
+            "Save a checkpoint and export that: export_weights(checkpoint_dir, out) reads "
+            "every stage's tensors."
+        )
+
+
 def export_weights(
     source: nn.Module | str | Path,
     out: str | Path,
@@ -305,6 +318,7 @@ def export_weights(
     out = Path(out)
     writes = rank_and_world()[0] == 0
     if isinstance(source, nn.Module):
+        _refuse_pipeline_stage(source)
         record = adapter_record(source)  # the same on every rank: they all take one path
         chosen = _resolved_kind(kind, record, "the model")
         _refuse_quantized(source, chosen)
