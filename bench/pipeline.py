@@ -15,6 +15,10 @@ this machine. What it cannot: the bubble's cost on GPUs, where a stage's compute
 against its send, or the all-gathers pp saves across slow links between nodes (here every
 rank shares one host's memory).
 
+Then, per stage, the simulated peak (`simulate_step`, gloo) against the real one
+(`shardwise.memory.stages.real_stage_step`, torch's memory tracker over real tensors) at
+pp 2 x dp 2 under each schedule, for the same GPT and 8 sequences per data-parallel rank.
+
     python bench/pipeline.py            # GPT 256 wide, 8 layers, 16 sequences of 128
     python bench/pipeline.py --smoke    # a tiny GPT (seconds)
 """
@@ -28,7 +32,8 @@ from typing import Any
 import common
 import torch
 
-from shardwise import Engine, ParallelConfig, wrap_info
+from shardwise import Engine, ParallelConfig, simulate_step, wrap_info
+from shardwise.memory.stages import real_stage_step
 from shardwise.testing import run_distributed
 from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 
@@ -78,6 +83,43 @@ def run(cfg: GPTConfig, batch: int, rounds: int, microbatches: int) -> dict[str,
     return figures
 
 
+def memory(cfg: GPTConfig, batch: int, microbatches: int) -> list[dict[str, Any]]:
+    """Each stage's simulated and real peak under each schedule."""
+    rows = []
+    for schedule in ("1f1b", "gpipe"):
+        config = ParallelConfig(pp=2, pp_schedule=schedule, pp_microbatches=microbatches)
+        factory = functools.partial(GPT, cfg)
+        real = run_distributed(_real_memory, WORLD, args=(cfg, config, batch), timeout_s=1800)
+        sim = simulate_step(
+            factory, config, world=WORLD, batch=batch, seq_len=cfg.seq_len, backend="gloo"
+        )
+        for st in sim.stages:
+            measured = real[2 * st["index"]]
+            rows.append({
+                "schedule": schedule, "stage": st["index"], "in_flight": st["in_flight"],
+                "real_bytes": measured["peak"], "simulated_bytes": st["peak"],
+                "sim_over_real": st["peak"] / measured["peak"],
+            })  # fmt: skip
+    return rows
+
+
+def _real_memory(cfg: GPTConfig, config: ParallelConfig, batch: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    return real_stage_step(functools.partial(GPT, cfg), config, batch=batch, seq_len=cfg.seq_len)
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+    head = ("schedule", "stage", "in flight", "real", "simulated", "sim/real")
+    lines = ["{:<9} {:>5} {:>9} {:>11} {:>11} {:>9}".format(*head)]
+    for r in rows:
+        lines.append(
+            f"{r['schedule']:<9} {r['stage']:>5} {r['in_flight']:>9} "
+            f"{common.mib(r['real_bytes']):>7.1f} MiB {common.mib(r['simulated_bytes']):>7.1f} MiB "
+            f"{r['sim_over_real']:>9.4f}"
+        )
+    return "\n".join(lines)
+
+
 def table(figures: dict[str, Any], microbatches: int) -> str:
     lines = [f"{'layout':<28} {'step (median, slowest rank)':>28} {'vs full_shard':>14}"]
     for name in LAYOUTS:
@@ -103,12 +145,20 @@ def main() -> None:
         batch, rounds = 16, args.rounds
     figures = run(cfg, batch, rounds, args.microbatches)
     print(table(figures, args.microbatches))
+    mem = memory(cfg, batch // 2, args.microbatches)
+    print(memory_table(mem))
     header = common.dated_header(
         "pipeline", common.command_line("python bench/pipeline.py"),
         common.device_description("cpu", WORLD),
     )  # fmt: skip
     common.emit_json(
-        {**header, "global_batch": batch, "microbatches": args.microbatches, **figures}
+        {
+            **header,
+            "global_batch": batch,
+            "microbatches": args.microbatches,
+            **figures,
+            "memory": mem,
+        }
     )
 
 

@@ -899,14 +899,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "ddp_buckets_count_frozen_parameters",
-        "src/shardwise/memory/simulate.py",
+        "src/shardwise/memory/tracking.py",
         "for p in model.parameters() if p.requires_grad)",
         "for p in model.parameters())",
         ("tests/unit/memory/test_simulate.py::test_ddp_buckets_hold_the_trainable_gradients_only",),
     ),
     Mutant(
         "category_peak_is_the_last_value",
-        "src/shardwise/memory/simulate.py",
+        "src/shardwise/memory/tracking.py",
         "peaks[name] = max(peaks.get(name, 0), int(value))",
         "peaks[name] = int(value)",
         ("tests/unit/memory/test_simulate.py::test_model_states_match_the_analytic_plan",),
@@ -953,7 +953,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "frozen_parameters_hooked_by_the_ddp_tracker",
-        "src/shardwise/memory/simulate.py",
+        "src/shardwise/memory/tracking.py",
         "    _skip_frozen_grad_hooks(tracker, model)\n",
         "",
         (

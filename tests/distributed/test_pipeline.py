@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import shardwise
+from shardwise.memory.stages import real_stage_step
 from shardwise.parallelize import pipeline
 from shardwise.testing import run_distributed
 from shardwise.testing.models import GPT, GPTConfig
@@ -245,8 +246,23 @@ def load_then_step(root: str, config: shardwise.ParallelConfig | None) -> dict[s
     return {"loaded": loaded, "next": _steps(engine, slice(2, 3))[0], "lr": lr}
 
 
+MEM_GPT = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=4)
+MEM_BATCH = 8
+
+
+def _mem_config(schedule: str) -> shardwise.ParallelConfig:
+    return shardwise.ParallelConfig(pp=2, pp_schedule=schedule, pp_microbatches=4)
+
+
 def run_cases(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for schedule in ("1f1b", "gpipe"):  # each stage's real peak, for the simulation
+        out[f"memory/{schedule}"] = real_stage_step(
+            functools.partial(GPT, MEM_GPT),
+            _mem_config(schedule),
+            batch=MEM_BATCH,
+            seq_len=MEM_GPT.seq_len,
+        )
     # Checkpoints across pp degrees (gemma: the tie's optimizer state moves too).
     out["ckpt/pp2 saved"] = save_then_step(f"{root}/pp2", shardwise.ParallelConfig(pp=2))
     out["ckpt/pp1 saved"] = save_then_step(f"{root}/pp1", shardwise.ParallelConfig())
@@ -422,3 +438,24 @@ def test_a_live_pipelined_model_is_not_exported_but_its_checkpoint_is(results: A
     for r in got:
         assert "export_weights of a model wrapped with ParallelConfig.pp=2" in r["live export"]
         assert "export_weights(checkpoint_dir, out)" in r["live export"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_simulated_peak_of_each_stage_is_within_ten_percent_of_the_real_one(
+    results: Any, schedule: str
+) -> None:
+    got, _ = results
+    sim = shardwise.simulate_step(
+        functools.partial(GPT, MEM_GPT),
+        _mem_config(schedule),
+        world=4,
+        batch=MEM_BATCH,
+        seq_len=MEM_GPT.seq_len,
+        backend="gloo",
+    )
+    for st in sim.stages:
+        real = got[2 * st["index"]][f"memory/{schedule}"]
+        assert real["stage"] == st["index"]
+        ratio = st["peak"] / real["peak"]
+        print(f"{schedule} stage {st['index']}: simulated / real = {ratio:.4f}")
+        assert 0.9 <= ratio <= 1.1, (st, real)

@@ -334,7 +334,7 @@ def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, pla
 def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, spec: Any) -> int:
     """The stages: each one's blocks, other modules and parameters, and the model states
     per rank of each stage, sharded over its data-parallel ranks (the instant estimate; the
-    simulation does not model stages yet)."""
+    simulation of each stage's step, with its micro-batches in flight, with --simulate)."""
     import warnings
 
     import torch
@@ -344,10 +344,9 @@ def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, 
     from shardwise.plan.planner import PlanNotice, plan_wrap
     from shardwise.plan.stages import plan_stages
 
-    if args.simulate or spec.tp > 1:
+    if spec.tp > 1:
         raise NotImplementedError(
-            f"shardwise plan with parallel.pp={spec.pp}: "
-            f"{'--simulate' if args.simulate else f'tp={spec.tp}'} is not modelled for "
+            f"shardwise plan with parallel.pp={spec.pp}: tp={spec.tp} is not modelled for "
             "pipeline stages yet; leave it out for each stage's model states."
         )
     stages = plan_stages(model, spec.pp, parallel.pp_split)
@@ -387,10 +386,25 @@ def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, 
         )
         print(format_memory(estimates))
     print()
-    print(
-        "activations: not in these figures; under 1F1B the first stage holds up to "
-        f"{spec.pp} micro-batches' activations in flight, the last stage one."
-    )
+    if not args.simulate:
+        print(
+            "activations: not in these figures (--simulate adds them); under 1F1B the first "
+            f"stage holds up to {spec.pp} micro-batches' activations in flight, the last one."
+        )
+        return 0
+    from shardwise.config.pipeline import default_microbatches
+    from shardwise.memory.fake import default_seq_len
+    from shardwise.memory.simulate import simulate_step
+
+    seq_len = args.seq_len or default_seq_len(model)
+    if seq_len is None:
+        raise ValueError(_NO_INPUT.format(what="--simulate needs"))
+    batch = args.batch or parallel.pp_microbatches or default_microbatches(spec.pp)
+    report = simulate_step(
+        factory, parallel, world=args.world, batch=batch, seq_len=seq_len,
+        optimizer=args.optimizer_name,
+    )  # fmt: skip
+    print(report)
     return 0
 
 

@@ -44,55 +44,24 @@ from shardwise.memory.fake import (
     Backend,
     ExampleInput,
     backend_collectives,
-    call_model,
     check_backend,
     default_input,
     default_seq_len,
     fake_world_patches,
     local_comm_hook,
-    loss_of,
 )
 from shardwise.memory.model_states import format_bytes
+from shardwise.memory.stages import StageSim, simulate_stages, tracked_stage
+from shardwise.memory.tracking import (
+    CATEGORIES,
+    tracked_step,
+)
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.materialize import init_empty
 from shardwise.plan.quantized import quantized_params
 
 __all__ = ["SimReport", "real_step", "simulate_step", "tracked_step"]
 
-# torch's category names (the trackers' `_RefType` values) -> ours.
-_CATEGORIES = {
-    "Sharded Param": "params",
-    "Parameter": "params",
-    "Unsharded Param": "gathered_params",
-    "Buffer": "buffers",
-    "Sharded Grad": "grads",
-    "Gradient": "grads",
-    "Unsharded Grad": "unsharded_grads",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "All Gather": "all_gather",
-    "Reduce Scatter": "reduce_scatter",
-    "OptState": "optimizer",
-    "Optstate": "optimizer",
-    "Inputs": "inputs",
-    "Input": "inputs",
-    "Other": "other",
-}
-CATEGORIES: tuple[str, ...] = (
-    "params",
-    "gathered_params",
-    "buffers",
-    "grads",
-    "unsharded_grads",
-    "activations",
-    "temporaries",
-    "all_gather",
-    "reduce_scatter",
-    "optimizer",
-    "inputs",
-    "other",
-    "ddp_buckets",
-)
 _OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 SimOptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 """`optimizer=` as a function of the parameters, e.g. functools.partial(AdamW, lr=1e-4)."""
@@ -125,6 +94,10 @@ class SimReport:
     sequence_parallel: bool = False
     backend: str = "nccl"
     """The backend whose collective buffers were modelled (see the module docstring)."""
+    pp: int = 1
+    """Pipeline stages; with pp > 1 this report is the stage with the highest peak."""
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    """With pp > 1: each stage's index, peak, model states and micro-batches in flight."""
 
     @property
     def model_states(self) -> int:
@@ -141,6 +114,8 @@ class SimReport:
         tp = ""
         if self.tp > 1:
             tp = f" x tp {self.tp}{' (sequence parallel)' if self.sequence_parallel else ''}"
+        if self.pp > 1:
+            tp = f" x pp {self.pp}{tp}"
         head = (
             f"{self.strategy}{tp} at world {self.world_size}, batch {self.batch} x seq "
             f"{self.seq_len}, {self.precision}, AC {self.activation_checkpointing}, "
@@ -153,7 +128,13 @@ class SimReport:
             if self.at_peak.get(k, 0) or self.category_peaks.get(k, 0)
         ]
         header = f"  {'category':<16} {'at peak':>12} {'own peak':>12}"
-        return "\n".join([head, header, *rows, *(f"  note: {n}" for n in self.notes)])
+        stages = [
+            f"  stage {st['index']}: peak {format_bytes(st['peak'])}, model states "
+            f"{format_bytes(st['model_states'])}, {st['in_flight']} micro-batch(es) in flight"
+            for st in self.stages
+        ]
+        notes = [f"  note: {n}" for n in self.notes]
+        return "\n".join([head, header, *rows, *stages, *notes])
 
 
 # --------------------------------------------------------------------------- model + input
@@ -179,128 +160,6 @@ def _make_optimizer(
 
 
 # --------------------------------------------------------------------------- the step
-
-
-def _ddp_bucket_bytes(model: nn.Module) -> int:
-    """DDP's reducer keeps one flat copy of the gradients (its buckets), unless gradients
-    are views into them (`gradient_as_bucket_view`)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
-        return 0
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def _tracker(model: nn.Module, optimizer: Any, inputs: Any) -> Any:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        fsdp_tracker = FSDPMemTracker(model, optimizer)
-        fsdp_tracker.track_inputs(inputs if isinstance(inputs, tuple) else (inputs,))
-        return fsdp_tracker
-    tracker = MemTracker()
-    _skip_frozen_grad_hooks(tracker, model)
-    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-    return tracker
-
-
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
-def _skip_frozen_grad_hooks(tracker: Any, model: nn.Module) -> None:
-    """torch's MemTracker hooks every parameter's gradient as it meets the parameter, and
-    `register_hook` refuses one that does not require a gradient: a model with frozen
-    parameters (an adapter model under ddp) could not be simulated. A frozen parameter gets
-    no gradient, so it is marked as hooked already, with handles that remove nothing."""
-    for p in model.parameters():
-        if not p.requires_grad:
-            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-
-
-def _peaks(tracker: Any) -> tuple[int, dict[str, int], dict[str, int]]:
-    """(total peak, categories at the peak, each category's own peak) on one device."""
-    snapshot = tracker.get_tracker_snapshot("peak")
-    if len(snapshot) > 1:
-        raise RuntimeError(f"simulate_step: memory on more than one device: {list(snapshot)}")
-    dev_snap: dict[Any, int] = next(iter(snapshot.values()), {})
-    at_peak: dict[str, int] = {}
-    total = 0
-    for key, value in dev_snap.items():
-        if key == "Total":
-            total = int(value)
-            continue
-        name = _CATEGORIES.get(getattr(key, "value", str(key)), "other")
-        at_peak[name] = at_peak.get(name, 0) + int(value)
-    own = dict(getattr(tracker, "_shardwise_category_peaks", {}))
-    return total, at_peak, own
-
-
-def _follow_category_peaks(tracker: Any) -> None:
-    """Record each category's own maximum as the tracker updates its running snapshot."""
-    peaks: dict[str, int] = {}
-    original = tracker._update_peak_stats
-
-    def update(peak_state: Any) -> None:
-        original(peak_state)
-        for dev_snap in tracker._curr_mem_snap.values():
-            for key, value in dev_snap.items():
-                if key == "Total":
-                    continue
-                name = _CATEGORIES.get(getattr(key, "value", str(key)), "other")
-                peaks[name] = max(peaks.get(name, 0), int(value))
-
-    tracker._update_peak_stats = update
-    tracker._shardwise_category_peaks = peaks
-
-
-def _create_optimizer_state(model: nn.Module, optimizer: Any) -> None:
-    """One optimizer step on zero gradients: the state every later step starts with.
-
-    Cheaper than a warm-up forward and backward, and it leaves DDP on its first iteration
-    (DDP rebuilds its buckets before the second, which reads data pointers that fake
-    tensors do not have).
-    """
-    if optimizer is None:
-        return
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def tracked_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, make_input: ExampleInput
-) -> dict[str, Any]:
-    """Create the optimizer state (as in every step after the first), then run one step
-    (forward, backward, optimizer step) under torch's memory tracker; return the peak and
-    its categories.
-
-    Shared by the simulation (fake tensors) and the real-run check (real tensors), so the
-    two measure exactly the same thing.
-    """
-    _create_optimizer_state(model, optimizer)
-    inputs = make_input()
-    tracker = _tracker(model, optimizer, inputs)
-    _follow_category_peaks(tracker)
-    with tracker:
-        loss = loss_of(call_model(model, inputs))
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        del loss
-    total, at_peak, own = _peaks(tracker)
-    buckets = _ddp_bucket_bytes(model)
-    if buckets:
-        at_peak["ddp_buckets"] = own["ddp_buckets"] = buckets
-        total += buckets
-    return {"peak": total, "at_peak": at_peak, "category_peaks": own}
 
 
 def real_step(
@@ -335,13 +194,6 @@ def _resolve_config(
             "fake tensors traces a different graph than the eager step). Simulate with "
             "compile=False: eager activations are an upper bound for the compiled ones."
         )
-    if config.pp > 1:
-        raise NotImplementedError(
-            f"simulate_step: ParallelConfig.pp={config.pp} is not simulated yet (a stage's "
-            "step runs over a schedule whose sends a fake world cannot carry). For each "
-            "stage's model states per rank, run `shardwise plan MODULE:FACTORY --world N "
-            f"--pp {config.pp}`."
-        )
     if config.device_mesh is not None:
         raise NotImplementedError(
             "simulate_step: ParallelConfig.device_mesh is a mesh of the real job and cannot "
@@ -359,8 +211,9 @@ def _simulate_here(
     seq_len: int | None,
     optimizer: str | SimOptimizerFactory,
     backend: Backend,
+    stage: StageSim | None = None,
 ) -> SimReport:
-    import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d kernels)
+    import torch.distributed._tools.fake_collectives
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -408,7 +261,11 @@ def _simulate_here(
                 return default_input(model, batch, int(seq_len or 0))
 
             with backend_collectives(backend):
-                result = tracked_step(model, opt, make_input)
+                if stage is None:
+                    result = tracked_step(model, opt, make_input)
+                else:
+                    dtype = config.precision.param_dtype or torch.float32
+                    result = tracked_stage(model, opt, stage, batch, int(seq_len or 0), dtype)
     finally:
         shutdown()
     notes = [f"rank 0 of {world}; ranks are symmetric ({spec.strategy}, {spec})"]
@@ -538,6 +395,14 @@ def simulate_step(
         optimizer=optimizer,
         backend=backend,
     )
+    if config.pp > 1:
+        in_process = not (dist.is_available() and dist.is_initialized())
+        return simulate_stages(  # type: ignore[no-any-return]
+            kwargs,
+            lambda one: (
+                _simulate_here(**one) if in_process else _simulate_in_subprocess(one, timeout_s)
+            ),
+        )
     if dist.is_available() and dist.is_initialized():
         return _simulate_in_subprocess(kwargs, timeout_s)
     return _simulate_here(**kwargs)  # type: ignore[arg-type]

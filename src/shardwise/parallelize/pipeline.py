@@ -302,7 +302,7 @@ def _weighted(output: torch.Tensor, target: Any) -> torch.Tensor:
     return output * _WEIGHT[0]
 
 
-def _as_keywords(state: PipelineState, batch: object) -> dict[str, Any]:
+def batch_keywords(state: PipelineState, batch: object) -> dict[str, Any]:
     """The batch as the forward's keyword arguments: the schedule hands keywords to every
     stage, positional arguments only to the first."""
     if isinstance(batch, Mapping):
@@ -350,7 +350,7 @@ def pipeline_step(
     backward: pass sync=False on all but the last step of an accumulation window.
     """
     state = _checked_state(model)
-    kwargs = _as_keywords(state, batch)
+    kwargs = batch_keywords(state, batch)
     rows = _rows(kwargs)
     check_microbatches(state.plan.pp, state.schedule_name, state.microbatches, rows)
     counted = _counted_tokens(model, kwargs)
@@ -377,7 +377,7 @@ def pipeline_step(
 def pipeline_eval(model: nn.Module, batch: object) -> torch.Tensor:
     """The batch's loss, forward only over the schedule, on every rank (no gradients)."""
     state = _checked_state(model)
-    kwargs = _as_keywords(state, batch)
+    kwargs = batch_keywords(state, batch)
     rows = _rows(kwargs)
     check_microbatches(state.plan.pp, state.schedule_name, state.microbatches, rows)
     counted = _counted_tokens(model, kwargs)

@@ -158,7 +158,7 @@ def test_ddp_buckets_hold_the_trainable_gradients_only():
     a frozen model under ddp is the next test)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from shardwise.memory.simulate import _ddp_bucket_bytes
+    from shardwise.memory.tracking import _ddp_bucket_bytes
 
     model = GPT(CFG)
     for p in model.blocks[1:3].parameters():

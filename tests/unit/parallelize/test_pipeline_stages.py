@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 
 import pytest
 import torch
@@ -273,12 +274,54 @@ def test_plan_shows_each_stage_and_its_model_states(capsys) -> None:  # type: ig
     assert "ddp " not in out  # refused under pp: not offered
     # 15,168 fp32 parameters over 2 ranks: 29.6 KiB each, gradients alike, AdamW twice that.
     assert "full_shard               1x2     29.6 KiB     29.6 KiB     59.2 KiB" in out
-    assert main([*argv, "--simulate"]) == 2
-    assert "--simulate is not modelled for pipeline stages yet" in capsys.readouterr().err
+    assert main([*argv, "--simulate", "--seq-len", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "full_shard x pp 2 at world 4, batch 4 x seq 6" in out
+    assert re.search(r"stage 0: peak .*, 2 micro-batch\(es\) in flight", out)
+    assert main([*argv, "--tp", "2"]) == 2
+    assert "tp=2 is not modelled for pipeline stages yet" in capsys.readouterr().err
     assert main(["plan", "shardwise.testing.models:GPT", "--world", "3", "--pp", "2"]) == 2
     assert "ParallelConfig.pp=2 does not divide the job's 3 rank(s)" in capsys.readouterr().err
 
 
-def test_the_simulation_refuses_stages_and_names_the_plan_command() -> None:
-    with pytest.raises(NotImplementedError, match=r"pp=2 is not simulated yet.*--pp 2"):
-        shardwise.simulate_step(gpt, shardwise.ParallelConfig(pp=2), world=4, batch=1, seq_len=6)
+def test_the_simulation_refuses_what_it_cannot_cut() -> None:
+    with pytest.raises(
+        ValueError, match=r"pp_microbatches=4 does not divide this rank's batch of 2"
+    ):
+        shardwise.simulate_step(
+            gpt, shardwise.ParallelConfig(pp=2, pp_microbatches=4), world=4, batch=2, seq_len=6
+        )
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+def test_each_stage_runs_its_micro_batches_in_its_schedules_order() -> None:
+    from shardwise.memory.stages import stage_order
+
+    assert stage_order("1f1b", 2, 0, 4) == [
+        ("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3),
+    ]  # fmt: skip
+    assert stage_order("1f1b", 2, 1, 4) == [
+        ("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3),
+    ]  # fmt: skip
+    assert stage_order("gpipe", 2, 1, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    for schedule, pp, index, m in [("1f1b", 4, 0, 8), ("1f1b", 4, 3, 4), ("gpipe", 3, 1, 3)]:
+        order = stage_order(schedule, pp, index, m)
+        assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
+
+
+def test_the_simulation_steps_each_stage_with_its_micro_batches_in_flight() -> None:
+    def run(schedule: str) -> shardwise.SimReport:
+        config = shardwise.ParallelConfig(pp=2, pp_schedule=schedule, pp_microbatches=4)
+        return shardwise.simulate_step(gpt, config, world=4, batch=4, seq_len=6)
+
+    one_f_one_b, gpipe = run("1f1b"), run("gpipe")
+    assert [s["in_flight"] for s in one_f_one_b.stages] == [2, 1]
+    assert [s["in_flight"] for s in gpipe.stages] == [4, 4]
+    assert one_f_one_b.pp == 2 and one_f_one_b.peak == max(s["peak"] for s in one_f_one_b.stages)
+    # GPipe holds every micro-batch's activations; 1F1B at most pp of them.
+    for a, b in zip(one_f_one_b.stages, gpipe.stages, strict=True):
+        assert b["peak"] > a["peak"] and b["model_states"] == a["model_states"]
+    assert "x pp 2 at world 4" in str(one_f_one_b) and "stage 1: peak" in str(one_f_one_b)
