@@ -417,7 +417,25 @@ def three_d() -> dict[str, Any]:
     q = engine_model.get_submodule(f"{block}.self_attn.q_proj").weight
     out["q_proj"] = (tuple(q.to_local().shape), tuple(q.shape), q.device_mesh.mesh_dim_names)
     out["pp_rank"] = info.pp_rank
+    out["memory"] = real_stage_step(_mem_llama, MEM_3D, batch=8, seq_len=64)
     return out
+
+
+MEM_3D = shardwise.ParallelConfig(pp=2, tp=2, pp_microbatches=4)
+
+
+def _mem_llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)
 
 
 def test_pp2_dp2_tp2_at_world_8_trains_equal_to_one_process() -> None:
@@ -431,6 +449,12 @@ def test_pp2_dp2_tp2_at_world_8_trains_equal_to_one_process() -> None:
     worst = compare([got[0], got[1], got[4], got[5]], ref, "llama", last=2)
     print(f"llama pp 2 x dp 2 x tp 2: rel {worst:.2e}")
     assert worst < RTOL
+    # Each stage's simulated peak (tp inside the stage) against the real one.
+    sim = shardwise.simulate_step(_mem_llama, MEM_3D, world=8, batch=8, seq_len=64, backend="gloo")
+    for st in sim.stages:
+        ratio = st["peak"] / got[4 * st["index"]]["memory"]["peak"]
+        print(f"3-D stage {st['index']}: simulated / real = {ratio:.4f}")
+        assert 0.9 <= ratio <= 1.1
 
 
 def test_a_live_pipelined_model_is_not_exported_but_its_checkpoint_is(results: Any) -> None:
