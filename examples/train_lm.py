@@ -94,7 +94,13 @@ def main() -> None:
     except Preempted:  # SIGTERM: a checkpoint was saved; exit 75, rerun resumes
         shardwise.shutdown()
         raise
-    shardwise.export_weights(engine.model, Path(cfg.runner.run_dir) / "export")
+    out = Path(cfg.runner.run_dir) / "export"
+    wrapped = shardwise.wrap_info(engine.model)
+    if wrapped is None or wrapped.stages is None:
+        shardwise.export_weights(engine.model, out)
+    else:  # each rank holds one pipeline stage: a checkpoint holds them all
+        final = shardwise.save_checkpoint(Path(cfg.runner.run_dir) / "final", engine)
+        shardwise.export_weights(final, out)
     if info.is_main:
         val_loss = summary["val"].get("loss", float("nan"))
         print(

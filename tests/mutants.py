@@ -1063,6 +1063,36 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "runner_splits_data_over_every_rank_under_pp",
+        "src/shardwise/train/runner.py",
+        "(spec.tp > 1 or spec.pp > 1)",
+        "spec.tp > 1",
+        (
+            "tests/distributed/test_pipeline.py::"
+            "test_the_runner_gives_both_stages_of_a_pipeline_the_same_rows",
+        ),
+    ),
+    Mutant(
+        "runner_takes_a_short_last_batch_under_pp",
+        "src/shardwise/train/runner.py",
+        "        if per_rank % loader.batch_size:\n",
+        "        if False:\n",
+        (
+            "tests/distributed/test_pipeline.py::"
+            "test_the_runner_gives_both_stages_of_a_pipeline_the_same_rows",
+        ),
+    ),
+    Mutant(
+        "pipeline_sends_a_batch_of_another_shape",
+        "src/shardwise/parallelize/pipeline.py",
+        "    elif shapes != state.shapes:\n",
+        "    elif False:\n",
+        (
+            "tests/distributed/test_pipeline.py::"
+            "test_a_batch_of_another_shape_is_refused_before_the_schedule_sends",
+        ),
+    ),
+    Mutant(
         "tp_applied_to_another_stages_shims",
         "src/shardwise/parallelize/tensor.py",
         "            if not is_shim(model.get_submodule(n))\n",

@@ -187,6 +187,18 @@ def _layout_model(family: str) -> nn.Module:
     return shardwise.wrap(build(family), shardwise.ParallelConfig(pp=2))
 
 
+def _other_shape() -> str:
+    """A step after the first whose batch has another shape is refused, not sent."""
+    model = _layout_model("llama")
+    batch = _rows(batches("llama")[0], 0, 2)
+    shardwise.pipeline_step(model, batch)
+    try:
+        shardwise.pipeline_step(model, {k: v[:, :4] for k, v in batch.items()})
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
+
+
 def _refusal(call: Any) -> str:
     try:
         call()
@@ -254,8 +266,43 @@ def _mem_config(schedule: str) -> shardwise.ParallelConfig:
     return shardwise.ParallelConfig(pp=2, pp_schedule=schedule, pp_microbatches=4)
 
 
+RUN_GPT = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=LAYERS)
+
+
+def _lm_data(samples: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=g)
+    return torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+def runner_losses(root: str, config: shardwise.ParallelConfig | None, batch: int) -> dict[str, Any]:
+    """Two steps of the Runner on 16 samples, unshuffled; and its refusal of 20 samples,
+    whose last batch would be short on each data-parallel rank."""
+    torch.manual_seed(0)
+    engine = shardwise.Engine(
+        GPT(RUN_GPT), functools.partial(torch.optim.SGD, lr=0.5), config,
+        train=shardwise.TrainConfig(max_grad_norm=MAX_NORM),
+    )  # fmt: skip
+    where = f"{root}/runner-{'pp' if config else 'one'}"
+    cfg = shardwise.RunnerConfig(
+        batch_size=batch, max_steps=2, shuffle=False, run_dir=where, progress=False
+    )
+    runner = shardwise.Runner(engine, _lm_data(16), config=cfg)
+    losses = []
+    for data in runner.train_loader:
+        losses.append(engine.train_step(data)["loss"])
+    refusal = ""
+    if config is not None:
+        try:
+            shardwise.Runner(engine, _lm_data(20), config=cfg)
+        except ValueError as exc:
+            refusal = str(exc)
+    return {"losses": losses, "split": (runner.dp_rank, runner.dp_world), "refusal": refusal}
+
+
 def run_cases(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    out["runner"] = runner_losses(root, shardwise.ParallelConfig(pp=2), batch=4)
     for schedule in ("1f1b", "gpipe"):  # each stage's real peak, for the simulation
         out[f"memory/{schedule}"] = real_stage_step(
             functools.partial(GPT, MEM_GPT),
@@ -281,6 +328,7 @@ def run_cases(root: str) -> dict[str, Any]:
     out["accumulate/1f1b"] = accumulate_and_evaluate(shardwise.ParallelConfig(pp=2))
     out["layout/llama"] = _layout("llama", "1f1b")
     out["layout/gemma"] = _layout("gemma", "1f1b")
+    out["other shape"] = _other_shape()
     out["live export"] = _refusal(
         lambda: shardwise.export_weights(_layout_model("gemma"), f"{root}/live")
     )
@@ -483,3 +531,25 @@ def test_the_simulated_peak_of_each_stage_is_within_ten_percent_of_the_real_one(
         ratio = st["peak"] / real["peak"]
         print(f"{schedule} stage {st['index']}: simulated / real = {ratio:.4f}")
         assert 0.9 <= ratio <= 1.1, (st, real)
+
+
+def test_the_runner_gives_both_stages_of_a_pipeline_the_same_rows(results: Any, root: str) -> None:
+    got, _ = results
+    ref = runner_losses(root, None, batch=8)
+    assert [r["runner"]["split"] for r in got] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    for r in got:
+        mine = r["runner"]["losses"]
+        assert len(mine) == len(ref["losses"]) == 2
+        for a, b in zip(mine, ref["losses"], strict=True):
+            assert abs(a - b) / b < RTOL, (mine, ref["losses"])
+        assert (
+            "each data-parallel rank reads 10 sample(s) in batches of 4" in r["runner"]["refusal"]
+        )
+        assert "RunnerConfig.drop_last=True" in r["runner"]["refusal"]
+
+
+def test_a_batch_of_another_shape_is_refused_before_the_schedule_sends(results: Any) -> None:
+    got, _ = results
+    for r in got:
+        assert "but the pipeline's first batch had" in r["other shape"], r["other shape"]
+        assert "'input_ids': (4, 4)" in r["other shape"]

@@ -101,6 +101,8 @@ class PipelineState:
     """The first and last stage of this rank's pipeline, for tied gradients."""
     last_rank: int = 0
     """The global rank of this pipeline's last stage."""
+    shapes: dict[str, tuple[int, ...]] | None = None
+    """The batch's tensor shapes at the first step: the schedule's buffers are sized then."""
     running: bool = False
     received: torch.Tensor | None = None
     captured: torch.Tensor | None = None
@@ -323,6 +325,23 @@ def _rows(kwargs: dict[str, Any]) -> int:
     )
 
 
+def _check_shapes(state: PipelineState, kwargs: dict[str, Any]) -> None:
+    """Every step's batch has the first step's shapes: torch's schedule sizes the buffers
+    it sends and receives at its first step, and a batch of another shape would make
+    the stages' sends and receives disagree (gloo aborts the process)."""
+    shapes = {k: tuple(v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    if state.shapes is None:
+        state.shapes = shapes
+    elif shapes != state.shapes:
+        raise ValueError(
+            f"ParallelConfig.pp={state.plan.pp}: this batch's tensors have shapes {shapes}, "
+            f"but the pipeline's first batch had {state.shapes}; the schedule sends buffers "
+            "of the first batch's size. Give every batch the same shape: a fixed sequence "
+            "length, and no short last batch (RunnerConfig.drop_last=True, or drop_last=True "
+            "on your DataLoader)."
+        )
+
+
 def _counted_tokens(model: nn.Module, kwargs: dict[str, Any]) -> int | None:
     """For a Hugging Face causal LM with labels: the tokens its loss averages over in the
     whole batch, so that each micro-batch's loss is a share of the batch's mean."""
@@ -353,6 +372,7 @@ def pipeline_step(
     kwargs = batch_keywords(state, batch)
     rows = _rows(kwargs)
     check_microbatches(state.plan.pp, state.schedule_name, state.microbatches, rows)
+    _check_shapes(state, kwargs)
     counted = _counted_tokens(model, kwargs)
     if counted is not None:
         kwargs["num_items_in_batch"] = max(counted, 1)
@@ -380,6 +400,7 @@ def pipeline_eval(model: nn.Module, batch: object) -> torch.Tensor:
     kwargs = batch_keywords(state, batch)
     rows = _rows(kwargs)
     check_microbatches(state.plan.pp, state.schedule_name, state.microbatches, rows)
+    _check_shapes(state, kwargs)
     counted = _counted_tokens(model, kwargs)
     if counted is not None:
         kwargs["num_items_in_batch"] = max(counted, 1)

@@ -74,11 +74,35 @@ def seed_everything(seed: int) -> None:
 
 def _data_parallel(engine: Engine, rank: int, world: int) -> tuple[int, int]:
     """(this rank's data-parallel index, the data-parallel ranks): under tensor
-    parallelism the ranks of one tp group read the same part of each batch."""
+    parallelism the ranks of one tp group read the same part of each batch, and under
+    pipeline parallelism the stages of one pipeline do."""
     info = wrap_info(engine.model)
-    if info is not None and info.mesh_spec is not None and info.mesh_spec.tp > 1:
+    spec = info.mesh_spec if info is not None else None
+    if info is not None and spec is not None and (spec.tp > 1 or spec.pp > 1):
         return info.dp_rank, info.dp_size
     return rank, world
+
+
+def _refuse_short_batches(engine: Engine, *loaders: DataLoader[Any] | None) -> None:
+    """Under pipeline stages every batch must have one shape (the schedule sizes what it
+    sends at its first step): a loader whose last batch is short is refused here, before
+    any step, with the fix."""
+    info = wrap_info(engine.model)
+    if info is None or info.stages is None:
+        return
+    for name, loader in zip(("train_data", "val_data", "test_data"), loaders, strict=True):
+        if loader is None or loader.drop_last or loader.batch_size is None:
+            continue
+        per_rank = len(loader.sampler)  # type: ignore[arg-type]  # shardwise's own sampler
+        if per_rank % loader.batch_size:
+            raise ValueError(
+                f"Runner({name}=...) with ParallelConfig.pp={info.stages.pp}: each "
+                f"data-parallel rank reads {per_rank} sample(s) in batches of "
+                f"{loader.batch_size}, so its last batch is short, and under pipeline stages "
+                "every batch must have one shape. Set RunnerConfig.drop_last=True (or "
+                "drop_last=True on your DataLoader), or a batch size that divides "
+                f"{per_rank}."
+            )
 
 
 class Runner:
@@ -100,8 +124,7 @@ class Runner:
         self.dp_rank, self.dp_world = _data_parallel(engine, self.rank, self.world)
         self.evaluate = evaluate
         cfg, rank, world = self.config, self.dp_rank, self.dp_world  # the sampler's split
-        # Batches from pinned host memory copy to a GPU asynchronously.
-        pin = engine.device.type == "cuda"
+        pin = engine.device.type == "cuda"  # pinned batches copy to a GPU asynchronously
         self.train_loader = make_loader(
             train_data, "train_data", cfg.shuffle, cfg, rank, world, pin_memory=pin
         )
@@ -109,6 +132,7 @@ class Runner:
         self.test_loader = make_loader(
             test_data, "test_data", False, cfg, rank, world, pin_memory=pin
         )
+        _refuse_short_batches(engine, self.train_loader, self.val_loader, self.test_loader)
         self.logger = MetricsLogger(
             self.config.run_dir, enabled=self.rank == 0, tensorboard=self.config.tensorboard
         )
