@@ -96,17 +96,19 @@ def main() -> None:
         raise
     out = Path(cfg.runner.run_dir) / "export"
     wrapped = shardwise.wrap_info(engine.model)
+    final = None
     if wrapped is None or wrapped.stages is None:
         shardwise.export_weights(engine.model, out)
     else:  # each rank holds one pipeline stage: a checkpoint holds them all
         final = shardwise.save_checkpoint(Path(cfg.runner.run_dir) / "final", engine)
-        shardwise.export_weights(final, out)
     if info.is_main:
         val_loss = summary["val"].get("loss", float("nan"))
         print(
             f"done: step {summary['steps']}, val loss {val_loss:.4f}, files in {cfg.runner.run_dir}"
         )
     shardwise.shutdown()
+    if final is not None and info.is_main:  # one process reads every stage's tensors
+        shardwise.export_weights(final, out)
 
 
 if __name__ == "__main__":

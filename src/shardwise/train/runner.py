@@ -43,6 +43,7 @@ from shardwise.checkpoint.save import save_checkpoint
 from shardwise.config.training import RunnerConfig
 from shardwise.distributed.process_group import rank_and_world
 from shardwise.distributed.watchdog import guard
+from shardwise.distributed.worker_errors import refused
 from shardwise.parallelize.wrapped import wrap_info
 from shardwise.train.data import ResumableSampler, make_loader
 from shardwise.train.engine import Engine
@@ -95,13 +96,15 @@ def _refuse_short_batches(engine: Engine, *loaders: DataLoader[Any] | None) -> N
             continue
         per_rank = len(loader.sampler)  # type: ignore[arg-type]  # shardwise's own sampler
         if per_rank % loader.batch_size:
-            raise ValueError(
-                f"Runner({name}=...) with ParallelConfig.pp={info.stages.pp}: each "
-                f"data-parallel rank reads {per_rank} sample(s) in batches of "
-                f"{loader.batch_size}, so its last batch is short, and under pipeline stages "
-                "every batch must have one shape. Set RunnerConfig.drop_last=True (or "
-                "drop_last=True on your DataLoader), or a batch size that divides "
-                f"{per_rank}."
+            raise refused(  # the user's setting: one line from `shardwise run`
+                ValueError(
+                    f"Runner({name}=...) with ParallelConfig.pp={info.stages.pp}: each "
+                    f"data-parallel rank reads {per_rank} sample(s) in batches of "
+                    f"{loader.batch_size}, so its last batch is short, and under pipeline stages "
+                    "every batch must have one shape. Set RunnerConfig.drop_last=True (or "
+                    "drop_last=True on your DataLoader), or a batch size that divides "
+                    f"{per_rank}."
+                )
             )
 
 
