@@ -553,3 +553,31 @@ def test_a_batch_of_another_shape_is_refused_before_the_schedule_sends(results: 
     for r in got:
         assert "but the pipeline's first batch had" in r["other shape"], r["other shape"]
         assert "'input_ids': (4, 4)" in r["other shape"]
+
+
+def test_the_example_trains_a_pipeline_as_a_user_runs_it(tmp_path: Path) -> None:
+    """`shardwise run --nproc 4 examples/train_lm.py parallel.pp=2`: trained, validated,
+    exported from a final checkpoint; without drop_last, refused in one line."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    base = [
+        sys.executable, "-m", "shardwise.cli", "run", "--nproc", "4",
+        str(root / "examples" / "train_lm.py"), "--config", str(root / "examples" / "train_lm.yaml"),
+        "parallel.pp=2", "runner.max_steps=2", "runner.val_every=2", "runner.val_batches=2",
+    ]  # fmt: skip
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*base, *extra], capture_output=True, text=True, timeout=600, cwd=tmp_path
+        )
+
+    done = run("runner.drop_last=true", "runner.run_dir=ok")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done: step 2" in done.stdout
+    assert (tmp_path / "ok" / "export" / "model.safetensors").is_file()
+    refused = run("runner.run_dir=short")
+    assert refused.returncode != 0
+    said = [line for line in refused.stderr.splitlines() if "drop_last=True" in line]
+    assert len(said) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
