@@ -68,7 +68,7 @@ test-pipeline: $(STAMP)
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)
-	$(VENV)/bin/pytest -q -m "bench and not models and not integrations and not adapters" tests/e2e/test_bench_smoke.py
+	$(VENV)/bin/pytest -q -m "bench and not models and not integrations and not adapters and not pipeline" tests/e2e/test_bench_smoke.py
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
