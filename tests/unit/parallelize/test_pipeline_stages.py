@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import re
 
 import pytest
@@ -274,6 +275,14 @@ def test_plan_shows_each_stage_and_its_model_states(capsys) -> None:  # type: ig
     assert "ddp " not in out  # refused under pp: not offered
     # 15,168 fp32 parameters over 2 ranks: 29.6 KiB each, gradients alike, AdamW twice that.
     assert "full_shard               1x2     29.6 KiB     29.6 KiB     59.2 KiB" in out
+    assert main([*argv, "--json"]) == 0
+    machine = json.loads(capsys.readouterr().out)
+    assert [s["blocks"] for s in machine["stages"]["stages"]] == [["blocks.0"], ["blocks.1"]]
+    assert [e["strategy"] for e in machine["memory"][0]] == [
+        "no_shard",
+        "shard_grad_op",
+        "full_shard",
+    ]
     assert main([*argv, "--simulate", "--seq-len", "6"]) == 0
     out = capsys.readouterr().out
     assert "full_shard x pp 2 at world 4, batch 4 x seq 6" in out
