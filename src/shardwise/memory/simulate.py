@@ -96,7 +96,7 @@ class SimReport:
     """The backend whose collective buffers were modelled (see the module docstring)."""
     pp: int = 1
     """Pipeline stages; with pp > 1 this report is the stage with the highest peak."""
-    stages: list[dict[str, Any]] = field(default_factory=list)
+    stages: list[dict[str, int]] = field(default_factory=list)
     """With pp > 1: each stage's index, peak, model states and micro-batches in flight."""
 
     @property
