@@ -353,22 +353,11 @@ def _counted_tokens(model: nn.Module, kwargs: dict[str, Any]) -> int | None:
     return int((labels[..., 1:] != -100).sum())
 
 
-def pipeline_step(
-    model: nn.Module, batch: object, *, scale: float = 1.0, sync: bool = True
-) -> torch.Tensor:
-    """One step's forward and backward over the schedule; the batch's loss on every rank
-    (a 0-dim fp32 tensor), as one process would compute it on this rank's batch.
-
-    `batch` is what the model's forward takes: a mapping of keyword arguments or a tuple
-    of positional ones, with the targets under one of `TARGET_NAMES`. It is cut into
-    `pp_microbatches` equal micro-batches. A Hugging Face causal LM's loss is weighted by
-    the tokens it counts in the whole batch (exact with padding); any other model's
-    per-micro-batch mean counts each micro-batch equally. Gradients are multiplied by
-    `scale` (the Engine passes 1 / accumulate_steps). With `sync` (the default), tied
-    parameters' gradients are summed between the first and last stage after the
-    backward: pass sync=False on all but the last step of an accumulation window.
-    """
-    state = _checked_state(model)
+def _run_schedule(
+    model: nn.Module, state: PipelineState, batch: object, scale: float, *, forward_only: bool
+) -> list[torch.Tensor]:
+    """The checks every step makes, then the schedule over the batch's micro-batches; the
+    last stage's weighted micro-batch losses (empty on the other stages)."""
     kwargs = batch_keywords(state, batch)
     rows = _rows(kwargs)
     check_microbatches(state.plan.pp, state.schedule_name, state.microbatches, rows)
@@ -385,10 +374,34 @@ def pipeline_step(
         extra = {"target": torch.zeros(rows), "losses": losses}
     state.running = True
     try:
-        state.schedule.step(**kwargs, **extra, return_outputs=False)
+        if forward_only:
+            with torch.no_grad():
+                state.schedule.eval(**kwargs, **extra, return_outputs=False)
+        else:
+            state.schedule.step(**kwargs, **extra, return_outputs=False)
     finally:
         state.running = False
         state.received = state.captured = None
+    return losses
+
+
+def pipeline_step(
+    model: nn.Module, batch: object, *, scale: float = 1.0, sync: bool = True
+) -> torch.Tensor:
+    """One step's forward and backward over the schedule; the batch's loss on every rank
+    (a 0-dim fp32 tensor), as one process would compute it on this rank's batch.
+
+    `batch` is what the model's forward takes: a mapping of keyword arguments or a tuple
+    of positional ones, with the targets under one of `TARGET_NAMES`. It is cut into
+    `pp_microbatches` equal micro-batches. A Hugging Face causal LM's loss is weighted by
+    the tokens it counts in the whole batch (exact with padding); any other model's
+    per-micro-batch mean counts each micro-batch equally. Gradients are multiplied by
+    `scale` (the Engine passes 1 / accumulate_steps). With `sync` (the default), tied
+    parameters' gradients are summed between the first and last stage after the
+    backward: pass sync=False on all but the last step of an accumulation window.
+    """
+    state = _checked_state(model)
+    losses = _run_schedule(model, state, batch, scale, forward_only=False)
     if sync:
         sync_tied_grads(model)
     return _loss_on_every_rank(state, losses, scale)
@@ -397,27 +410,7 @@ def pipeline_step(
 def pipeline_eval(model: nn.Module, batch: object) -> torch.Tensor:
     """The batch's loss, forward only over the schedule, on every rank (no gradients)."""
     state = _checked_state(model)
-    kwargs = batch_keywords(state, batch)
-    rows = _rows(kwargs)
-    check_microbatches(state.plan.pp, state.schedule_name, state.microbatches, rows)
-    _check_shapes(state, kwargs)
-    counted = _counted_tokens(model, kwargs)
-    if counted is not None:
-        kwargs["num_items_in_batch"] = max(counted, 1)
-        _WEIGHT[0] = 1.0
-    else:
-        _WEIGHT[0] = 1.0 / state.microbatches
-    losses: list[torch.Tensor] = []
-    extra: dict[str, Any] = {}
-    if state.is_last:
-        extra = {"target": torch.zeros(rows), "losses": losses}
-    state.running = True
-    try:
-        with torch.no_grad():
-            state.schedule.eval(**kwargs, **extra, return_outputs=False)
-    finally:
-        state.running = False
-        state.received = state.captured = None
+    losses = _run_schedule(model, state, batch, 1.0, forward_only=True)
     return _loss_on_every_rank(state, losses, 1.0)
 
 

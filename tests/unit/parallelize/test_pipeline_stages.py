@@ -10,6 +10,7 @@ of the families. Each guard is checked by its message, before any process group 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import json
 import re
@@ -334,3 +335,37 @@ def test_the_simulation_steps_each_stage_with_its_micro_batches_in_flight() -> N
     for a, b in zip(one_f_one_b.stages, gpipe.stages, strict=True):
         assert b["peak"] > a["peak"] and b["model_states"] == a["model_states"]
     assert "x pp 2 at world 4" in str(one_f_one_b) and "stage 1: peak" in str(one_f_one_b)
+
+
+def test_error_paths_of_the_stage_say_what_to_give() -> None:
+    from shardwise.memory.stages import hidden_width
+    from shardwise.parallelize.pipeline import _loss_of, _rows
+    from shardwise.train.engine import _check_pipelined
+
+    with pytest.raises(ValueError, match=r"the last stage's forward must return the loss"):
+        _loss_of(torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"the batch holds no tensor to cut into micro-batches"):
+        _rows({"idx": 3})
+    plan = plan_stages(llama(), 2)
+    no_embedding = dataclasses.replace(plan, before=())
+    with pytest.raises(ValueError, match=r"the first stage holds no nn.Embedding"):
+        hidden_width(llama(), no_embedding)
+
+    class Own(nn.Module):  # parameters on the path to the block list
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1))
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(2, 2)) for _ in range(2))
+
+    with pytest.raises(ValueError, match=r"holds parameters of its own, which no stage"):
+        plan_stages(Own(), 2)
+    config = shardwise.ParallelConfig(pp=2)
+    with pytest.raises(NotImplementedError, match=r"fp16 loss scaling with .*pp=2"):
+        _check_pipelined(llama(), config, scaler=object())
+
+    class MM(nn.Module):
+        def data_preprocessor(self, batch, training):  # type: ignore[no-untyped-def]
+            return batch
+
+    with pytest.raises(NotImplementedError, match=r"OpenMMLab-style model"):
+        _check_pipelined(MM(), config, scaler=None)
