@@ -369,3 +369,13 @@ def test_error_paths_of_the_stage_say_what_to_give() -> None:
 
     with pytest.raises(NotImplementedError, match=r"OpenMMLab-style model"):
         _check_pipelined(MM(), config, scaler=None)
+
+
+def test_the_simulation_of_stages_refuses_what_it_cannot_model() -> None:
+    config = shardwise.ParallelConfig(pp=2)
+    with pytest.raises(ValueError, match=r"pp=2 does not divide world=3"):
+        shardwise.simulate_step(gpt, config, world=3, batch=4, seq_len=6)
+    with pytest.raises(NotImplementedError, match=r"pp and example_input is not built yet"):
+        shardwise.simulate_step(
+            gpt, config, world=4, batch=4, seq_len=6, example_input=lambda: torch.zeros(4, 6)
+        )
