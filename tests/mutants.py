@@ -155,8 +155,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "statistics_summed_over_tp",
         "src/shardwise/parallelize/apply.py",
-        "    prepare_batch_statistics(model, model, groups_of(data_parallel))\n",
-        "    prepare_batch_statistics(model, model, groups_of(mesh))\n",
+        "    groups = groups_of(data_parallel)\n",
+        "    groups = groups_of(mesh)\n",
         (
             "tests/distributed/test_batch_statistics.py::test_the_load_balancing_loss_trains_as_one_process",
         ),
@@ -964,20 +964,56 @@ MUTANTS: tuple[Mutant, ...] = (
     # Issue 36: pipeline stages.
     Mutant(
         "stage_never_takes_the_received_hidden_states",
-        "src/shardwise/parallelize/pipeline.py",
-        "    if not state.is_first:\n        first_block.register_forward_pre_hook(",
-        "    if False:\n        first_block.register_forward_pre_hook(",
+        "src/shardwise/parallelize/stages.py",
+        "        if index != 0:\n            first_block.register_forward_pre_hook(",
+        "        if False:\n            first_block.register_forward_pre_hook(",
         (
             "tests/unit/parallelize/test_pipeline_stages.py::test_two_stages_chained_give_the_whole_models_loss",
         ),
     ),
     Mutant(
         "stage_keeps_the_blocks_of_other_stages",
-        "src/shardwise/parallelize/pipeline.py",
-        "        if fqn not in stage.blocks:\n",
-        "        if False:\n",
+        "src/shardwise/parallelize/stages.py",
+        "    out: dict[str, nn.Module] = {fqn: _Skip() for fqn in blocks if fqn not in held}\n",
+        "    out: dict[str, nn.Module] = {}\n",
         (
             "tests/unit/parallelize/test_pipeline_stages.py::test_a_stage_keeps_the_whole_models_names_and_only_its_own_parameters",
+        ),
+    ),
+    Mutant(
+        "each_stage_of_a_rank_gets_its_own_parameters",
+        "src/shardwise/parallelize/stages.py",
+        "        if name not in path:\n            return module\n",
+        "        if name not in path:\n            return copy.deepcopy(module)\n",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_a_rank_holding_two_stages_runs_each_through_its_own_module",
+        ),
+    ),
+    Mutant(
+        "a_rank_holds_adjacent_stages",
+        "src/shardwise/plan/stages.py",
+        "        return list(range(pp_rank, len(self.stages), self.degree))\n",
+        "        return list(range(pp_rank * self.per_rank, (pp_rank + 1) * self.per_rank))\n",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_interleaving_cuts_pp_times_stages_per_rank_and_places_them_in_a_loop",
+        ),
+    ),
+    Mutant(
+        "interleaved_micro_batches_not_checked_against_its_rounds",
+        "src/shardwise/config/pipeline.py",
+        '    if schedule == "interleaved_1f1b" and microbatches % rounds != 0:\n',
+        "    if False:\n",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_micro_batch_rules_of_the_schedules",
+        ),
+    ),
+    Mutant(
+        "tied_ends_split_differently_by_tp_accepted",
+        "src/shardwise/parallelize/tensor.py",
+        '        if len(set(splits.values())) != 1 or "unknown" in splits[first]:\n',
+        "        if False:\n",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_tied_ends_on_two_stages_must_be_split_alike_by_the_tp_plan",
         ),
     ),
     Mutant(

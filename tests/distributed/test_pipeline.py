@@ -81,6 +81,7 @@ def build(family: str) -> nn.Module:
 
 
 FAMILIES = ("llama", "gemma", "qwen2", "mistral", "olmo2", "qwen3_moe", "gpt")
+INTERLEAVED = ("llama", "gemma", "gpt")
 TIED = {
     "gemma": ("model.embed_tokens.weight", "lm_head.weight"),
     "gpt": ("tok_emb.weight", "head.weight"),
@@ -318,6 +319,11 @@ def run_cases(root: str) -> dict[str, Any]:
         for schedule in ("1f1b", "gpipe"):
             config = shardwise.ParallelConfig(strategy="full_shard", pp=2, pp_schedule=schedule)
             out[f"{family}/{schedule}"] = train(family, config)
+    interleaved = shardwise.ParallelConfig(pp=2, pp_schedule="interleaved_1f1b")
+    for family in INTERLEAVED:  # two stages per rank: rank 0 holds stages 0 and 2
+        out[f"{family}/interleaved_1f1b"] = train(family, interleaved)
+    out["layout/interleaved"] = _layout("llama", "interleaved_1f1b")
+    out["ckpt/interleaved saved"] = save_then_step(f"{root}/interleaved", interleaved)
     # The negative control: ties whose gradients each stage keeps to itself.
     original = pipeline.sync_tied_grads
     pipeline.sync_tied_grads = lambda model: None  # type: ignore[assignment]
@@ -401,6 +407,39 @@ def test_pp2_dp2_trains_equal_to_one_process(results: Any, family: str, schedule
     assert worst < RTOL, f"{family} {schedule}: rel {worst:.2e}"
 
 
+@pytest.mark.parametrize("family", INTERLEAVED)
+def test_interleaved_1f1b_with_two_stages_per_rank_trains_equal_to_one_process(
+    results: Any, family: str
+) -> None:
+    got, refs = results
+    per_rank = [r[f"{family}/interleaved_1f1b"] for r in got]
+    worst = compare(per_rank, refs[family], family)
+    print(f"{family} interleaved_1f1b: rel {worst:.2e}")
+    assert worst < RTOL, f"{family} interleaved_1f1b: rel {worst:.2e}"
+
+
+def test_under_interleaving_each_rank_holds_every_other_stage(results: Any) -> None:
+    got, _ = results
+    first, last = got[0]["layout/interleaved"], got[2]["layout/interleaved"]
+    assert {n.split(".")[2] for n in first["names"] if ".layers." in n} == {"0", "2"}
+    assert {n.split(".")[2] for n in last["names"] if ".layers." in n} == {"1", "3"}
+    assert "model.embed_tokens.weight" in first["names"]
+    assert not any(n.startswith(("lm_head", "model.norm")) for n in first["names"])
+    assert not any(n.startswith("model.embed_tokens") for n in last["names"])
+    assert "4 stages over model.layers, 2 per rank" in first["plan"]
+
+
+def test_an_interleaved_checkpoint_loads_in_one_process_exactly_and_steps_on(
+    results: Any, root: str
+) -> None:
+    got, _ = results
+    saved_0, saved_1 = got[0]["ckpt/interleaved saved"], got[2]["ckpt/interleaved saved"]
+    whole = {**saved_1["saved"], **saved_0["saved"]}
+    at_1 = load_then_step(f"{root}/interleaved", None)
+    _same(at_1["loaded"], whole)
+    assert abs(at_1["next"] - saved_0["next"]) / saved_0["next"] < RTOL
+
+
 def test_tied_gradients_not_summed_between_the_stages_fail_the_comparison(results: Any) -> None:
     got, refs = results
     worst = compare([r["gemma/no tie sum"] for r in got], refs["gemma"], "gemma")
@@ -449,6 +488,9 @@ def test_accumulation_and_val_step_equal_one_process(results: Any) -> None:
 def three_d() -> dict[str, Any]:
     """llama at pp 2 x dp 2 x tp 2, and what the stage's first block holds on this rank."""
     out = train("llama", shardwise.ParallelConfig(strategy="full_shard", pp=2, tp=2))
+    # The tied model: gemma's own plan splits its embedding's and its head's vocabulary alike.
+    tied = train("gemma", shardwise.ParallelConfig(strategy="full_shard", pp=2, tp=2))
+    out["gemma"] = tied
     engine_model = shardwise.Engine(
         build("llama"),
         functools.partial(torch.optim.SGD, lr=0.5),
@@ -496,6 +538,10 @@ def test_pp2_dp2_tp2_at_world_8_trains_equal_to_one_process() -> None:
         assert whole == (16, 16) and local[0] == 4 and dims == ("dp_shard", "tp"), r["q_proj"]
     worst = compare([got[0], got[1], got[4], got[5]], ref, "llama", last=2)
     print(f"llama pp 2 x dp 2 x tp 2: rel {worst:.2e}")
+    assert worst < RTOL
+    tied = [got[i]["gemma"] for i in (0, 1, 4, 5)]
+    worst = compare(tied, train("gemma", None), "gemma", last=2)
+    print(f"gemma (tied) pp 2 x dp 2 x tp 2: rel {worst:.2e}")
     assert worst < RTOL
     # Each stage's simulated peak (tp inside the stage) against the real one.
     sim = shardwise.simulate_step(_mem_llama, MEM_3D, world=8, batch=8, seq_len=64, backend="gloo")

@@ -264,7 +264,7 @@ def _refuse_pipeline_stage(model: nn.Module) -> None:
     info = wrap_info(model)
     if info is not None and info.stages is not None:
         raise NotImplementedError(
-            f"export_weights of a model wrapped with ParallelConfig.pp={info.stages.pp} is not "
+            f"export_weights of a model wrapped with ParallelConfig.pp={info.stages.degree} is not "
             "built yet: each rank holds one stage, so rank 0 would write its own stage alone. "
             "Save a checkpoint and export that in one process (after shardwise.shutdown(), "
             "or `shardwise checkpoint export DIR --out OUT`): export_weights(checkpoint_dir, "

@@ -349,7 +349,7 @@ def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, 
             f"shardwise plan with parallel.pp={spec.pp}: tp={spec.tp} is not modelled for "
             "pipeline stages yet; leave it out for each stage's model states."
         )
-    stages = plan_stages(model, spec.pp, parallel.pp_split)
+    stages = plan_stages(model, spec.pp, parallel.pp_split, parallel.stages_per_rank)
     precision = parallel.precision
     compute = (
         dtype_bytes(str(precision.param_dtype).removeprefix("torch."))
@@ -380,8 +380,10 @@ def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, 
     print(stages)
     for index, estimates in enumerate(per_stage):
         print()
+        held = stages.held_by(index)
+        which = f"stage {index}" if len(held) == 1 else f"pipeline rank {index} (stages {held})"
         print(
-            f"stage {index}, over its {spec.dp_size} data-parallel rank(s), optimizer "
+            f"{which}, over its {spec.dp_size} data-parallel rank(s), optimizer "
             f"{args.optimizer_name}, precision {precision}:"
         )
         print(format_memory(estimates))

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
 from shardwise.config.names import StrategySetting, closest, normalize_strategy
-from shardwise.config.pipeline import PPSchedule, PPSplit, validate_pp
+from shardwise.config.pipeline import PPSchedule, PPSplit, stages_per_rank, validate_pp
 from shardwise.config.precision import Precision, PrecisionSetting, resolve_precision
 from shardwise.config.tensor_parallel import TPPlan, validate_tp
 from shardwise.config.vocabulary import FOREIGN_WORDS, integral, policy_from_dict, translate
@@ -228,8 +228,14 @@ class ParallelConfig:
     world_size // (pp * tp) data-parallel ranks. 1: none."""
     pp_schedule: PPSchedule = "1f1b"
     """With pp > 1: the schedule of micro-batches: '1f1b' (one forward, one backward; at
-    most pp micro-batches in flight) or 'gpipe' (all forwards, then all backwards).
-    'interleaved_1f1b' and 'zbv' are named but not built yet (an error says so)."""
+    most pp micro-batches in flight), 'gpipe' (all forwards, then all backwards) or
+    'interleaved_1f1b' (each rank holds `pp_stages_per_rank` stages, non-adjacent: rank r
+    holds stages r, r + pp, ...; a smaller bubble for more sends). 'zbv' is named but not
+    built yet (an error says so)."""
+    pp_stages_per_rank: int | None = None
+    """With pp > 1: stages each rank holds. None: 2 for 'interleaved_1f1b', 1 otherwise.
+    '1f1b' and 'gpipe' take 1; 'interleaved_1f1b' takes 2 or more. The model is cut into
+    pp * pp_stages_per_rank stages."""
     pp_microbatches: int | None = None
     """With pp > 1: micro-batches each rank's batch is cut into per step. None: 2 * pp. 1F1B
     needs at least pp; the batch's rows must divide by it."""
@@ -238,7 +244,7 @@ class ParallelConfig:
     them, such as the embeddings, goes to the first stage, what comes after, such as the
     final norm and the head, to the last), or the module names at which each stage after
     the first begins, e.g. ['model.layers.2'] (the names of blocks in the model's list of
-    layers)."""
+    layers): pp * pp_stages_per_rank - 1 names."""
     cp: int = 1
     """Context-parallel degree. Only 1 for now: anything else is refused (see the error)."""
     mixed_precision: PrecisionSetting = "fp32"
@@ -354,6 +360,11 @@ class ParallelConfig:
                 "N --simulate parallel.strategy=auto parallel.tp=auto`)."
             )
         return self.tp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """`pp_stages_per_rank` resolved (None: 2 for 'interleaved_1f1b', 1 otherwise)."""
+        return stages_per_rank(self.pp_schedule, self.pp_stages_per_rank)
 
     @property
     def checkpoint_every(self) -> int:

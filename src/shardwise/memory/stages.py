@@ -244,6 +244,14 @@ def simulate_stages(kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Any]
     pp, world, batch = config.pp, kwargs["world"], kwargs["batch"]
     if world % pp:
         raise ValueError(f"simulate_step: ParallelConfig.pp={pp} does not divide world={world}.")
+    if config.stages_per_rank > 1:
+        raise NotImplementedError(
+            f"simulate_step with pp_schedule={config.pp_schedule!r} is not built yet: a rank "
+            "holds several stages whose micro-batches interleave, and the simulation runs "
+            "one stage per rank. `shardwise plan --pp N` gives each rank's model states; the "
+            "same split under pp_schedule='1f1b' simulates the activations of one stage per "
+            "rank (not a bound for interleaving, which keeps more micro-batches in flight)."
+        )
     if kwargs["example_input"] is not None:
         raise NotImplementedError(
             "simulate_step with ParallelConfig.pp and example_input is not built yet: each "

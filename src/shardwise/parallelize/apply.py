@@ -30,18 +30,22 @@ from shardwise.parallelize.autocast import apply_autocast, tf32_advice
 from shardwise.parallelize.batch_stats import prepare as prepare_batch_statistics
 from shardwise.parallelize.ddp import apply_ddp, ddp_group
 from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, unit_preparer
-from shardwise.parallelize.global_batch import groups_of
+from shardwise.parallelize.global_batch import attach, groups_of
 from shardwise.parallelize.materialize import has_meta
 from shardwise.parallelize.materialize import materialize as materialize  # memory/fake.py swaps it
 from shardwise.parallelize.pipeline import build_stage, start_schedule
 from shardwise.parallelize.quantized import prepare_quantized, unit_compute_dtypes
 from shardwise.parallelize.recompute import apply_activation_checkpointing
-from shardwise.parallelize.tensor import apply_tensor_parallel, check_tensor_parallel
+from shardwise.parallelize.tensor import (
+    apply_tensor_parallel,
+    check_split_ties,
+    check_tensor_parallel,
+)
 from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding
 from shardwise.plan.planner import WrapPlan, plan_wrap
 from shardwise.plan.quantized import check_quantized, check_storage
-from shardwise.plan.stages import StagePlan, plan_stages
+from shardwise.plan.stages import plan_stages
 
 
 def _sharded_description(module: nn.Module) -> str | None:
@@ -321,9 +325,15 @@ def _apply_dimensions(
     on the CPU is moved whole to the device and takes rank 0's values first; otherwise each
     unit moves and syncs just before it is sharded, and no rank holds the whole model on
     its device. A meta-built model is split and sharded on meta and filled in step 5."""
-    stage_plan = plan_stages(model, spec.pp, config.pp_split) if spec.pp > 1 else None
+    stage_plan = (
+        plan_stages(model, spec.pp, config.pp_split, config.stages_per_rank)
+        if spec.pp > 1
+        else None
+    )
     tp_plan = check_tensor_parallel(model, config) if spec.tp > 1 else None  # before any group
-    _refuse_unbuilt(model, config, spec, on_meta, quantized, stage_plan)
+    _refuse_unbuilt(model, config, spec, on_meta, quantized)
+    if stage_plan is not None and tp_plan is not None:
+        check_split_ties(model, tp_plan, stage_plan.tied)
     mesh = user_mesh if user_mesh is not None else spec.build(info.device.type)
     assert mesh is not None  # only ddp builds none
     move = not on_meta and config.offload_policy is None
@@ -342,7 +352,8 @@ def _apply_dimensions(
         state = build_stage(model, stage_plan, coordinate[0])
     if tp_plan is not None:  # 2
         apply_tensor_parallel(model, mesh[TP_DIM], tp_plan)
-    plan = plan_wrap(model, config, reshard_after_forward=spec.reshard_after_forward)
+    rf = spec.reshard_after_forward
+    plan = plan_wrap(model, config, reshard_after_forward=rf)
     _prepare_blocks(model, plan, config)  # 3
     if not whole_first:
         mark_before_sharding(model, keep={*plan.ignored_params, *plan.replicated_params})
@@ -351,7 +362,12 @@ def _apply_dimensions(
             prepare_quantized(model, quantized, device=info.device if move else None, sync=sync)
     prepare = None if whole_first else unit_preparer(info.device if move else None, sync)
     data_parallel = dp_mesh(spec, mesh)
-    apply_fsdp(model, config, info, spec, plan, data_parallel, prepare=prepare)  # 4
+    # A rank that holds several stages runs each through its own module: each is an FSDP
+    # root the schedule drives; the model, their union, shares their parameters.
+    runs = [c.module for c in state.chunks] if state is not None else [model]
+    for root in runs:  # 4
+        own = plan if root is model else plan_wrap(root, config, reshard_after_forward=rf)
+        apply_fsdp(root, config, info, spec, own, data_parallel, prepare=prepare)
     fill(model, mesh)  # 5
     replicate_scalars(model, plan.replicated_params)
     if state is not None:  # 6
@@ -363,7 +379,11 @@ def _apply_dimensions(
             schedule=config.pp_schedule,
             microbatches=config.pp_microbatches,
         )
-    prepare_batch_statistics(model, model, groups_of(data_parallel))
+    groups = groups_of(data_parallel)
+    prepare_batch_statistics(runs[0], model, groups)
+    for other in {id(m): m for m in (model, *runs)}.values():
+        if other is not runs[0]:
+            attach(other, groups)  # `global_batch_sum(model=...)` and each stage's forwards
     described = tp_plan.described if tp_plan is not None else None
     setattr(
         model,
@@ -378,7 +398,6 @@ def _refuse_unbuilt(
     spec: MeshSpec,
     on_meta: bool,
     quantized: Any,
-    stages: StagePlan | None = None,
 ) -> None:
     """Combinations not built yet, refused with the reason before any group is made."""
     if spec.tp > 1 and config.offload_policy is not None:
@@ -390,16 +409,12 @@ def _refuse_unbuilt(
         )
     if spec.pp == 1:
         return
-    plan_tied = stages.tied if stages is not None else ()
     unbuilt = {
         "cpu_offload": config.offload_policy is not None,
         "a model built on the meta device": on_meta,
         "a quantized base (QLoRA)": bool(quantized),
         "sequence_parallel": config.sequence_parallel,
         "loss_parallel": config.loss_parallel,
-        # The tie's two copies would be split differently (the head by tp, the embedding
-        # as its plan says): their gradients could not be summed shard by shard.
-        f"tp={spec.tp} and tied embeddings": spec.tp > 1 and bool(plan_tied),
         # Each stage would see only its own layers' router logits: a silent wrong.
         "a mixture of experts' router auxiliary loss (output_router_logits)": bool(
             getattr(getattr(model, "config", None), "output_router_logits", False)

@@ -1,24 +1,17 @@
-"""Pipeline stages: turn the whole model into this rank's stage, and run a step over the
-schedule (torch's PipelineStage with Schedule1F1B or ScheduleGPipe).
+"""Pipeline parallel: run a step over the schedule (torch's PipelineStage with
+Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B) on the stages stages.py built.
 
-Owns: building the stage in place from a `StagePlan` (the blocks and modules other stages
-hold are replaced by shims without parameters, so names never change and the model's own
-forward runs on every stage: positions, rotary embeddings and the causal mask are
-recomputed there, and the received hidden states enter at the first block this stage
-holds, never through the embeddings, so no family's embedding scale is applied twice),
-the schedule, `pipeline_step` (a step's forward and backward; the batch's mean loss on
-every rank), `pipeline_eval`, the sum of tied parameters' gradients between the first
+Owns: the schedule, `pipeline_step` (a step's forward and backward; the batch's mean loss
+on every rank), `pipeline_eval`, the sum of tied parameters' gradients between the first
 and last stage, and the gradient norm over the stages.
 
 Must not: hand-write send/recv or schedules (torch's pipelining does both), decide the
-split (plan/stages.py does), or shard (fsdp.py does, after this).
+split (plan/stages.py does), build the stages (stages.py does), or shard (fsdp.py does).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,219 +22,22 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.config.pipeline import check_microbatches, default_microbatches
 from shardwise.distributed.mesh import PP_DIM
-from shardwise.plan.stages import StagePlan
+from shardwise.parallelize.stages import (
+    PipelineState,
+    build_stage,
+    is_shim,
+    pipeline_state,
+)
 
 __all__ = [
     "PipelineState",
     "build_stage",
+    "is_shim",
     "pipeline_eval",
     "pipeline_state",
     "pipeline_step",
     "start_schedule",
 ]
-
-STATE_ATTR = "_shardwise_pipeline"
-TARGET_NAMES = ("labels", "targets", "target")
-"""Keyword arguments that carry the loss's targets: only the last stage, which computes the
-loss, is given them (the others stop at their last block)."""
-
-
-class _Skip(nn.Module):
-    """A block another stage holds: hands its input on."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(iter(kwargs.values()))
-
-
-class _Pass(nn.Module):
-    """A module before or after the blocks that another stage holds (norm, head)."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(iter(kwargs.values()))
-
-
-class _ZeroEmbedding(nn.Module):
-    """An embedding the first stage holds: zeros of its output's shape (the hidden states
-    that stage sends replace them at this stage's first block)."""
-
-    def __init__(self, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dim, self.dtype = dim, dtype
-
-    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
-
-
-def is_shim(module: nn.Module) -> bool:
-    """Whether `module` stands in for a part another pipeline stage holds."""
-    return isinstance(module, (_Skip, _Pass, _ZeroEmbedding))
-
-
-@dataclass
-class PipelineState:
-    """This rank's stage and schedule, kept on the model (`pipeline_state`)."""
-
-    plan: StagePlan
-    index: int
-    first_param: str
-    """The name of the first block's input (for blocks called with keywords)."""
-    forward: Callable[..., Any]
-    """The model's own forward, run on every stage."""
-    signature: inspect.Signature
-    tied_names: list[str] = field(default_factory=list)
-    """This stage's names of parameters the first and last stage share."""
-    tied: list[nn.Parameter] = field(default_factory=list)
-    """Those parameters, as sharded (found by name once sharding has replaced them)."""
-    schedule: Any = None
-    microbatches: int = 0
-    schedule_name: str = "1f1b"
-    group: Any = None
-    """The process group of this rank's pipeline (one rank per stage)."""
-    tie_group: Any = None
-    """The first and last stage of this rank's pipeline, for tied gradients."""
-    last_rank: int = 0
-    """The global rank of this pipeline's last stage."""
-    shapes: dict[str, tuple[int, ...]] | None = None
-    """The batch's tensor shapes at the first step: the schedule's buffers are sized then."""
-    running: bool = False
-    received: torch.Tensor | None = None
-    captured: torch.Tensor | None = None
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.plan.pp - 1
-
-
-def pipeline_state(model: nn.Module) -> PipelineState | None:
-    """The stage `wrap` made of `model`, or None when it has no pipeline stages."""
-    state = model.__dict__.get(STATE_ATTR)
-    return state if isinstance(state, PipelineState) else None
-
-
-_NOT_CALLABLE = (
-    "a model wrapped with ParallelConfig.pp={pp} is one stage of a pipeline and cannot be "
-    "called like a plain module: run a training step with shardwise.pipeline_step(model, "
-    "batch) (forward and backward over the schedule; it returns the batch's mean loss on "
-    "every rank), evaluate with shardwise.pipeline_eval(model, batch), or let the Engine "
-    "or Runner step it."
-)
-
-
-class _StageForward:
-    """Mixed into the model's class: the forward the schedule calls on this stage."""
-
-    def forward(self, *received: Any, **batch: Any) -> Any:
-        state = pipeline_state(self)  # type: ignore[arg-type]
-        assert state is not None  # the class is only swapped in with the state
-        if not state.running:
-            raise RuntimeError(_NOT_CALLABLE.format(pp=state.plan.pp))
-        if not state.is_first:
-            state.received = received[0]
-        if not state.is_last:
-            batch = {k: v for k, v in batch.items() if k not in TARGET_NAMES}
-        out = state.forward(**batch)
-        if not state.is_last:
-            captured, state.captured = state.captured, None
-            assert captured is not None  # the last block's hook ran
-            return captured
-        return _loss_of(out)
-
-
-def _loss_of(out: Any) -> torch.Tensor:
-    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)
-    if isinstance(loss, (tuple, list)) and loss:
-        loss = loss[0]
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise ValueError(
-            "ParallelConfig.pp: the last stage's forward must return the loss (a 0-dim "
-            "tensor, or an output with .loss), but it returned "
-            f"{type(out).__name__}. Pass the targets in the batch under one of "
-            f"{list(TARGET_NAMES)} so the model computes its own loss."
-        )
-    return loss
-
-
-def _first_param(block: nn.Module) -> str:
-    params = [
-        p
-        for p in inspect.signature(block.forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    return params[0].name if params else "hidden_states"
-
-
-def _shim(module: nn.Module, first_stage: bool) -> nn.Module:
-    if first_stage and isinstance(module, nn.Embedding):
-        return _ZeroEmbedding(module.embedding_dim, module.weight.dtype)
-    return _Pass()
-
-
-def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    parent_name, _, name = fqn.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, name, new)
-
-
-def build_stage(model: nn.Module, plan: StagePlan, index: int) -> PipelineState:
-    """Make `model` stage `index` of `plan`, in place: what other stages hold is replaced
-    by shims, hooks carry the hidden states in and out, and the model's class gains the
-    stage's forward. Returns the state (also kept on the model)."""
-    stage = plan.stages[index]
-    modules = dict(model.named_modules())
-    blocks = [f"{plan.container}.{i}" for i in range(len(modules[plan.container]))]
-    first_block = modules[stage.blocks[0]]
-    state = PipelineState(
-        plan=plan,
-        index=index,
-        first_param=_first_param(first_block),
-        forward=type(model).forward.__get__(model),
-        signature=inspect.signature(type(model).forward),
-    )
-    for first, last in plan.tied:
-        if index == 0:
-            state.tied_names.append(first)
-        elif index == plan.pp - 1:
-            state.tied_names.append(last)
-    for fqn in blocks:
-        if fqn not in stage.blocks:
-            _replace(model, fqn, _Skip())
-    for fqn in plan.before:
-        if fqn not in stage.modules:
-            _replace(model, fqn, _shim(modules[fqn], first_stage=True))
-    for fqn in plan.after:
-        if fqn not in stage.modules:
-            _replace(model, fqn, _shim(modules[fqn], first_stage=False))
-    if not state.is_first:
-        first_block.register_forward_pre_hook(_injector(state), with_kwargs=True)
-    if not state.is_last:
-        modules[stage.blocks[-1]].register_forward_hook(_capturer(state))
-    model.__dict__[STATE_ATTR] = state
-    cls = type(model)
-    model.__class__ = type(f"Stage{cls.__name__}", (_StageForward, cls), {})
-    return state
-
-
-def _injector(state: PipelineState) -> Callable[..., Any]:
-    def inject(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        received, state.received = state.received, None
-        if received is None:
-            return None
-        if args:
-            return (received, *args[1:]), kwargs
-        return args, {**kwargs, state.first_param: received}
-
-    return inject
-
-
-def _capturer(state: PipelineState) -> Callable[..., None]:
-    def capture(module: nn.Module, args: Any, output: Any) -> None:
-        state.captured = output if isinstance(output, torch.Tensor) else output[0]
-
-    return capture
 
 
 def start_schedule(
@@ -253,13 +49,18 @@ def start_schedule(
     schedule: str,
     microbatches: int | None,
 ) -> None:
-    """torch's PipelineStage over the mesh's pp dimension, and the schedule that drives it;
-    the groups for tied gradients."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """torch's PipelineStage for each of this rank's stages over the mesh's pp dimension,
+    and the schedule that drives them; the groups for tied gradients."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     pp_mesh = mesh[PP_DIM]
     state.group = pp_mesh.get_group()
-    state.microbatches = microbatches or default_microbatches(state.plan.pp)
+    state.microbatches = microbatches or default_microbatches(state.plan.degree)
     state.schedule_name = schedule
     ranks = dist.get_process_group_ranks(state.group)
     state.last_rank = ranks[-1]
@@ -268,12 +69,20 @@ def start_schedule(
         state.tied = [model.get_parameter(name) for name in state.tied_names]
     for p in model.parameters():
         setattr(p, _STAGE_ATTR, state)
-    stage = PipelineStage(model, state.index, state.plan.pp, device, group=state.group)
-    kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    stages: list[Any] = [
+        PipelineStage(c.module, c.index, state.plan.pp, device, group=state.group)
+        for c in state.chunks
+    ]
     # Each micro-batch's loss is weighted by the step itself (`_weighted`), so the schedule
     # must not divide gradients again: its division would also hit gradients accumulated
     # by earlier steps of an accumulation window.
-    state.schedule = kind(stage, state.microbatches, loss_fn=_weighted, scale_grads=False)
+    if schedule == "interleaved_1f1b":
+        state.schedule = ScheduleInterleaved1F1B(
+            stages, state.microbatches, loss_fn=_weighted, scale_grads=False
+        )
+        return
+    kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    state.schedule = kind(stages[0], state.microbatches, loss_fn=_weighted, scale_grads=False)
 
 
 def _tie_group(mesh: DeviceMesh) -> Any:
@@ -334,7 +143,7 @@ def _check_shapes(state: PipelineState, kwargs: dict[str, Any]) -> None:
         state.shapes = shapes
     elif shapes != state.shapes:
         raise ValueError(
-            f"ParallelConfig.pp={state.plan.pp}: this batch's tensors have shapes {shapes}, "
+            f"ParallelConfig.pp={state.plan.degree}: this batch's tensors have shapes {shapes}, "
             f"but the pipeline's first batch had {state.shapes}; the schedule sends buffers "
             "of the first batch's size. Give every batch the same shape: a fixed sequence "
             "length, and no short last batch (RunnerConfig.drop_last=True, or drop_last=True "
@@ -360,7 +169,7 @@ def _run_schedule(
     last stage's weighted micro-batch losses (empty on the other stages)."""
     kwargs = batch_keywords(state, batch)
     rows = _rows(kwargs)
-    check_microbatches(state.plan.pp, state.schedule_name, state.microbatches, rows)
+    check_microbatches(state.plan.degree, state.schedule_name, state.microbatches, rows)
     _check_shapes(state, kwargs)
     counted = _counted_tokens(model, kwargs)
     if counted is not None:
@@ -381,7 +190,7 @@ def _run_schedule(
             state.schedule.step(**kwargs, **extra, return_outputs=False)
     finally:
         state.running = False
-        state.received = state.captured = None
+        state.clear()
     return losses
 
 

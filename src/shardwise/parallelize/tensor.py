@@ -35,14 +35,15 @@ from shardwise.config.tensor_parallel import TP_STYLE_NAMES
 from shardwise.distributed.mesh import TP_DIM
 from shardwise.parallelize.adapters import adapter_plan, base_plan
 from shardwise.parallelize.moe import EXPERTS_WORD, ExpertsParallel
-from shardwise.parallelize.pipeline import is_shim
 from shardwise.parallelize.sequence import add_sequence_parallel
+from shardwise.parallelize.stages import is_shim
 from shardwise.plan.adapters import adapted_layers, adapter_model, saved_modules
 
 __all__ = [
     "CheckedPlan",
     "SplitGradientError",
     "apply_tensor_parallel",
+    "check_split_ties",
     "check_tensor_parallel",
     "check_tp_gradients",
     "check_whole_gradients",
@@ -220,6 +221,52 @@ def _retie(model: nn.Module, groups: list[list[str]]) -> None:
         for name in names[1:]:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, params[0])
+
+
+def _weight_split(module: nn.Module, style: ParallelStyle | None) -> str:
+    """How a style splits a module's weight over tp, in words (what a tie's two ends must
+    share)."""
+    if style is None:
+        return "whole"
+    rows = isinstance(style, RowwiseParallel)
+    if isinstance(style, (RowwiseParallel, ColwiseParallel)):
+        if isinstance(module, nn.Embedding):  # weight (vocabulary, dim): rowwise splits rows
+            return "dim 0" if rows else "dim 1"
+        if isinstance(module, nn.Linear):  # weight (out, in): colwise splits the outputs
+            return "dim 1" if rows else "dim 0"
+    return f"{type(style).__name__} on {type(module).__name__} (unknown)"
+
+
+def check_split_ties(
+    model: nn.Module, plan: CheckedPlan, ties: tuple[tuple[str, str], ...]
+) -> None:
+    """Tied weights that live on two pipeline stages (the first stage's embedding, the last
+    stage's head) are two copies whose gradients are summed shard by shard: the plan must
+    split both ends alike. Checked on the whole model, before any group exists."""
+    if not ties:
+        return
+    if not isinstance(plan.apply, Mapping):
+        raise NotImplementedError(
+            "ParallelConfig.pp with tied embeddings and a callable tp_plan is not built yet: "
+            "shardwise cannot read how the callable splits the tie's two ends, whose "
+            "gradients are summed shard by shard between the first and last stage. Give "
+            "tp_plan as a dict (or 'auto')."
+        )
+    styles = per_module(model, plan.apply)
+    for first, last in ties:
+        splits = {}
+        for name in (first, last):
+            owner = name.rpartition(".")[0]
+            splits[name] = _weight_split(model.get_submodule(owner), styles.get(owner))
+        if len(set(splits.values())) != 1 or "unknown" in splits[first]:
+            raise ValueError(
+                f"ParallelConfig.tp_plan splits the tied weights {first} and {last} "
+                f"differently ({splits}): under pp they sit on two stages, and their "
+                "gradients are summed shard by shard, so both ends must be split alike. Give "
+                "their modules matching styles (an embedding 'embedding_rowwise' with an "
+                "output 'colwise_gather_output' both split the vocabulary), or leave both out "
+                "of the plan."
+            )
 
 
 @dataclass(frozen=True)

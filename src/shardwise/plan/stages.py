@@ -51,10 +51,23 @@ class StagePlan:
     tied: tuple[tuple[str, str], ...]
     """(first-stage name, last-stage name) of each parameter both ends share (tied
     embeddings): both stages hold it, and its gradients are summed between them."""
+    per_rank: int = 1
+    """Stages each pipeline rank holds: rank r holds stages r, r + degree, ... (torch's
+    placement for interleaved schedules)."""
 
     @property
     def pp(self) -> int:
+        """The number of stages (pp × per_rank)."""
         return len(self.stages)
+
+    @property
+    def degree(self) -> int:
+        """The pipeline-parallel degree: ranks in one pipeline."""
+        return len(self.stages) // self.per_rank
+
+    def held_by(self, pp_rank: int) -> list[int]:
+        """The indices of the stages pipeline rank `pp_rank` holds, in order."""
+        return list(range(pp_rank, len(self.stages), self.degree))
 
     def owned(self, index: int) -> set[str]:
         """The block and module names stage `index` holds."""
@@ -63,6 +76,10 @@ class StagePlan:
 
     def __str__(self) -> str:
         lines = [f"pipeline: {self.pp} stages over {self.container}"]
+        if self.per_rank > 1:
+            lines[0] += (
+                f", {self.per_rank} per rank (rank r holds stages r, r + {self.degree}, ...)"
+            )
         for s in self.stages:
             blocks = s.blocks[0] if len(s.blocks) == 1 else f"{s.blocks[0]} .. {s.blocks[-1]}"
             extra = f" + {', '.join(s.modules)}" if s.modules else ""
@@ -143,12 +160,16 @@ def _sizes(n_blocks: int, pp: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
-def _starts(container: str, n_blocks: int, pp: int, split: str | Sequence[str]) -> list[int]:
-    """The index of each stage's first block."""
+def _starts(
+    container: str, n_blocks: int, pp: int, split: str | Sequence[str], per_rank: int = 1
+) -> list[int]:
+    """The index of each stage's first block (`pp` stages in all)."""
     if n_blocks < pp:
+        many = f"pp={pp}" if per_rank == 1 else f"pp={pp // per_rank} × {per_rank} per rank = {pp}"
+        fix = "pp" if per_rank == 1 else "pp × pp_stages_per_rank"
         raise _refuse(
-            f"pp={pp} stages but {container} holds {n_blocks} block(s): each stage needs at "
-            f"least one. Use pp <= {n_blocks}."
+            f"{many} stages but {container} holds {n_blocks} block(s): each stage needs at "
+            f"least one. Use {fix} <= {n_blocks}."
         )
     if split == "auto":
         sizes = _sizes(n_blocks, pp)
@@ -187,9 +208,12 @@ def _ties(model: nn.Module, before: list[str], after: list[str]) -> list[tuple[s
     return tied
 
 
-def plan_stages(model: nn.Module, pp: int, split: str | Sequence[str] = "auto") -> StagePlan:
-    """Cut `model` into `pp` stages (see the module docstring); a ValueError naming
-    `pp_split` for a model that cannot be cut that way."""
+def plan_stages(
+    model: nn.Module, pp: int, split: str | Sequence[str] = "auto", per_rank: int = 1
+) -> StagePlan:
+    """Cut `model` into `pp` × `per_rank` stages (see the module docstring); a ValueError
+    naming `pp_split` for a model that cannot be cut that way."""
+    pp *= per_rank
     blocks: nn.Module | None
     if split == "auto":
         container, blocks = _block_list(model)
@@ -203,7 +227,7 @@ def plan_stages(model: nn.Module, pp: int, split: str | Sequence[str] = "auto") 
                 f"which each later stage begins ({_EXAMPLE})."
             )
     n_blocks = len(list(blocks.children()))
-    starts = _starts(container, n_blocks, pp, split)
+    starts = _starts(container, n_blocks, pp, split, per_rank)
     before, after = _siblings(model, container)
     modules = dict(model.named_modules())
     stages = []
@@ -219,6 +243,5 @@ def plan_stages(model: nn.Module, pp: int, split: str | Sequence[str] = "auto") 
                     seen.add(id(p))
                     params += p.numel()
         stages.append(Stage(s, tuple(held), tuple(extra), params))
-    return StagePlan(
-        container, tuple(stages), tuple(before), tuple(after), tuple(_ties(model, before, after))
-    )
+    ties = tuple(_ties(model, before, after))
+    return StagePlan(container, tuple(stages), tuple(before), tuple(after), ties, per_rank)

@@ -98,7 +98,7 @@ def _refuse_short_batches(engine: Engine, *loaders: DataLoader[Any] | None) -> N
         if per_rank % loader.batch_size:
             raise refused(  # the user's setting: one line from `shardwise run`
                 ValueError(
-                    f"Runner({name}=...) with ParallelConfig.pp={info.stages.pp}: each "
+                    f"Runner({name}=...) with ParallelConfig.pp={info.stages.degree}: each "
                     f"data-parallel rank reads {per_rank} sample(s) in batches of "
                     f"{loader.batch_size}, so its last batch is short, and under pipeline stages "
                     "every batch must have one shape. Set RunnerConfig.drop_last=True (or "

@@ -171,13 +171,34 @@ def test_config_guards_name_the_field_and_the_fix() -> None:
     cases = [
         (dict(pp=0), ValueError, r"ParallelConfig.pp=0 must be >= 1"),
         (dict(pp=2, pp_schedule="1fb1"), ValueError, r"pp_schedule='1fb1' is not a schedule.*"),
-        (dict(pp=2, pp_schedule="interleaved_1f1b"), NotImplementedError, r"two or more stages"),
-        (dict(pp=2, pp_schedule="zbv"), NotImplementedError, r"not built yet"),
+        (dict(pp=2, pp_schedule="zbv"), NotImplementedError, r"'zbv' is not built yet: its V"),
+        (
+            dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=1),
+            ValueError,
+            r"pp_stages_per_rank=1 with pp_schedule='interleaved_1f1b': that schedule runs 2 or "
+            r"more stage\(s\) per rank. Set pp_stages_per_rank to 2 or more",
+        ),
+        (
+            dict(pp=2, pp_stages_per_rank=2),
+            ValueError,
+            r"pp_stages_per_rank=2 with pp_schedule='1f1b': that schedule runs 1 stage\(s\) per "
+            r"rank.*or choose interleaved_1f1b",
+        ),
+        (
+            dict(pp=2, pp_schedule="zbv", pp_stages_per_rank=3),
+            ValueError,
+            r"runs 2 stage\(s\) per rank",
+        ),
+        (
+            dict(pp=2, pp_schedule="interleaved_1f1b", pp_split=["model.layers.2"]),
+            ValueError,
+            r"lists 1 module name\(s\) for 4 stages \(pp=2 × pp_stages_per_rank=2\): give 3",
+        ),
         (dict(pp=2, pp_microbatches=0), ValueError, r"pp_microbatches=0 must be >= 1"),
         (
             dict(pp=3, pp_split=["model.layers.1"]),
             ValueError,
-            r"lists 1 module name\(s\) with pp=3",
+            r"lists 1 module name\(s\) for 3 stages \(pp=3 × pp_stages_per_rank=1\): give 2",
         ),
         (dict(pp=2, pp_split="even"), ValueError, r"give 'auto' or a list"),
         (dict(pp=2, pp_split=[3]), TypeError, r"each entry must be a module name"),
@@ -188,12 +209,65 @@ def test_config_guards_name_the_field_and_the_fix() -> None:
             shardwise.ParallelConfig(**kwargs)
 
 
+def test_interleaving_cuts_pp_times_stages_per_rank_and_places_them_in_a_loop() -> None:
+    config = shardwise.ParallelConfig(pp=2, pp_schedule="interleaved_1f1b")
+    assert config.stages_per_rank == 2  # None picks 2 for interleaving
+    assert shardwise.ParallelConfig(pp=2).stages_per_rank == 1
+    plan = plan_stages(llama(), 2, per_rank=2)
+    assert [s.blocks for s in plan.stages] == [(f"model.layers.{i}",) for i in range(4)]
+    assert (plan.pp, plan.degree) == (4, 2)
+    assert [plan.held_by(r) for r in (0, 1)] == [[0, 2], [1, 3]]
+    assert "4 stages over model.layers, 2 per rank (rank r holds stages r, r + 2, ...)" in str(plan)
+    with pytest.raises(
+        ValueError,
+        match=r"pp=2 × 3 per rank = 6 stages but model.layers holds 4 block\(s\).*"
+        r"Use pp × pp_stages_per_rank <= 4",
+    ):
+        plan_stages(llama(), 2, per_rank=3)
+
+
+def test_a_rank_holding_two_stages_runs_each_through_its_own_module() -> None:
+    """Four stages over two ranks, chained by hand as the schedule chains them: the loss
+    equals the whole model's; each rank's model holds the union of its stages' parameters
+    under the whole model's names, and each stage's module holds only its own."""
+    whole = llama()
+    batch = {"input_ids": torch.randint(0, 32, (2, 6)), "labels": torch.randint(0, 32, (2, 6))}
+    expected = _loss(whole(**batch))
+    plan = plan_stages(whole, 2, per_rank=2)
+    ranks = [copy.deepcopy(whole), copy.deepcopy(whole)]
+    states = [build_stage(m, plan, r) for r, m in enumerate(ranks)]
+    for s in states:
+        s.running = True
+    assert [[c.index for c in s.chunks] for s in states] == [[0, 2], [1, 3]]
+    layers = {n.split(".")[2] for n, _ in ranks[0].named_parameters() if ".layers." in n}
+    assert layers == {"0", "2"} and "lm_head.weight" not in dict(ranks[0].named_parameters())
+    own = {n.split(".")[2] for n, _ in states[0].chunks[1].module.named_parameters()}
+    assert own == {"2"}  # stage 2: layer 2 alone, its parameters the model's own objects
+    shared = dict(ranks[0].named_parameters())
+    assert all(p is shared[n] for n, p in states[0].chunks[1].module.named_parameters())
+    hidden = states[0].chunks[0].module(**batch)
+    for state, k in ((states[1], 0), (states[0], 1)):
+        hidden = state.chunks[k].module(hidden, **batch)
+    got = states[1].chunks[1].module(hidden, **batch)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"shardwise.pipeline_step\(model, batch\)"):
+        ranks[0](**batch)  # the union is trained and saved, never called
+
+
 def test_torchs_spelling_of_a_schedule_is_read_as_ours() -> None:
     assert shardwise.ParallelConfig(pp=2, pp_schedule="GPipe").pp_schedule == "gpipe"
 
 
 def test_micro_batch_rules_of_the_schedules() -> None:
     check_microbatches(2, "1f1b", 2, 4)
+    check_microbatches(4, "interleaved_1f1b", 3, 6)  # one round: torch's flexible rule
+    check_microbatches(4, "interleaved_1f1b", 10, 10)  # two rounds of 5
+    with pytest.raises(
+        ValueError,
+        match=r"pp_microbatches=9 with pp_schedule='interleaved_1f1b' and pp=4: .* 9 does not "
+        r"divide into its 2 rounds. Use one of \[4, 5, 6, 7, 8, 10\]",
+    ):
+        check_microbatches(4, "interleaved_1f1b", 9, 9)
     check_microbatches(4, "gpipe", 2, 4)  # GPipe takes fewer micro-batches than stages
     with pytest.raises(ValueError, match=r"1F1B needs at least as many micro-batches as stages"):
         check_microbatches(4, "1f1b", 2, 8)
@@ -249,10 +323,7 @@ def test_combinations_not_built_are_refused_before_any_group() -> None:
     from shardwise.parallelize.apply import _refuse_unbuilt
 
     spec = resolve_mesh("full_shard", -1, 8, pp=2, tp=2)
-    tied = plan_stages(gemma(), 2)
-    with pytest.raises(NotImplementedError, match=r"pp=2 with tp=2 and tied embeddings is not"):
-        _refuse_unbuilt(gemma(), shardwise.ParallelConfig(pp=2, tp=2), spec, False, None, tied)
-    _refuse_unbuilt(llama(), shardwise.ParallelConfig(pp=2, tp=2), spec, False, None)
+    _refuse_unbuilt(gemma(), shardwise.ParallelConfig(pp=2, tp=2), spec, False, None)
     moe = llama()
     moe.config.output_router_logits = True
     spec = resolve_mesh("full_shard", -1, 4, pp=2)
@@ -261,6 +332,37 @@ def test_combinations_not_built_are_refused_before_any_group() -> None:
     with pytest.raises(NotImplementedError, match=r"a model built on the meta device"):
         _refuse_unbuilt(llama(), shardwise.ParallelConfig(pp=2), spec, True, None)
     _refuse_unbuilt(llama(), shardwise.ParallelConfig(pp=2), spec, False, None)
+
+
+def test_tied_ends_on_two_stages_must_be_split_alike_by_the_tp_plan() -> None:
+    from shardwise.parallelize.tensor import (
+        CheckedPlan,
+        check_split_ties,
+        check_tensor_parallel,
+    )
+
+    model = gemma()
+    ties = plan_stages(model, 2).tied
+
+    def checked(tp_plan: object) -> CheckedPlan:
+        return check_tensor_parallel(model, shardwise.ParallelConfig(pp=2, tp=2, tp_plan=tp_plan))
+
+    check_split_ties(model, checked("auto"), ties)  # gemma's own plan splits both vocabularies
+    mlp = {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    head_only = {**mlp, "lm_head": "colwise_gather_output"}
+    with pytest.raises(
+        ValueError,
+        match=r"splits the tied weights model.embed_tokens.weight and lm_head.weight "
+        r"differently \(\{'model.embed_tokens.weight': 'whole', 'lm_head.weight': 'dim 0'\}\)",
+    ):
+        check_split_ties(model, checked(head_only), ties)
+    crossed = {**head_only, "model.embed_tokens": "colwise"}
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight': 'dim 1'"):
+        check_split_ties(model, checked(crossed), ties)
+    check_split_ties(model, checked(mlp), ties)  # both whole: alike
+    with pytest.raises(NotImplementedError, match=r"tied embeddings and a callable tp_plan"):
+        check_split_ties(model, checked(lambda m, t: m), ties)
+    check_split_ties(llama(), checked("auto"), ())  # nothing tied: nothing to check
 
 
 def test_plan_shows_each_stage_and_its_model_states(capsys) -> None:  # type: ignore[no-untyped-def]
@@ -339,7 +441,8 @@ def test_the_simulation_steps_each_stage_with_its_micro_batches_in_flight() -> N
 
 def test_error_paths_of_the_stage_say_what_to_give() -> None:
     from shardwise.memory.stages import hidden_width
-    from shardwise.parallelize.pipeline import _loss_of, _rows
+    from shardwise.parallelize.pipeline import _rows
+    from shardwise.parallelize.stages import loss_of as _loss_of
     from shardwise.train.engine import _check_pipelined
 
     with pytest.raises(ValueError, match=r"the last stage's forward must return the loss"):
