@@ -341,14 +341,10 @@ def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, 
 
     from shardwise.memory.model_states import dtype_bytes, estimate_memory, format_memory
     from shardwise.parallelize.pipeline import build_stage
+    from shardwise.parallelize.tensor import check_tensor_parallel
     from shardwise.plan.planner import PlanNotice, plan_wrap
     from shardwise.plan.stages import plan_stages
 
-    if spec.tp > 1:
-        raise NotImplementedError(
-            f"shardwise plan with parallel.pp={spec.pp}: tp={spec.tp} is not modelled for "
-            "pipeline stages yet; leave it out for each stage's model states."
-        )
     stages = plan_stages(model, spec.pp, parallel.pp_split, parallel.stages_per_rank)
     precision = parallel.precision
     compute = (
@@ -364,9 +360,17 @@ def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PlanNotice)
             stage_plan = plan_wrap(stage_model, parallel)
-        estimates = estimate_memory(
-            stage_plan, spec.dp_size, optimizer=args.optimizer_name, compute_dtype_bytes=compute
-        )
+        if spec.tp > 1:  # this stage's layers split over tp, then sharded over dp
+            tp = check_tensor_parallel(stage_model, parallel)
+            estimates = _tp_estimates(
+                stage_model, parallel, spec, stage_plan, tp, spec.dp_size * spec.tp,
+                args.optimizer_name,
+            )  # fmt: skip
+        else:
+            estimates = estimate_memory(
+                stage_plan, spec.dp_size, optimizer=args.optimizer_name,
+                compute_dtype_bytes=compute,
+            )  # fmt: skip
         per_stage.append([e for e in estimates if e.strategy != "ddp"])  # refused under pp
     if args.json:
         out = {
@@ -383,7 +387,8 @@ def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, 
         held = stages.held_by(index)
         which = f"stage {index}" if len(held) == 1 else f"pipeline rank {index} (stages {held})"
         print(
-            f"{which}, over its {spec.dp_size} data-parallel rank(s), optimizer "
+            f"{which}, over its {spec.dp_size} data-parallel rank(s)"
+            f"{f' x tp {spec.tp}' if spec.tp > 1 else ''}, optimizer "
             f"{args.optimizer_name}, precision {precision}:"
         )
         print(format_memory(estimates))

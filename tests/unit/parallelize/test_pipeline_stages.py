@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -390,10 +391,52 @@ def test_plan_shows_each_stage_and_its_model_states(capsys) -> None:  # type: ig
     out = capsys.readouterr().out
     assert "full_shard x pp 2 at world 4, batch 4 x seq 6" in out
     assert re.search(r"stage 0: peak .*, 2 micro-batch\(es\) in flight", out)
-    assert main([*argv, "--tp", "2"]) == 2
-    assert "tp=2 is not modelled for pipeline stages yet" in capsys.readouterr().err
     assert main(["plan", "shardwise.testing.models:GPT", "--world", "3", "--pp", "2"]) == 2
     assert "ParallelConfig.pp=2 does not divide the job's 3 rank(s)" in capsys.readouterr().err
+
+
+def test_plan_shows_each_stage_split_over_tp(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from shardwise.cli.main import main
+
+    (tmp_path / "llm.py").write_text(
+        "import transformers as tf\n"
+        "def llama():\n"
+        "    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, "
+        "intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, "
+        "num_key_value_heads=2))\n"
+        "def llama4():\n"
+        "    m = llama()\n"
+        "    return tf.LlamaForCausalLM(m.config.__class__(**{**m.config.to_dict(), "
+        "'num_hidden_layers': 4}))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    assert main(["plan", "llm:llama", "--world", "8", "--pp", "2", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0, over its 2 data-parallel rank(s) x tp 2, optimizer adamw" in out
+    # Stage 0: the embedding (128 x 64) and layer 0 (36,992 parameters, 128 of them in its
+    # two norms): 45,184 in all, every one split over tp but the norms' 128, so one tp rank
+    # holds 22,656 (88.5 KiB in fp32), and full_shard halves that over dp 2.
+    assert re.search(r"no_shard +2x1 +88\.5 KiB", out)
+    assert re.search(r"full_shard +1x2 +44\.2 KiB", out)
+    assert "stage 1, over its 2 data-parallel rank(s) x tp 2" in out
+    argv = [
+        "plan",
+        "llm:llama",
+        "--world",
+        "4",
+        "--pp",
+        "2",
+        "parallel.pp_schedule=interleaved_1f1b",
+    ]
+    assert main(argv) == 2  # two layers cannot make four stages
+    assert "pp=2 × 2 per rank = 4 stages but model.layers holds 2" in capsys.readouterr().err
+    argv[1] = "llm:llama4"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4 stages over model.layers, 2 per rank" in out
+    assert "pipeline rank 0 (stages [0, 2]), over its 2 data-parallel rank(s)" in out
+    assert "pipeline rank 1 (stages [1, 3])" in out
 
 
 def test_the_simulation_refuses_what_it_cannot_cut() -> None:
