@@ -284,6 +284,13 @@ LLAMA_SHAPES: dict[str, dict[str, int]] = {
         num_attention_heads=64,
         num_key_value_heads=8,
     ),
+    "llama3-405b": dict(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+    ),
 }
 
 # Runs in a fresh interpreter so its peak RSS is the simulation's alone. The spec comes in
@@ -304,7 +311,8 @@ def build():
 t0 = time.perf_counter()
 r = simulate_step(
     build, ParallelConfig(strategy=spec["strategy"], mixed_precision=spec["precision"],
-                          tp=spec["tp"], sequence_parallel=spec["sp"]),
+                          tp=spec["tp"], sequence_parallel=spec["sp"], pp=spec["pp"],
+                          pp_microbatches=spec["microbatches"]),
     world=spec["world"], batch=spec["batch"], seq_len=spec["seq_len"],
     activation_checkpointing=spec["ac"],
 )
@@ -327,6 +335,8 @@ def llama(
     layers: int | None = None,
     tp: int = 1,
     sp: bool = False,
+    pp: int = 1,
+    microbatches: int | None = None,
 ) -> dict[str, Any]:
     """One simulation of a Llama-3 shape in a fresh subprocess."""
     shape = dict(LLAMA_SHAPES[model])
@@ -343,6 +353,8 @@ def llama(
         use_cache=use_cache,
         tp=tp,
         sp=sp,
+        pp=pp,
+        microbatches=microbatches,
     )
     row: dict[str, Any] = {"model": model, **{k: v for k, v in spec.items() if k != "shape"}}
     row["layers"] = shape["num_hidden_layers"]
@@ -351,7 +363,7 @@ def llama(
         [sys.executable, "-c", _LLAMA_CHILD, json.dumps(spec)],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=3600,
     )
     row["process_s"] = round(time.perf_counter() - t0, 1)  # with interpreter start-up
     if out.returncode != 0:
@@ -427,6 +439,34 @@ def tp_scale(run: Any) -> list[dict[str, Any]]:
     ]
 
 
+def pipeline_scale() -> list[dict[str, Any]]:
+    """The Llama-3-405B shape as it was trained (tp 8 inside a node, pipeline stages across
+    nodes, FSDP over the rest): world 512 and 2048, tp 8 x pp 8 and 16, 1F1B with pp
+    micro-batches of one 8192-token row per data-parallel rank, AC full."""
+    rows = []
+    for world in (512, 2048):
+        for pp in (8, 16):
+            row = llama("llama3-405b", world, tp=8, pp=pp, batch=pp, microbatches=pp)
+            print(pipeline_table([row]).splitlines()[-1], flush=True)
+            rows.append(row)
+    return rows
+
+
+def pipeline_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["world  layout              stage peaks (GiB, stage 0 first)  highest  wall s"]
+    for r in rows:
+        layout = f"pp {r['pp']} x tp 8 x dp {r['world'] // (8 * r['pp'])}"
+        if "error" in r:
+            lines.append(f"{r['world']:>5}  {layout:<18}  failed: {r['error'][-300:]}")
+            continue
+        rep = r["report"]
+        peaks = " ".join(f"{st['peak'] / GIB:.1f}" for st in rep["stages"])
+        lines.append(
+            f"{r['world']:>5}  {layout:<18}  {peaks}  {format_bytes(rep['peak'])}  {r['wall_s']}"
+        )
+    return "\n".join(lines)
+
+
 def torchtitan_lines(rows: list[dict]) -> list[str]:
     lines = []
     for ref in TORCHTITAN:
@@ -454,9 +494,30 @@ def main(argv: list[str] | None = None) -> int:
         help="the Llama-3 8B/70B runs (scale table, torchtitan comparison, use_cache check)",
     )
     parser.add_argument("--scale-worlds", default="8,64,512")
+    parser.add_argument(
+        "--pipeline-scale",
+        action="store_true",
+        help="only the Llama-3-405B rows at world 512 and 2048 with tp 8 x pp 8/16 (about "
+        "half an hour on 2 cores: every stage is simulated)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     t_start = time.perf_counter()
+    if args.pipeline_scale:
+        print("Llama-3-405B: tp 8 x pp 8/16, full_shard, bf16, AC full, seq 8192, 1F1B")
+        print(pipeline_table([]), flush=True)
+        rows = pipeline_scale()
+        common.emit_json(
+            {
+                "benchmark": "memory_sim/pipeline_scale",
+                "date": time.strftime("%Y-%m-%d"),
+                "commit": common.git_commit() or "unknown",
+                "command": common.command_line("python bench/memory_sim.py", argv or None),
+                "rows": rows,
+                "bench_wall_s": round(time.perf_counter() - t_start, 1),
+            }
+        )
+        return 0
 
     strategies: tuple[str, ...]
     if args.smoke:

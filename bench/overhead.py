@@ -1,11 +1,18 @@
 """Overhead of `shardwise.wrap` against the hand-written torch it replaces.
 
-Measures, for each strategy (ddp, full_shard), one GPT and one parallel plan trained two
-ways in the same run:
+Measures, for each layout (ddp, full_shard; tp and pp on request), one GPT and one
+parallel plan trained two ways in the same run:
 
 - **shardwise**: `shardwise.wrap(model, ParallelConfig(strategy=..., auto_wrap_policy={Block}))`;
 - **handwritten**: `DistributedDataParallel(model)`, or `fully_shard(block, mesh=...)` for each
   block then `fully_shard(model, reshard_after_forward=False)` — the plan shardwise makes.
+- `tp` (tp 2 × dp world/2): shardwise with `tp=2` and a tp_plan over each block's MLP,
+  against `parallelize_module` with the same ColwiseParallel/RowwiseParallel styles
+  and then the same `fully_shard` calls over the data-parallel dimension.
+- `pp` (pp 2 × dp world/2, 1F1B, 2 micro-batches, embeddings untied): shardwise's
+  `pipeline_step`, against a stage module written by hand (this rank's blocks, the
+  embeddings on the first stage, the norm and head on the last) under `fully_shard`,
+  `PipelineStage` and `Schedule1F1B` with a cross-entropy `loss_fn`.
 
 Step time: both variants are built in each rank and stepped alternately (the order within
 each pair is drawn from a seeded RNG, the same on every rank), after a barrier, timed with
@@ -27,6 +34,7 @@ Run from the repository root:
     python bench/overhead.py --smoke              # tiny model, a few steps: seconds
     python bench/overhead.py --strategies full_shard --precision bf16 --out overhead.json
     python bench/overhead.py --device cuda --world 1   # one GPU: in-process, force_wrap
+    python bench/overhead.py --strategies tp,pp   # tensor and pipeline parallel, world 2
 
 Run it directly, not under torchrun: it spawns its own ranks (`shardwise.testing`).
 
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -57,6 +66,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import shardwise
@@ -66,6 +77,12 @@ from shardwise.testing.models import GPT, Block, GPTConfig
 Kind = Literal["shardwise", "handwritten"]
 KINDS: tuple[Kind, Kind] = ("shardwise", "handwritten")
 STRATEGIES = ("ddp", "full_shard")
+LAYOUTS = (*STRATEGIES, "tp", "pp")
+"""What --strategies takes: the two default strategies, and tp 2 or pp 2 with full_shard."""
+TP_PLAN = {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+"""The GPT's MLPs split over tp (its fused qkv projection splits q, k and v by width, which
+a column split would cut across)."""
+MICROBATCHES = 2
 TARGETS = {"step_time_ratio": 1.01, "memory_ratio": 1.005}
 
 
@@ -105,6 +122,11 @@ class BenchConfig:
             n_layers=self.n_layers,
         )
 
+    def model_config(self, strategy: str) -> GPTConfig:
+        # Under pp the tie would span the two stages, whose gradient sum hand-written torch
+        # would have to write itself: both variants train the untied GPT.
+        return dataclasses.replace(self.gpt, tie_embeddings=strategy != "pp")
+
 
 @dataclass
 class _Variant:
@@ -115,19 +137,26 @@ class _Variant:
     optimizer: torch.optim.Optimizer
     autocast_dtype: torch.dtype | None
     """Set where the step itself must enter autocast (hand-written DDP in bf16)."""
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """A step's forward and backward where it is not model(x, y).backward() (pipelines)."""
 
 
 # --- building the two variants ------------------------------------------------------
 
 
-def _build_model(cfg: BenchConfig) -> GPT:
+def _build_model(cfg: BenchConfig, strategy: str = "full_shard") -> GPT:
     torch.manual_seed(cfg.seed)  # both variants start from the same weights
-    return GPT(cfg.gpt)
+    return GPT(cfg.model_config(strategy))
 
 
 def _wrap_shardwise(model: nn.Module, strategy: str, cfg: BenchConfig) -> nn.Module:
+    layout: dict[str, Any] = {"strategy": strategy}
+    if strategy == "tp":
+        layout = {"strategy": "full_shard", "tp": 2, "tp_plan": TP_PLAN}
+    elif strategy == "pp":
+        layout = {"strategy": "full_shard", "pp": 2, "pp_microbatches": MICROBATCHES}
     config = shardwise.ParallelConfig(
-        strategy=strategy,
+        **layout,
         auto_wrap_policy={Block} if cfg.policy == "block" else cfg.policy,
         mixed_precision=cfg.precision,
         # At world 1 wrap() would hand the model back unwrapped; force the strategy.
@@ -149,17 +178,88 @@ def _wrap_handwritten(
     if strategy == "ddp":
         device_ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp_policy = _mp_policy(cfg.precision)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    # The root's parameters are needed again at the start of backward: keep them gathered.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    if strategy == "tp":
+        mesh2 = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+        for block in model.blocks:
+            plan = {k.removeprefix("blocks.*."): styles[v] for k, v in TP_PLAN.items()}
+            parallelize_module(block, mesh2["tp"], plan)
+        mesh = mesh2["dp"]
+    _shard(model, mesh, cfg)
     return model
 
 
+def _shard(model: nn.Module, mesh: Any, cfg: BenchConfig) -> None:
+    mp_policy = _mp_policy(cfg.precision)
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    # The root's parameters are needed again at the start of backward: keep them gathered.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+
+
+class _HandStage(nn.Module):
+    """One pipeline stage of the GPT, written by hand: this rank's blocks, with the
+    embeddings on the first stage and the final norm and head on the last."""
+
+    def __init__(self, gpt: GPT, index: int, stages: int) -> None:
+        super().__init__()
+        per = len(gpt.blocks) // stages
+        self.first, self.last = index == 0, index == stages - 1
+        self.blocks = nn.ModuleList(gpt.blocks[index * per : (index + 1) * per])
+        if self.first:
+            self.tok_emb, self.pos_emb = gpt.tok_emb, gpt.pos_emb
+        if self.last:
+            self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+def _handwritten_pipeline(model: GPT, cfg: BenchConfig, device: torch.device) -> _Variant:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("pp", "dp"))
+    index = mesh["pp"].get_local_rank()
+    stage = _HandStage(model, index, 2).to(device)
+    _shard(stage, mesh["dp"], cfg)
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+    pipe = PipelineStage(stage, index, 2, device, group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(pipe, MICROBATCHES, loss_fn=loss_fn)
+
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if index == 0:
+            schedule.step(x)
+            return torch.zeros(())
+        schedule.step(target=y, losses=losses)
+        return torch.stack(losses).mean()
+
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    return _Variant("handwritten", stage, optimizer, None, forward_backward)
+
+
 def _make_variant(kind: Kind, strategy: str, cfg: BenchConfig, device: torch.device) -> _Variant:
-    model = _build_model(cfg)
+    model = _build_model(cfg, strategy)
+    if strategy == "pp" and kind == "handwritten":
+        return _handwritten_pipeline(model, cfg, device)
+    if strategy == "pp":
+        wrapped = _wrap_shardwise(model, strategy, cfg)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+
+        def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return shardwise.pipeline_step(wrapped, (x, y))
+
+        return _Variant(kind, wrapped, optimizer, None, forward_backward)
     if kind == "shardwise":
         wrapped, autocast = _wrap_shardwise(model, strategy, cfg), None
     else:
@@ -180,8 +280,14 @@ def _local_numel(model: nn.Module) -> int:
 # --- stepping -------------------------------------------------------------------------
 
 
-def _batch(cfg: BenchConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(cfg.seed + 1000 + dist.get_rank())
+def _batch(
+    cfg: BenchConfig, device: torch.device, strategy: str = "ddp"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The ranks of one tp group, or of one pipeline, read the same rows.
+    rank = dist.get_rank() // 2 if strategy in ("tp", "pp") else dist.get_rank()
+    if strategy == "pp":
+        rank = dist.get_rank() % (dist.get_world_size() // 2)
+    gen = torch.Generator().manual_seed(cfg.seed + 1000 + rank)
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len + 1), generator=gen)
     tokens = tokens.to(device)
     return tokens[:, :-1], tokens[:, 1:]
@@ -190,6 +296,10 @@ def _batch(cfg: BenchConfig, device: torch.device) -> tuple[torch.Tensor, torch.
 def _train_step(v: _Variant, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     v.optimizer.zero_grad(set_to_none=True)
+    if v.forward_backward is not None:
+        loss = v.forward_backward(x, y)
+        v.optimizer.step()
+        return loss.detach()
     ctx = (
         torch.autocast(x.device.type, dtype=v.autocast_dtype)
         if v.autocast_dtype is not None
@@ -210,9 +320,9 @@ def _pair_orders(seed: int, pairs: int) -> list[tuple[Kind, ...]]:
 
 def _time_strategy(strategy: str, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     """Both variants stepped alternately; this rank's per-step times for each."""
-    params = _build_model(cfg).num_params()
+    params = _build_model(cfg, strategy).num_params()
     variants = {kind: _make_variant(kind, strategy, cfg, device) for kind in KINDS}
-    batch = _batch(cfg, device)
+    batch = _batch(cfg, device, strategy)
     # Each step after a barrier: every rank starts it together, whichever variant ran before.
     times, last_loss = common.timed_rounds(
         {kind: functools.partial(_train_step, v, batch) for kind, v in variants.items()},
@@ -247,7 +357,7 @@ def _measure_peak(
         extra["peak_reset_at_baseline"] = int(common.reset_rss_peak())
         baseline = common.proc_status_bytes("VmRSS") or common.rss_peak_bytes()
     variant = _make_variant(kind, strategy, cfg, device)
-    batch = _batch(cfg, device)
+    batch = _batch(cfg, device, strategy)
     for _ in range(cfg.mem_steps):
         _train_step(variant, batch)
     if cuda:
@@ -453,9 +563,9 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, Path | None]:
 
 def _to_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> BenchConfig:
     strategies = tuple(s.strip() for s in a.strategies.split(",") if s.strip())
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in LAYOUTS]
     if unknown or not strategies:
-        p.error(f"--strategies={a.strategies!r}: choose from {', '.join(STRATEGIES)}.")
+        p.error(f"--strategies={a.strategies!r}: choose from {', '.join(LAYOUTS)}.")
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch sees no CUDA device. Use --device cpu.")
@@ -477,6 +587,13 @@ def _to_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> BenchConfig
         **common.gpt_args(a),
         timeout_s=a.timeout_s,
     )
+    if {"tp", "pp"} & set(strategies) and world % 2:
+        p.error(f"--world={world}: tp and pp take 2 ranks each; give an even world.")
+    if "pp" in strategies and (cfg.n_layers % 2 or cfg.batch % MICROBATCHES):
+        p.error(
+            f"pp cuts {cfg.n_layers} layers into 2 stages and {cfg.batch} sequences into "
+            f"{MICROBATCHES} micro-batches: give even --n-layers and --batch."
+        )
     for name in ("steps", "mem_steps", "world"):
         if getattr(cfg, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1.")

@@ -5,8 +5,9 @@ alternately (round r runs every layout once, in a rotating order), so a load tha
 and goes on the machine falls on all of them alike:
 
 - `full_shard`: pp 1, the batch split over 4 data-parallel ranks;
-- `1f1b` and `gpipe`: pp 2 x dp 2 (full_shard within each stage), the batch split over 2
-  data-parallel ranks and cut into `--microbatches` micro-batches per step.
+- `1f1b`, `gpipe` and `interleaved_1f1b`: pp 2 x dp 2 (full_shard within each stage), the
+  batch split over 2 data-parallel ranks and cut into `--microbatches` micro-batches per
+  step; interleaved, each rank holds 2 stages of 2 layers (4 stages of the 8 layers).
 
 Reported per layout: the median over rounds of the slowest rank's step time, and its ratio
 to full_shard. What CPU timing can say: the cost of the schedule's extra work (micro-batch
@@ -17,7 +18,8 @@ rank shares one host's memory).
 
 Then, per stage, the simulated peak (`simulate_step`, gloo) against the real one
 (`shardwise.memory.stages.real_stage_step`, torch's memory tracker over real tensors) at
-pp 2 x dp 2 under each schedule, for the same GPT and 8 sequences per data-parallel rank.
+pp 2 x dp 2 under 1F1B and GPipe (interleaving is not simulated), for the same GPT and 8
+sequences per data-parallel rank.
 
     python bench/pipeline.py            # GPT 256 wide, 8 layers, 16 sequences of 128
     python bench/pipeline.py --smoke    # a tiny GPT (seconds)
@@ -38,7 +40,7 @@ from shardwise.testing import run_distributed
 from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 
 WORLD = 4
-LAYOUTS = ("full_shard", "1f1b", "gpipe")
+LAYOUTS = ("full_shard", "1f1b", "gpipe", "interleaved_1f1b")
 
 
 def _engine(layout: str, cfg: GPTConfig, microbatches: int) -> Engine:
@@ -63,7 +65,8 @@ def _rank(cfg: GPTConfig, batch: int, rounds: int, microbatches: int) -> dict[st
         rows = slice(info.dp_rank * per, (info.dp_rank + 1) * per)
         return engine.train_step((data[0][rows], data[1][rows]))["loss"]
 
-    orders = [LAYOUTS[r % 3 :] + LAYOUTS[: r % 3] for r in range(rounds + 1)]
+    n = len(LAYOUTS)
+    orders = [LAYOUTS[r % n :] + LAYOUTS[: r % n] for r in range(rounds + 1)]
     steps = {name: functools.partial(step, name) for name in LAYOUTS}
     times, losses = common.timed_rounds(steps, orders, warmup=1, barrier=True)
     return {"times": times, "losses": losses}
@@ -124,6 +127,8 @@ def table(figures: dict[str, Any], microbatches: int) -> str:
     lines = [f"{'layout':<28} {'step (median, slowest rank)':>28} {'vs full_shard':>14}"]
     for name in LAYOUTS:
         label = "full_shard (pp 1, dp 4)" if name == "full_shard" else f"{name} (pp 2 x dp 2)"
+        if name == "interleaved_1f1b":
+            label = "interleaved (2 stages/rank)"
         f = figures[name]
         lines.append(
             f"{label:<28} {f['median_s'] * 1000:>25.1f} ms {f['ratio_to_full_shard']:>13.2f}x"
@@ -139,7 +144,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
     if args.smoke:
-        cfg, batch, rounds = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2), 8, 2
+        cfg, batch, rounds = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4), 8, 2
     else:
         cfg = GPTConfig(vocab_size=1024, seq_len=128, d_model=256, n_layers=8)
         batch, rounds = 16, args.rounds

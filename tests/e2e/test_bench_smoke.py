@@ -46,6 +46,25 @@ def test_benchmark_smoke(script):
     assert report["benchmark"] in script.replace(".py", "") or script == "overhead.py"
 
 
+@pytest.mark.pipeline  # `make test-pipeline`: tp and pp at world 2
+def test_overhead_compares_tp_and_pp_with_the_same_plan_written_by_hand():
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "overhead.py"), "--smoke", "--strategies", "tp,pp"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout[out.stdout.index("{") :])
+    assert set(report["strategies"]) == {"tp", "pp"}
+    for name, r in report["strategies"].items():
+        # The same plan both ways: rank 0 holds as many parameters under each.
+        local = r["local_params_rank0"]
+        assert local["shardwise"] == local["handwritten"] < r["params"], (name, local)
+    tp = report["strategies"]["tp"]["final_loss_rank0"]  # the same steps on the same rows
+    assert tp["shardwise"] == pytest.approx(tp["handwritten"], rel=1e-5)
+
+
 def test_gpu_check_without_a_gpu_says_so_and_checks_nothing(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: run `make gpu-check` itself")
