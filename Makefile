@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline lint typecheck unit layout bench gpu-check soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts lint typecheck unit layout bench gpu-check soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,12 @@ test-adapters: $(STAMP)
 # model families through the Engine, the layout and a negative control; .ci/run runs it.
 test-pipeline: $(STAMP)
 	$(VENV)/bin/pytest -q -m pipeline tests/distributed/test_pipeline.py tests/e2e/test_bench_smoke.py
+
+# Expert parallel (ep 2 at world 4, alone and beside tp 2) against one process: three
+# mixtures of experts through the Engine, the layout, a negative control and a checkpoint
+# loaded in one process; .ci/run runs it.
+test-experts: $(STAMP)
+	$(VENV)/bin/pytest -q -m experts tests/distributed/test_expert_parallel.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

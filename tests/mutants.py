@@ -1017,6 +1017,49 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "routing_weights_not_in_the_order_of_the_copies",
+        "src/shardwise/parallelize/experts.py",
+        "        weight = weights.reshape(-1)[order].to(back.dtype)\n",
+        "        weight = weights.reshape(-1).to(back.dtype)\n",
+        (
+            "tests/distributed/test_expert_parallel.py::test_expert_parallel_trains_equal_to_one_process",
+        ),
+    ),
+    Mutant(
+        "experts_gradient_divided_by_the_ranks_that_shard_them",
+        "src/shardwise/parallelize/fsdp.py",
+        "        unit.set_gradient_divide_factor(float(spec.dp_size))\n",
+        "        unit.set_gradient_divide_factor(float(spec.dp_size // spec.ep))\n",
+        (
+            "tests/distributed/test_expert_parallel.py::test_expert_parallel_trains_equal_to_one_process",
+        ),
+    ),
+    Mutant(
+        "sums_forced_over_a_shard_group_of_one",
+        "src/shardwise/parallelize/fsdp.py",
+        '        if backend == "gloo" and spec.dp_shard // spec.ep > 1:\n',
+        '        if backend == "gloo":\n',
+        (
+            "tests/distributed/test_expert_parallel.py::test_expert_parallel_trains_equal_to_one_process",
+        ),
+    ),
+    Mutant(
+        "tp_plan_keeps_splitting_the_experts_under_ep",
+        "src/shardwise/parallelize/experts.py",
+        "    kept = {k: v for k, v in plan.apply.items() if not isinstance(v, ExpertsParallel)}\n",
+        "    kept = dict(plan.apply)\n",
+        (
+            "tests/unit/parallelize/test_expert_plan.py::test_under_ep_the_tp_plan_leaves_the_experts_whole",
+        ),
+    ),
+    Mutant(
+        "ep_accepted_when_it_does_not_divide_dp_shard",
+        "src/shardwise/distributed/mesh.py",
+        "    if spec.dp_shard % ep == 0:\n",
+        "    if True:\n",
+        ("tests/unit/parallelize/test_expert_plan.py::test_ep_borrows_its_ranks_from_dp_shard",),
+    ),
+    Mutant(
         "auto_split_gives_the_remainder_to_the_last_stages",
         "src/shardwise/plan/stages.py",
         "(1 if s < extra else 0)",
@@ -1053,8 +1096,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "run_spawns_a_pp_the_world_cannot_hold",
         "src/shardwise/cli/launch.py",
-        "tp=parallel.tp_size, pp=parallel.pp",
-        "tp=parallel.tp_size",
+        "            pp=parallel.pp,\n            ep=parallel.ep,\n",
+        "            ep=parallel.ep,\n",
         (
             "tests/unit/parallelize/test_pipeline_stages.py::test_run_refuses_a_pp_the_world_cannot_hold_before_spawning",
         ),

@@ -256,7 +256,12 @@ def check_layout(script_args: list[str], world: int) -> None:
         return
     try:
         resolve_mesh(
-            parallel.strategy, parallel.dp_shard, world, tp=parallel.tp_size, pp=parallel.pp
+            parallel.strategy,
+            parallel.dp_shard,
+            world,
+            tp=parallel.tp_size,
+            pp=parallel.pp,
+            ep=parallel.ep,
         )
     except ValueError as exc:
         raise ValueError(

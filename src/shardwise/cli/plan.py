@@ -108,11 +108,23 @@ def plan_command(args: argparse.Namespace) -> int:
         overrides.append(f"parallel.tp={args.tp}")
     config = load_config(args.config, overrides, cls=Config)
     parallel = config.parallel
+    if parallel.ep > 1:
+        raise NotImplementedError(
+            f"shardwise plan with parallel.ep={parallel.ep} is not built yet: the estimate and "
+            "the simulation do not model experts spread over ranks. Plan with ep=1: the model "
+            "states per rank are the same (the experts are sharded over dp_shard ranks either "
+            "way); ep gathers num_experts / ep experts per layer instead of all of them."
+        )
     spec = None
     if parallel.strategy != "auto" and parallel.device_mesh is None:
         # The layout against the world size, before any model is built: one line.
         spec = resolve_mesh(
-            parallel.strategy, parallel.dp_shard, args.world, tp=parallel.tp_size, pp=parallel.pp
+            parallel.strategy,
+            parallel.dp_shard,
+            args.world,
+            tp=parallel.tp_size,
+            pp=parallel.pp,
+            ep=parallel.ep,
         )
     factory = _load_factory(args.target)
     with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere

@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
+from shardwise.config.experts import validate_ep
 from shardwise.config.names import StrategySetting, closest, normalize_strategy
 from shardwise.config.pipeline import PPSchedule, PPSplit, stages_per_rank, validate_pp
 from shardwise.config.precision import Precision, PrecisionSetting, resolve_precision
@@ -245,6 +246,11 @@ class ParallelConfig:
     final norm and the head, to the last), or the module names at which each stage after
     the first begins, e.g. ['model.layers.2'] (the names of blocks in the model's list of
     layers): pp * pp_stages_per_rank - 1 names."""
+    ep: int = 1
+    """Expert-parallel degree for a mixture of experts: each group of `ep` ranks of a shard
+    group holds num_experts / ep whole experts per rank, and tokens travel to their experts'
+    ranks and back by all-to-all. The experts are sharded by FSDP over the dp_shard // ep
+    ranks left; the rest of the model keeps its layout. ep must divide dp_shard. 1: none."""
     cp: int = 1
     """Context-parallel degree. Only 1 for now: anything else is refused (see the error)."""
     mixed_precision: PrecisionSetting = "fp32"
@@ -387,6 +393,7 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
         )
     validate_tp(cfg)
     validate_pp(cfg)
+    validate_ep(cfg)
     cfg._precision = resolve_precision(cfg.mixed_precision)
     _keep_fp32_from_fsdp1(cfg)
     cfg._offload = resolve_cpu_offload(cfg.cpu_offload)

@@ -25,6 +25,9 @@ REPLICATE_DIM = "dp_replicate"
 SHARD_DIM = "dp_shard"
 TP_DIM = "tp"
 PP_DIM = "pp"
+EP_DIM = "ep"
+EXPERT_SHARD_DIM = "ep_shard"
+"""The expert mesh's data-parallel dimension: dp_shard // ep ranks shard each expert."""
 
 _HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 
@@ -50,6 +53,9 @@ class MeshSpec:
     """Tensor-parallel degree (the innermost mesh dimension); 1: none."""
     pp: int = 1
     """Pipeline stages (the outermost mesh dimension); 1: none."""
+    ep: int = 1
+    """Expert-parallel degree: each group of `ep` ranks of one dp_shard group holds the
+    experts between them; 1: none."""
 
     @property
     def world_size(self) -> int:
@@ -75,6 +81,23 @@ class MeshSpec:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    def build_experts(self, device_type: str) -> DeviceMesh:
+        """The experts' mesh (dp_replicate, ep_shard, ep[, tp]) over the same ranks as
+        `build`'s: dp_shard is split into ep_shard × ep, ep innermost, so an ep group is
+        `ep` consecutive ranks of one shard group (with tp, one per tp coordinate: the
+        experts are whole on every rank of a tp group, which sees the same tokens)."""
+        dims = [
+            (REPLICATE_DIM, self.dp_replicate),
+            (EXPERT_SHARD_DIM, self.dp_shard // self.ep),
+            (EP_DIM, self.ep),
+        ]
+        dims += [(TP_DIM, self.tp)] if self.tp > 1 else []
+        return init_device_mesh(
+            device_type,
+            tuple(size for _, size in dims),
+            mesh_dim_names=tuple(name for name, _ in dims),
+        )
 
     def build(self, device_type: str) -> DeviceMesh | None:
         """The DeviceMesh for fully_shard (None for ddp, which uses the default group)."""
@@ -160,10 +183,18 @@ def resolve_mesh(
     reshard_after_forward: bool | int | None = None,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
 ) -> MeshSpec:
     """Validate the degrees against the world size and fix every -1. With `tp` > 1 the
     strategy applies to the world_size // tp data-parallel ranks; with `pp` > 1 each
-    stage's world_size // pp ranks are laid out as without pp."""
+    stage's world_size // pp ranks are laid out as without pp; `ep` borrows its ranks from
+    dp_shard."""
+    if ep > 1:
+        spec = resolve_mesh(
+            strategy, dp_shard, world_size, local_world_size=local_world_size,
+            reshard_after_forward=reshard_after_forward, tp=tp, pp=pp,
+        )  # fmt: skip
+        return _with_experts(spec, ep)
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1.")
     local_world = local_world_size or world_size
@@ -236,6 +267,35 @@ def resolve_mesh(
     raf = strategy_reshards(strategy) if reshard_after_forward is None else reshard_after_forward
     engine = "ddp" if strategy == "ddp" else "fsdp"
     return MeshSpec(strategy, replicate, shard, raf, engine)
+
+
+def _with_experts(spec: MeshSpec, ep: int) -> MeshSpec:
+    """`spec` with its dp_shard ranks grouped `ep` at a time for the experts."""
+    if spec.dp_shard % ep == 0:
+        return MeshSpec(
+            spec.strategy, spec.dp_replicate, spec.dp_shard, spec.reshard_after_forward,
+            spec.engine, spec.tp, spec.pp, ep,
+        )  # fmt: skip
+    if (spec.dp_shard * spec.tp) % ep == 0:
+        raise refused(
+            NotImplementedError(
+                f"ParallelConfig.ep={ep} takes ranks from tp={spec.tp} as well as from "
+                f"dp_shard={spec.dp_shard}: not built yet. The ranks of a tp group see the same "
+                "tokens, which would then reach the experts twice. Choose ep dividing "
+                f"{spec.dp_shard} (dp_shard), or fewer tp ranks."
+            )
+        )
+    fits = [d for d in divisors(spec.dp_shard) if d > 1]
+    why = (
+        f"strategy={spec.strategy!r} shards over no ranks (dp_shard=1)"
+        if spec.dp_shard == 1
+        else f"each of the {spec.dp_shard} ranks of a shard group must hold the same share"
+    )
+    raise _refused(
+        f"ParallelConfig.ep={ep} must divide dp_shard={spec.dp_shard}, the ranks experts are "
+        f"spread over: {why}. Choose ep in {fits or [1]}"
+        + ("; ep needs a sharded strategy (full_shard, hybrid_shard)." if not fits else ".")
+    )
 
 
 def _with_stages(

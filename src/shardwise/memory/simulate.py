@@ -385,6 +385,14 @@ def simulate_step(
             "callable that takes the parameters and returns a torch optimizer."
         )
     check_backend(backend)
+    if config.ep > 1:
+        raise NotImplementedError(
+            f"simulate_step with ParallelConfig.ep={config.ep} is not built yet: the tokens "
+            "each rank's experts receive depend on the routing, which a simulation without "
+            "real values cannot see. Simulate ep=1: the model states per rank are the same "
+            "(the experts are sharded over dp_shard ranks either way); ep gathers num_experts "
+            "/ ep experts per layer instead of all of them, and adds all-to-all buffers."
+        )
     kwargs = dict(
         model_factory=model_factory,
         config=_resolve_config(config, activation_checkpointing),

@@ -2,11 +2,12 @@
 
 apply.py holds wrap's one documented order; ddp.py and fsdp.py apply the two engines;
 stages.py cuts the model into this rank's pipeline stages and pipeline.py steps them over
-the schedule; recompute.py and autocast.py apply activation checkpointing and autocast;
-batch_stats.py, global_batch.py and router_loss.py make losses built from statistics of the
-batch (a mixture of experts' load balancing) whole-batch ones and say what stays per rank;
-materialize.py builds meta models for real; weights.py loads safetensors into local shards;
-wrapped.py is the record of what wrap did, read by every layer above.
+the schedule; experts.py spreads a mixture of experts' experts over the ep ranks;
+recompute.py and autocast.py apply activation checkpointing and autocast; batch_stats.py,
+global_batch.py and router_loss.py make losses built from statistics of the batch (a
+mixture of experts' load balancing) whole-batch ones and say what stays per rank;
+materialize.py builds meta models for real; weights.py loads safetensors into local
+shards; wrapped.py is the record of what wrap did, read by every layer above.
 """
 
 from shardwise.parallelize.apply import check_not_wrapped, wrap

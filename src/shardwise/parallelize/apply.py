@@ -23,13 +23,27 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config.parallel import ParallelConfig
-from shardwise.distributed.mesh import TP_DIM, MeshSpec, dp_mesh, from_user_mesh, resolve_mesh
+from shardwise.distributed.mesh import (
+    EP_DIM,
+    EXPERT_SHARD_DIM,
+    REPLICATE_DIM,
+    TP_DIM,
+    MeshSpec,
+    dp_mesh,
+    from_user_mesh,
+    resolve_mesh,
+)
 from shardwise.distributed.process_group import DistInfo, env_world_size, get_dist_info, serves_cpu
 from shardwise.distributed.worker_errors import refused
 from shardwise.parallelize.autocast import apply_autocast, tf32_advice
 from shardwise.parallelize.batch_stats import prepare as prepare_batch_statistics
 from shardwise.parallelize.ddp import apply_ddp, ddp_group
-from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, unit_preparer
+from shardwise.parallelize.experts import (
+    apply_expert_parallel,
+    check_expert_parallel,
+    plan_without_experts,
+)
+from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, shard_experts, unit_preparer
 from shardwise.parallelize.global_batch import attach, groups_of
 from shardwise.parallelize.materialize import has_meta
 from shardwise.parallelize.materialize import materialize as materialize  # memory/fake.py swaps it
@@ -274,12 +288,13 @@ def wrap(
 def _resolve_layout(config: ParallelConfig, info: DistInfo) -> tuple[MeshSpec, DeviceMesh | None]:
     """The degrees of every mesh dimension for this job (and the user's own mesh, if any)."""
     if config.device_mesh is not None:
-        if config.pp > 1:
-            raise NotImplementedError(
-                f"ParallelConfig.pp={config.pp} with a device_mesh of your own is not built "
-                "yet: shardwise lays out the (pp, dp_replicate, dp_shard, tp) mesh itself. "
-                "Leave device_mesh unset."
-            )
+        for name in ("pp", "ep"):
+            if getattr(config, name) > 1:
+                raise NotImplementedError(
+                    f"ParallelConfig.{name}={getattr(config, name)} with a device_mesh of your "
+                    "own is not built yet: shardwise lays out the (pp, dp_replicate, dp_shard, "
+                    "tp) mesh and the experts' mesh itself. Leave device_mesh unset."
+                )
         return from_user_mesh(
             config.strategy,
             config.dp_shard,
@@ -295,6 +310,7 @@ def _resolve_layout(config: ParallelConfig, info: DistInfo) -> tuple[MeshSpec, D
         reshard_after_forward=config.reshard_after_forward,
         tp=config.tp_size,
         pp=config.pp,
+        ep=config.ep,
     )
     return spec, None
 
@@ -331,6 +347,9 @@ def _apply_dimensions(
         else None
     )
     tp_plan = check_tensor_parallel(model, config) if spec.tp > 1 else None  # before any group
+    experts = check_expert_parallel(model, spec.ep) if spec.ep > 1 else None
+    if experts is not None and tp_plan is not None:
+        tp_plan = plan_without_experts(tp_plan, spec.ep)
     _refuse_unbuilt(model, config, spec, on_meta, quantized)
     if stage_plan is not None and tp_plan is not None:
         check_split_ties(model, tp_plan, stage_plan.tied)
@@ -338,7 +357,7 @@ def _apply_dimensions(
     assert mesh is not None  # only ddp builds none
     move = not on_meta and config.offload_policy is None
     sync = config.sync_module_states and not on_meta  # a meta model has no values yet
-    whole_first = stage_plan is not None or tp_plan is not None
+    whole_first = stage_plan is not None or tp_plan is not None or experts is not None
     # An optimizer built from the parameters sharding replaces would train nothing: refuse
     # it at its first step. Marked now, so no list of them keeps a full copy alive.
     if whole_first:
@@ -352,6 +371,10 @@ def _apply_dimensions(
         state = build_stage(model, stage_plan, coordinate[0])
     if tp_plan is not None:  # 2
         apply_tensor_parallel(model, mesh[TP_DIM], tp_plan)
+    experts_mesh = None
+    if experts is not None:  # 2b
+        experts_mesh = spec.build_experts(info.device.type)
+        apply_expert_parallel(experts, experts_mesh[EP_DIM])
     rf = spec.reshard_after_forward
     plan = plan_wrap(model, config, reshard_after_forward=rf)
     _prepare_blocks(model, plan, config)  # 3
@@ -365,6 +388,11 @@ def _apply_dimensions(
     # A rank that holds several stages runs each through its own module: each is an FSDP
     # root the schedule drives; the model, their union, shares their parameters.
     runs = [c.module for c in state.chunks] if state is not None else [model]
+    if experts is not None:  # 4a: the experts over what ep leaves, before their blocks
+        assert experts_mesh is not None
+        dims = (REPLICATE_DIM, EXPERT_SHARD_DIM) if spec.is_2d else EXPERT_SHARD_DIM
+        backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        shard_experts(list(experts.values()), config, spec, experts_mesh[dims], backend)
     for root in runs:  # 4
         own = plan if root is model else plan_wrap(root, config, reshard_after_forward=rf)
         apply_fsdp(root, config, info, spec, own, data_parallel, prepare=prepare)

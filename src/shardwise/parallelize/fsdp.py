@@ -165,6 +165,29 @@ def apply_fsdp(
     return mesh
 
 
+def shard_experts(
+    modules: list[nn.Module], config: ParallelConfig, spec: MeshSpec, mesh: Any, backend: str
+) -> None:
+    """fully_shard each experts module that expert parallelism spread, over the ranks ep
+    leaves (its own unit, before the blocks that hold it). Each expert's gradient arrives
+    summed over its ep group's tokens, so FSDP divides by every data-parallel rank, not by
+    the ranks it shards over; gloo reduces only by sums, so FSDP divides separately there."""
+    for module in modules:
+        fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=spec.reshard_after_forward,
+            mp_policy=config.precision.to_fsdp_policy(),
+        )
+        unit = cast(FSDPModule, module)
+        unit.set_gradient_divide_factor(float(spec.dp_size))
+        # gloo has no pre-multiplied sum: reduce by sums and divide apart. Not over a shard
+        # group of one rank (ep == dp_shard), where no reduce-scatter runs: torch 2.13 then
+        # divides by the factor in its copy and again after it (half the gradient).
+        if backend == "gloo" and spec.dp_shard // spec.ep > 1:
+            unit.set_force_sum_reduction_for_comms(True)
+
+
 def replicate_scalars(model: nn.Module, names: list[str]) -> None:
     """Keep 0-dim parameters whole and equal on every rank: fully_shard cannot shard them.
 

@@ -41,7 +41,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["EXPERTS_WORD", "PARAM_WORDS", "ExpertsParallel"]
+__all__ = ["EXPERTS_WORD", "PARAM_WORDS", "ExpertsParallel", "local_parameters"]
 
 EXPERTS_WORD = "moe_tp_experts"
 """The plan word of an experts module; its parameters have entries of their own."""
@@ -144,7 +144,7 @@ def _summed_over_tp(
     def run(*args: Any, **kwargs: Any) -> Tensor:
         args = tuple(_partial_gradient(a, mesh) for a in args)
         kwargs = {k: _partial_gradient(v, mesh) for k, v in kwargs.items()}
-        with _local_parameters(module, names):
+        with local_parameters(module, names):
             out = forward(*args, **kwargs)
         if not isinstance(out, Tensor) or isinstance(out, DTensor):
             raise TypeError(
@@ -171,7 +171,7 @@ def _partial_gradient(x: Any, mesh: DeviceMesh) -> Any:
 
 
 @contextmanager
-def _local_parameters(module: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
+def local_parameters(module: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
     """The module's forward sees plain local tensors (its own code indexes and chunks them,
     which DTensor cannot follow on a strided split); `to_local` keeps the gradient flowing to
     the DTensor parameters, which FSDP may have swapped in for its unsharded ones."""
@@ -179,7 +179,7 @@ def _local_parameters(module: nn.Module, names: tuple[str, ...]) -> Iterator[Non
     saved = {n: params[n] for n in names}
     try:
         for n, p in saved.items():
-            assert isinstance(p, DTensor), f"{n} was not split by ExpertsParallel"
+            assert isinstance(p, DTensor), f"{n} was not split over a mesh (tp or ep)"
             params[n] = cast(nn.Parameter, p.to_local())  # a view for this forward only
         yield
     finally:

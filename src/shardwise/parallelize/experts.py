@@ -1,0 +1,196 @@
+"""Expert parallelism: whole experts spread over the ranks of an `ep` group, each token sent
+to the ranks that hold its experts and back.
+
+Owns: finding a model's experts modules (a Hugging Face mixture of experts stores each
+layer's experts as 3-D parameters, experts first, in a module with `num_experts` whose
+forward takes (hidden_states, top_k_index, top_k_weights)), the checks before any group
+exists (a model with experts, num_experts divisible by ep), splitting each experts
+parameter's first dimension over the mesh's ep dimension (Shard(0): every rank holds
+num_experts / ep whole experts), and the dispatch and combine around the module's own
+forward:
+
+1. each token's k copies are sorted by expert, and so by the rank that holds it;
+2. the counts, then the rows and their local expert ids, go to those ranks
+   (all_to_all_single with uneven splits; the rows' all-to-all carries the gradient);
+3. the module's own expert math runs there on the rows it received, with local ids;
+4. the outputs travel back in the order they left and are weighted on the token's own
+   rank by the router's weights, whose gradient therefore stays local, and summed per
+   token in expert order, as the module itself sums them.
+
+Each local expert joins the backward even when no token reached it, so FSDP's reduction
+over the ranks that shard the experts never waits for a gradient one rank lacks.
+
+Must not: write collectives of its own (torch's all_to_all_single and its autograd
+version move the data), shard over the data-parallel ranks (fsdp.py does, over what ep
+leaves), or split an expert's own matrices (that is tp, moe.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from shardwise.parallelize.moe import ExpertsParallel, local_parameters
+from shardwise.parallelize.tensor import CheckedPlan
+
+__all__ = [
+    "apply_expert_parallel",
+    "check_expert_parallel",
+    "expert_parameters",
+    "find_experts",
+    "is_expert_parallel",
+    "plan_without_experts",
+]
+
+_ROUTED = ("hidden_states", "top_k_index", "top_k_weights")
+_ATTR = "_shardwise_expert_parallel"
+
+
+def _is_experts(module: nn.Module) -> bool:
+    n = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    if not isinstance(n, int) or n < 1 or not params:
+        return False
+    if any(p.dim() < 2 or p.shape[0] != n for p in params):
+        return False
+    names = list(inspect.signature(module.forward).parameters)[:3]
+    return len(names) == 3 and names[1] in ("top_k_index", "router_indices", "topk_indices")
+
+
+def _count(module: nn.Module) -> int:
+    n = getattr(module, "num_experts", None)
+    assert isinstance(n, int)  # _is_experts checked it
+    return n
+
+
+def find_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Every experts module of `model`, by name (see the module docstring)."""
+    return {name: m for name, m in model.named_modules() if _is_experts(m)}
+
+
+def check_expert_parallel(model: nn.Module, ep: int) -> dict[str, nn.Module]:
+    """The experts modules ep spreads, refusing a model it cannot spread, before any group
+    exists (the same on every rank)."""
+    found = find_experts(model)
+    if not found:
+        raise ValueError(
+            f"ParallelConfig.ep={ep}: {type(model).__name__} has no experts module to "
+            "spread over ranks (shardwise finds a mixture of experts' experts stored as 3-D "
+            "parameters, experts first, in a module with num_experts whose forward takes "
+            "(hidden_states, top_k_index, top_k_weights), as transformers' MoE families do). "
+            "Use ep=1 for a dense model."
+        )
+    for name, module in found.items():
+        n = _count(module)
+        if n % ep:
+            fits = [d for d in range(1, n + 1) if n % d == 0]
+            raise ValueError(
+                f"ParallelConfig.ep={ep} does not divide {name}.num_experts={n}: every rank "
+                f"of an ep group holds the same number of whole experts. Choose ep in {fits}."
+            )
+    return found
+
+
+def is_expert_parallel(module: nn.Module) -> bool:
+    """Whether `apply_expert_parallel` spread this module's experts."""
+    return _ATTR in module.__dict__
+
+
+def apply_expert_parallel(modules: dict[str, nn.Module], ep_mesh: DeviceMesh) -> None:
+    """Split each experts module's parameters over `ep_mesh` (Shard(0)), in place, and make
+    its forward dispatch tokens to their experts' ranks and combine them back."""
+    ep = ep_mesh.size()
+    group = ep_mesh.get_group()
+    for module in modules.values():
+        names = tuple(module._parameters)
+        for name in names:
+            param = module._parameters[name]
+            assert param is not None  # _is_experts saw every one
+            module._parameters[name] = nn.Parameter(
+                distribute_tensor(param.data, ep_mesh, [Shard(0)]),
+                requires_grad=param.requires_grad,
+            )
+        local = _count(module) // ep
+        own = type(module).forward.__get__(module)
+        module.__dict__[_ATTR] = local
+        module.forward = _dispatcher(module, own, names, group, ep, local)
+
+
+def _dispatcher(
+    module: nn.Module,
+    own: Callable[..., torch.Tensor],
+    names: tuple[str, ...],
+    group: Any,
+    ep: int,
+    local: int,
+) -> Callable[..., torch.Tensor]:
+    whole = _count(module)
+
+    def forward(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = index.shape[-1]
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, so by owning rank
+        expert = flat[order]
+        owner = torch.div(expert, local, rounding_mode="floor")
+        send = torch.bincount(owner, minlength=ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        sent, got = send.tolist(), recv.tolist()
+        rows = torch.div(order, k, rounding_mode="floor")  # each copy's token
+        ids = torch.empty(sum(got), dtype=expert.dtype, device=expert.device)
+        dist.all_to_all_single(ids, expert - owner * local, got, sent, group=group)
+        received = all_to_all_single_autograd(hidden[rows], got, sent, group)
+        ones = torch.ones(ids.shape[0], 1, dtype=weights.dtype, device=weights.device)
+        with local_parameters(module, names):
+            module.__dict__["num_experts"] = local  # the module's own one-hot counts these
+            try:
+                out = own(received, ids[:, None], ones)
+                # Every local expert joins the backward, reached by a token or not.
+                # transformers' own implementations already touch every expert; a forward
+                # that loops over the experts it was given would leave the others without
+                # a gradient on this rank while another rank of their shard group has one.
+                for n in names:
+                    param = module._parameters[n]
+                    assert param is not None
+                    out = out + param.sum() * 0
+            finally:
+                module.__dict__["num_experts"] = whole
+        back = all_to_all_single_autograd(out, sent, got, group)
+        weight = weights.reshape(-1)[order].to(back.dtype)
+        combined = torch.zeros_like(hidden)
+        return combined.index_add(0, rows, back * weight[:, None])
+
+    return forward
+
+
+def plan_without_experts(plan: CheckedPlan, ep: int) -> CheckedPlan:
+    """A tp plan with its experts entries left out: under ep the experts are whole on every
+    rank of a tp group (attention and the dense layers stay under tp)."""
+    if not isinstance(plan.apply, dict):
+        raise NotImplementedError(
+            f"ParallelConfig.ep={ep} with a callable tp_plan is not built yet: shardwise "
+            "cannot tell whether the callable also splits the experts, which ep spreads "
+            "instead. Give tp_plan as a dict (or 'auto')."
+        )
+    kept = {k: v for k, v in plan.apply.items() if not isinstance(v, ExpertsParallel)}
+    said = {k: v for k, v in plan.described.items() if k in kept}
+    return CheckedPlan(kept, said)
+
+
+def expert_parameters(model: nn.Module) -> list[DTensor]:
+    """The parameters expert parallelism split (for checks and reports)."""
+    return [
+        p
+        for m in model.modules()
+        if is_expert_parallel(m)
+        for p in m.parameters(recurse=False)
+        if isinstance(p, DTensor)
+    ]

@@ -1,0 +1,301 @@
+"""Expert parallel at world 4 equals one process.
+
+Three transformers mixtures of experts (mixtral, qwen3_moe and olmoe, four experts, two
+per token) are built tiny and trained 3 SGD steps, with clipping active, under three
+layouts: ep 2 over full_shard's 4 ranks (each rank holds 2 whole experts, which FSDP
+shards over the 2 ranks ep leaves); ep 2 beside tp 2 (dp_shard 2 × tp 2: attention and
+the dense layers split over tp, the experts whole on both ranks of a tp group and spread
+over the 2 data-parallel ranks); and ep 2 under hybrid_shard (replicate 2 × shard 2: the
+experts all-reduced over the replicas). olmoe trains with its router's auxiliary
+load-balancing loss on, at its own coefficient. Each data-parallel rank reads its rows of
+every global batch. Compared with one process on the whole batch: the loss at every step,
+every gradient of the first step and the final parameters, each within rel 1e-5.
+
+The layout is shown to be real: on every rank an experts parameter is a DTensor whose
+ep-local first dimension is num_experts / ep. Experts that receive no token on one rank
+of the pair that shards them, while the other rank's receive one, step as they do in one
+process. The negative control, outputs combined back
+in an order other than the one they left in, fails the same comparison. A checkpoint saved
+at ep 2 loads at world 1 with its optimizer, parameters exact, and the next step equals
+the run that was not interrupted. All cases run in one spawned group of 4.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import shardwise
+from shardwise.parallelize import experts as ep_module
+from shardwise.testing import run_distributed
+
+pytestmark = [pytest.mark.experts, pytest.mark.timeout(1500)]
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, BATCH, SEQ, STEPS = 32, 8, 6, 3
+MAX_NORM = 0.5  # below the gradients' norm: clipping acts
+RTOL = 1e-5
+DECODER = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, use_cache=False,
+)  # fmt: skip
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 4, "num_experts": 4, "moe_intermediate_size": 8}),
+    # The router's auxiliary loss on, at OLMoE's own coefficient (0.01).
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "output_router_logits": True}),
+}  # fmt: skip
+LAYOUTS = {
+    "ep2": {"strategy": "full_shard", "ep": 2},  # 2 expert groups x 2 ranks sharding each
+    "ep2_tp2": {"strategy": "full_shard", "ep": 2, "tp": 2},  # dp_shard 2 x tp 2
+    # replicate 2 x shard 2: each ep group is a whole shard group, so FSDP shards the
+    # experts over one rank (no reduce-scatter) and all-reduces them over the replicas.
+    "ep2_hybrid": {"strategy": "hybrid_shard", "ep": 2},
+}
+
+
+def build(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**DECODER, "num_experts_per_tok": 2, **extra})
+    model = getattr(transformers, model_cls)(config)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _rows(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    per = BATCH // size
+    return {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
+
+
+def _engine(
+    family: str, config: shardwise.ParallelConfig | None, opt: Any = None, prepare: Any = None
+) -> Any:
+    model = build(family)
+    return shardwise.Engine(
+        prepare(model) if prepare is not None else model,
+        opt or functools.partial(torch.optim.SGD, lr=0.5),
+        config,
+        train=shardwise.TrainConfig(max_grad_norm=MAX_NORM),
+    )
+
+
+MARK = VOCAB - 1
+_MARKED: list[torch.Tensor] = []
+
+
+def _remember_marks(module: nn.Module, args: Any, kwargs: Any) -> None:
+    _MARKED[:] = [(kwargs["input_ids"] == MARK).reshape(-1)]
+
+
+def _route(module: nn.Module, args: Any, out: Any) -> Any:
+    """Every token to experts 0 and 1, but a marked token's second copy to expert 2."""
+    logits, weights, index = out
+    fixed = torch.arange(2).expand_as(index).clone()
+    fixed[_MARKED[0], 1] = 2
+    return logits, weights, fixed
+
+
+def idle_experts(model: nn.Module) -> nn.Module:
+    """Only global row 0 holds the marked token: on ep rank 1 of the first ep group
+    expert 2 gets one copy, while ep rank 1 of the second group, which shards the same
+    experts with it, receives no token at all."""
+    model.register_forward_pre_hook(_remember_marks, with_kwargs=True)
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        layer.mlp.gate.register_forward_hook(_route)
+    return model
+
+
+def marked_batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, MARK, (BATCH, SEQ), generator=g)
+        ids[0, 0] = MARK
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def train(
+    family: str,
+    config: shardwise.ParallelConfig | None,
+    prepare: Any = None,
+    data: Any = batches,
+) -> dict[str, Any]:
+    """3 SGD steps through the Engine; each rank reads its data-parallel rows."""
+    engine = _engine(family, config, prepare=prepare)
+    info = shardwise.wrap_info(engine.model)
+    rank, size = (info.dp_rank, info.dp_size) if info is not None else (0, 1)
+    first: dict[str, torch.Tensor] = {}
+
+    no_grad: list[str] = []
+
+    def record(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not first:
+            no_grad.extend(n for n, p in engine.model.named_parameters() if p.grad is None)
+            for name, p in engine.model.named_parameters():
+                first[name] = _full(p.grad) if p.grad is not None else torch.zeros(p.shape)
+
+    engine.optimizer.register_step_pre_hook(record)
+    losses = [engine.train_step(_rows(b, rank, size))["loss"] for b in data()]
+    params = {n: _full(p) for n, p in engine.model.named_parameters()}
+    layout = _layout(engine.model)
+    return {"losses": losses, "grads": first, "params": params, "layout": layout, "none": no_grad}
+
+
+def _layout(model: nn.Module) -> dict[str, Any]:
+    """Each experts parameter's placements, mesh and first dimension on this rank's ep
+    slice (gathered over the ranks FSDP shards it over, kept split over ep)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()):
+            dims = p.device_mesh.mesh_dim_names
+            keep = [Shard(0) if d == "ep" else Replicate() for d in dims]
+            out[name] = (dims, p.redistribute(placements=keep).to_local().shape[0], p.shape[0])
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def compare(got: dict[str, Any], ref: dict[str, Any]) -> float:
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    for name in ref["params"]:
+        worst = max(worst, _rel(got["grads"][name], ref["grads"][name]))
+        worst = max(worst, _rel(got["params"][name], ref["params"][name]))
+    return worst
+
+
+def _scrambled(family: str) -> dict[str, Any]:
+    """The negative control: each rank's outputs come back reversed within what it sent."""
+    original = ep_module.all_to_all_single_autograd
+    calls = [0]
+
+    def combine_reversed(t: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls[0] += 1
+        out = original(t, *args)
+        return out.flip(0) if calls[0] % 2 == 0 else out  # every second one combines
+
+    ep_module.all_to_all_single_autograd = combine_reversed  # type: ignore[assignment]
+    try:
+        return train(family, shardwise.ParallelConfig(**LAYOUTS["ep2"]))
+    finally:
+        ep_module.all_to_all_single_autograd = original
+
+
+def save_then_step(root: str, config: shardwise.ParallelConfig | None) -> dict[str, Any]:
+    engine = _engine("qwen3_moe", config, functools.partial(torch.optim.AdamW, lr=1e-2))
+    info = shardwise.wrap_info(engine.model)
+    rank, size = (info.dp_rank, info.dp_size) if info is not None else (0, 1)
+    data = batches()
+    for b in data[:2]:
+        engine.train_step(_rows(b, rank, size))
+    if config is not None:
+        shardwise.save_checkpoint(root, engine)
+    saved = {n: _full(p) for n, p in engine.model.named_parameters()}
+    return {"saved": saved, "next": engine.train_step(_rows(data[2], rank, size))["loss"]}
+
+
+def load_then_step(root: str) -> dict[str, Any]:
+    engine = _engine("qwen3_moe", None, functools.partial(torch.optim.AdamW, lr=1e-2))
+    shardwise.load_checkpoint(root, engine)
+    loaded = {n: _full(p) for n, p in engine.model.named_parameters()}
+    return {"loaded": loaded, "next": engine.train_step(batches()[2])["loss"]}
+
+
+def run_cases(root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for family in FAMILIES:
+        for layout, fields in LAYOUTS.items():
+            out[f"{family}/{layout}"] = train(family, shardwise.ParallelConfig(**fields))
+    out["scrambled"] = _scrambled("qwen3_moe")
+    idle = shardwise.ParallelConfig(**LAYOUTS["ep2"])
+    out["idle"] = train("mixtral", idle, idle_experts, marked_batches)
+    out["ckpt"] = save_then_step(root, shardwise.ParallelConfig(**LAYOUTS["ep2"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("ep_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def results(root: str) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    got = run_distributed(run_cases, 4, args=(root,), timeout_s=1200)
+    refs = {family: train(family, None) for family in FAMILIES}
+    return got, refs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_parallel_trains_equal_to_one_process(
+    results: Any, family: str, layout: str
+) -> None:
+    got, refs = results
+    worst = max(compare(r[f"{family}/{layout}"], refs[family]) for r in got)
+    print(f"{family} {layout}: rel {worst:.2e}")
+    assert worst < RTOL, f"{family} {layout}: rel {worst:.2e}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_rank_holds_num_experts_over_ep_whole_experts(results: Any, layout: str) -> None:
+    got, _ = results
+    for r in got:
+        shown = r[f"qwen3_moe/{layout}"]["layout"]
+        assert len(shown) == 4, shown  # gate_up_proj and down_proj of 2 layers
+        for name, (dims, local, whole) in shown.items():
+            assert "ep" in dims and (whole, local) == (4, 2), (name, dims, local, whole)
+
+
+def test_experts_that_receive_no_token_still_step_as_in_one_process(results: Any) -> None:
+    got, _ = results
+    ref = train("mixtral", None, idle_experts, marked_batches)
+    worst = max(compare(r["idle"], ref) for r in got)
+    print(f"mixtral, experts idle on one rank of a shard group: rel {worst:.2e}")
+    assert worst < RTOL
+    assert [r["idle"]["none"] for r in got] == [[]] * 4  # every rank's experts have a gradient
+    grads = ref["grads"]["model.layers.0.mlp.experts.gate_up_proj"]
+    assert float(grads[3].abs().max()) == 0.0  # no token ever reaches expert 3
+    assert float(grads[2].abs().max()) > 0.0  # one copy reaches expert 2
+
+
+def test_outputs_combined_in_another_order_fail_the_comparison(results: Any) -> None:
+    got, refs = results
+    worst = max(compare(r["scrambled"], refs["qwen3_moe"]) for r in got)
+    print(f"qwen3_moe combined out of order: rel {worst:.2e}")
+    assert worst > 100 * RTOL, f"rel {worst:.2e}: the control did not fail"
+
+
+def test_an_ep2_checkpoint_loads_in_one_process_exactly_and_steps_on(
+    results: Any, root: str
+) -> None:
+    got, _ = results
+    at_1 = load_then_step(root)
+    saved = got[0]["ckpt"]
+    for name, value in saved["saved"].items():
+        assert torch.equal(at_1["loaded"][name], value), name
+    assert abs(at_1["next"] - saved["next"]) / saved["next"] < RTOL
+    assert Path(root).exists()
