@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts lint typecheck unit layout bench gpu-check soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-reshard test-launcher lint typecheck unit layout bench gpu-check soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,21 @@ test-pipeline: $(STAMP)
 # loaded in one process; .ci/run runs it.
 test-experts: $(STAMP)
 	$(VENV)/bin/pytest -q -m experts tests/distributed/test_expert_parallel.py
+
+# Tensor parallel (dp 2 x tp 2 at world 4) against one process: ten transformers families
+# with their own plans, sequence and loss parallel, checkpoints; .ci/run runs it.
+test-tp: $(STAMP)
+	$(VENV)/bin/pytest -q -m tensor_parallel tests/distributed/test_tensor_parallel.py tests/distributed/test_tp_gradient_check.py
+
+# Checkpoints resharded between every pair of layouts, and the check shown to fail; .ci/run
+# runs it.
+test-reshard: $(STAMP)
+	$(VENV)/bin/pytest -q -m reshard tests/distributed/test_checkpoint.py
+
+# `shardwise run`'s report when ranks fail, stall or die (processes started as a user
+# starts them); .ci/run runs it.
+test-launcher: $(STAMP)
+	$(VENV)/bin/pytest -q -m launcher tests/e2e/test_launch_robust.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

@@ -134,6 +134,7 @@ def matrix(tmp_path_factory):
     return run_matrix(tmp_path_factory.mktemp("matrix"), ALL_PAIRS)
 
 
+@pytest.mark.reshard  # `make test-reshard` (and .ci/run): every layout pair, minutes
 def test_reshard_matrix_all_pairs(matrix):
     assert len(ALL_PAIRS) == 100
     assert_continues(matrix, ALL_PAIRS)
@@ -141,6 +142,7 @@ def test_reshard_matrix_all_pairs(matrix):
     assert all(r["rng"] == (CONFIGS[s][1] == CONFIGS[d][1]) for (s, d), r in matrix.items())
 
 
+@pytest.mark.reshard
 def test_reshard_check_can_fail_without_optimizer_state(tmp_path):
     pairs = [(4, 9)]  # full_shard w2 -> hybrid_shard w4, model only
     results = run_matrix(tmp_path, pairs, load_optimizer=False)

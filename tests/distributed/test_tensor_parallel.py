@@ -29,6 +29,8 @@ from shardwise.parallelize.tensor import SplitGradientError, check_tp_gradients
 from shardwise.testing import run_distributed
 from shardwise.testing.parity import split_batch
 
+pytestmark = pytest.mark.tensor_parallel  # `make test-tp` (and .ci/run), not `make test`
+
 VOCAB, D, STEPS, BATCH, SEQ = 32, 16, 3, 8, 6  # VOCAB divides by tp
 PLAN = {
     "emb": "embedding_rowwise",

@@ -22,6 +22,8 @@ import shardwise
 from shardwise.parallelize.tensor import SplitGradientError, check_tp_gradients
 from shardwise.testing import run_distributed
 
+pytestmark = pytest.mark.tensor_parallel  # `make test-tp` (and .ci/run), not `make test`
+
 NORM = "model.layers.0.post_attention_layernorm.weight"
 SPLIT = "model.layers.0.mlp.up_proj.weight"
 

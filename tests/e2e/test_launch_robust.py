@@ -25,6 +25,8 @@ from _proc import ROOT, run_in_session
 
 from shardwise.testing import free_port
 
+pytestmark = pytest.mark.launcher  # `make test-launcher` (and .ci/run), not `make test`
+
 SHARDWISE = [sys.executable, "-m", "shardwise.cli"]
 
 
