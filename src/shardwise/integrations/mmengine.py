@@ -70,7 +70,6 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _ADOPTED = "_shardwise_adopted"
 
 
-@MODEL_WRAPPERS.register_module()
 def _refuse_unbuilt_layouts(config: ParallelConfig) -> None:
     """Layouts the Runner cannot drive yet, refused with the reason."""
     if config.pp != 1:
@@ -96,6 +95,7 @@ def _refuse_unbuilt_layouts(config: ParallelConfig) -> None:
         )
 
 
+@MODEL_WRAPPERS.register_module()
 class ShardwiseDataParallel(nn.Module):
     """An mmengine model wrapper that parallelises `module` with `shardwise.wrap`.
 

@@ -398,7 +398,7 @@ def test_plan_shows_each_stage_and_its_model_states(capsys) -> None:  # type: ig
 def test_plan_shows_each_stage_split_over_tp(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     from shardwise.cli.main import main
 
-    (tmp_path / "llm.py").write_text(
+    (tmp_path / "stages_llm.py").write_text(
         "import transformers as tf\n"
         "def llama():\n"
         "    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, "
@@ -411,7 +411,7 @@ def test_plan_shows_each_stage_split_over_tp(tmp_path, monkeypatch, capsys) -> N
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
-    assert main(["plan", "llm:llama", "--world", "8", "--pp", "2", "--tp", "2"]) == 0
+    assert main(["plan", "stages_llm:llama", "--world", "8", "--pp", "2", "--tp", "2"]) == 0
     out = capsys.readouterr().out
     assert "stage 0, over its 2 data-parallel rank(s) x tp 2, optimizer adamw" in out
     # Stage 0: the embedding (128 x 64) and layer 0 (36,992 parameters, 128 of them in its
@@ -422,7 +422,7 @@ def test_plan_shows_each_stage_split_over_tp(tmp_path, monkeypatch, capsys) -> N
     assert "stage 1, over its 2 data-parallel rank(s) x tp 2" in out
     argv = [
         "plan",
-        "llm:llama",
+        "stages_llm:llama",
         "--world",
         "4",
         "--pp",
@@ -431,7 +431,7 @@ def test_plan_shows_each_stage_split_over_tp(tmp_path, monkeypatch, capsys) -> N
     ]
     assert main(argv) == 2  # two layers cannot make four stages
     assert "pp=2 × 2 per rank = 4 stages but model.layers holds 2" in capsys.readouterr().err
-    argv[1] = "llm:llama4"
+    argv[1] = "stages_llm:llama4"
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "4 stages over model.layers, 2 per rank" in out
