@@ -439,12 +439,12 @@ def tp_scale(run: Any) -> list[dict[str, Any]]:
     ]
 
 
-def pipeline_scale() -> list[dict[str, Any]]:
+def pipeline_scale(worlds: tuple[int, ...] = (512, 2048)) -> list[dict[str, Any]]:
     """The Llama-3-405B shape as it was trained (tp 8 inside a node, pipeline stages across
     nodes, FSDP over the rest): world 512 and 2048, tp 8 x pp 8 and 16, 1F1B with pp
     micro-batches of one 8192-token row per data-parallel rank, AC full."""
     rows = []
-    for world in (512, 2048):
+    for world in worlds:
         for pp in (8, 16):
             row = llama("llama3-405b", world, tp=8, pp=pp, batch=pp, microbatches=pp)
             print(pipeline_table([row]).splitlines()[-1], flush=True)
@@ -497,16 +497,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pipeline-scale",
         action="store_true",
-        help="only the Llama-3-405B rows at world 512 and 2048 with tp 8 x pp 8/16 (about "
-        "half an hour on 2 cores: every stage is simulated)",
+        help="only the Llama-3-405B rows at --pipeline-worlds with tp 8 x pp 8/16 (every "
+        "stage is simulated: about 25 minutes per world on one core)",
     )
+    parser.add_argument("--pipeline-worlds", default="512,2048")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     if args.pipeline_scale:
         print("Llama-3-405B: tp 8 x pp 8/16, full_shard, bf16, AC full, seq 8192, 1F1B")
         print(pipeline_table([]), flush=True)
-        rows = pipeline_scale()
+        rows = pipeline_scale(tuple(int(w) for w in args.pipeline_worlds.split(",")))
         common.emit_json(
             {
                 "benchmark": "memory_sim/pipeline_scale",
