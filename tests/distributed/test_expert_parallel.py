@@ -17,7 +17,9 @@ of the pair that shards them, while the other rank's receive one, step as they d
 process. The negative control, outputs combined back
 in an order other than the one they left in, fails the same comparison. A checkpoint saved
 at ep 2 loads at world 1 with its optimizer, parameters exact, and the next step equals
-the run that was not interrupted. All cases run in one spawned group of 4.
+the run that was not interrupted; exported from that checkpoint, the weights load into a
+fresh model whole, experts packed as transformers stores them. All cases run in one
+spawned group of 4.
 """
 
 from __future__ import annotations
@@ -298,4 +300,12 @@ def test_an_ep2_checkpoint_loads_in_one_process_exactly_and_steps_on(
     for name, value in saved["saved"].items():
         assert torch.equal(at_1["loaded"][name], value), name
     assert abs(at_1["next"] - saved["next"]) / saved["next"] < RTOL
-    assert Path(root).exists()
+    # Exported from the checkpoint: every expert whole, in transformers' packed layout.
+    out = Path(root) / "export"
+    shardwise.export_weights(root, out)
+    fresh = build("qwen3_moe")
+    shardwise.load_weights(fresh, out)
+    packed = fresh.get_parameter("model.layers.0.mlp.experts.gate_up_proj")
+    assert packed.shape == (4, 2 * 8, 16)  # (experts, gate and up, hidden)
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.detach(), saved["saved"][name]), name
