@@ -70,7 +70,7 @@ test-pipeline: $(STAMP)
 # mixtures of experts through the Engine, the layout, a negative control and a checkpoint
 # loaded in one process; .ci/run runs it.
 test-experts: $(STAMP)
-	$(VENV)/bin/pytest -q -m experts tests/distributed/test_expert_parallel.py
+	$(VENV)/bin/pytest -q -m experts tests/distributed/test_expert_parallel.py tests/e2e/test_bench_smoke.py
 
 # Tensor parallel (dp 2 x tp 2 at world 4) against one process: ten transformers families
 # with their own plans, sequence and loss parallel, checkpoints; .ci/run runs it.
@@ -89,7 +89,7 @@ test-launcher: $(STAMP)
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)
-	$(VENV)/bin/pytest -q -m "bench and not models and not integrations and not adapters and not pipeline" tests/e2e/test_bench_smoke.py
+	$(VENV)/bin/pytest -q -m "bench and not models and not integrations and not adapters and not pipeline and not experts" tests/e2e/test_bench_smoke.py
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
