@@ -73,10 +73,15 @@ class MeshSpec:
     def __str__(self) -> str:
         tp = f" x tp {self.tp}" if self.tp > 1 else ""
         pp = f"pp {self.pp} x " if self.pp > 1 else ""
+        ep = (
+            f"; experts: ep {self.ep} x {self.dp_shard // self.ep} shard rank(s)"
+            if self.ep > 1
+            else ""
+        )
         return (
             f"{self.strategy}: {pp}{self.dp_replicate} replica group(s) x {self.dp_shard} shard "
             f"rank(s){tp} = world {self.world_size}, engine={self.engine}, "
-            f"reshard_after_forward={self.reshard_after_forward}"
+            f"reshard_after_forward={self.reshard_after_forward}{ep}"
         )
 
     def to_json(self) -> str:

@@ -50,6 +50,7 @@ def test_config_guards_name_the_field_and_the_fix() -> None:
 def test_ep_borrows_its_ranks_from_dp_shard() -> None:
     spec = resolve_mesh("full_shard", -1, 4, ep=2)
     assert (spec.dp_shard, spec.ep, spec.dp_size) == (4, 2, 4)
+    assert str(spec).endswith("; experts: ep 2 x 2 shard rank(s)")
     spec = resolve_mesh("hybrid_shard", 2, 8, ep=2)
     assert (spec.dp_replicate, spec.dp_shard, spec.ep) == (4, 2, 2)
     spec = resolve_mesh("full_shard", -1, 4, tp=2, ep=2)  # dp_shard 2 x tp 2
