@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pipeline-scale",
         action="store_true",
         help="only the Llama-3-405B rows at --pipeline-worlds with tp 8 x pp 8/16 (every "
-        "stage is simulated: about 25 minutes per world on one core)",
+        "stage is simulated: about 20 minutes per world on one core)",
     )
     parser.add_argument("--pipeline-worlds", default="512,2048")
     args = parser.parse_args(argv)
