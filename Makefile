@@ -85,7 +85,7 @@ test-reshard: $(STAMP)
 # `shardwise run`'s report when ranks fail, stall or die (processes started as a user
 # starts them); .ci/run runs it.
 test-launcher: $(STAMP)
-	$(VENV)/bin/pytest -q -m launcher tests/e2e/test_launch_robust.py
+	$(VENV)/bin/pytest -q -m "launcher and not slow" tests/e2e/test_launch_robust.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

@@ -1,7 +1,7 @@
 """Run a command on a busy machine: N CPU-bound processes beside it, stopped afterwards.
 
     .venv/bin/python -m tools.busy make test          # three busy processes (the default)
-    .venv/bin/python -m tools.busy --hogs 3 -- .venv/bin/pytest -q -m launcher tests/e2e
+    .venv/bin/python -m tools.busy --hogs 3 -- make test-launcher
 
 For anyone changing the launcher, its report or the collective guards: the suite must pass
 when the machine is not the test's alone (docs/testing.md). Each busy process is
