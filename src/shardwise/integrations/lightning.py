@@ -53,6 +53,7 @@ from shardwise.checkpoint.trust import (
     root_cause,
 )
 from shardwise.config.parallel import ParallelConfig
+from shardwise.integrations.layouts import refuse_unbuilt_layouts
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.materialize import init_empty
 from shardwise.parallelize.wrapped import stale_parameters, wrap_info
@@ -132,32 +133,6 @@ def _clip_trainable(optimizer: Any, max_norm: float) -> None:
     )
 
 
-def _refuse_unbuilt_layouts(config: ParallelConfig) -> None:
-    """Layouts the Trainer cannot drive yet, refused with the reason."""
-    if config.pp != 1:
-        raise NotImplementedError(
-            f"ParallelConfig.pp={config.pp} inside Lightning's Trainer is not built "
-            "yet: the host runs each batch through the model's forward and its own "
-            "backward, while a pipeline stage is stepped by its schedule over "
-            "micro-batches, and every stage of one pipeline must read the same rows. Use "
-            "pp=1 here, or train with "
-            "shardwise's Engine and Runner."
-        )
-    if config.tp != 1:
-        raise NotImplementedError(
-            f"ParallelConfig.tp={config.tp} inside Lightning's Trainer is not "
-            "built yet: the host's sampler splits the data over every rank, while the ranks "
-            "of a tensor-parallel group must read the same rows (shardwise's Runner does "
-            "that). Use tp=1 here, or train with shardwise's Engine and Runner."
-        )
-    if config.ep != 1:
-        raise NotImplementedError(
-            f"ParallelConfig.ep={config.ep} inside Lightning's Trainer is not built yet: no "
-            "test proves experts spread over ranks equal to the host's own training there. "
-            "Use ep=1 here, or train with shardwise's Engine and Runner."
-        )
-
-
 class ShardwiseStrategy(ModelParallelStrategy):
     """Lightning strategy that parallelises the LightningModule with `shardwise.wrap`.
 
@@ -193,7 +168,7 @@ class ShardwiseStrategy(ModelParallelStrategy):
                 "ShardwiseStrategy(config=...) expects a shardwise.ParallelConfig, got "
                 f"{type(self.config).__name__}."
             )
-        _refuse_unbuilt_layouts(self.config)
+        refuse_unbuilt_layouts(self.config, "Lightning's Trainer")
         super().__init__(
             save_distributed_checkpoint=True,
             process_group_backend=process_group_backend,

@@ -58,6 +58,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config.parallel import ParallelConfig
+from shardwise.integrations.layouts import refuse_unbuilt_layouts
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.wrapped import unwrap
 from shardwise.train.engine import clip_grad_norm_
@@ -68,31 +69,6 @@ __all__ = ["ShardwiseDataParallel", "full_state_dicts"]
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _ADOPTED = "_shardwise_adopted"
-
-
-def _refuse_unbuilt_layouts(config: ParallelConfig) -> None:
-    """Layouts the Runner cannot drive yet, refused with the reason."""
-    if config.pp != 1:
-        raise NotImplementedError(
-            f"ParallelConfig.pp={config.pp} inside mmengine's Runner is not built yet: the "
-            "host runs each batch through the model's forward and its own backward, while "
-            "a pipeline stage is stepped by its schedule over micro-batches, and every "
-            "stage of one pipeline must read the same rows. Use pp=1 here, or train with "
-            "shardwise's Engine and Runner."
-        )
-    if config.tp != 1:
-        raise NotImplementedError(
-            f"ParallelConfig.tp={config.tp} inside mmengine's Runner is not "
-            "built yet: the host's sampler splits the data over every rank, while the ranks "
-            "of a tensor-parallel group must read the same rows (shardwise's Runner does "
-            "that). Use tp=1 here, or train with shardwise's Engine and Runner."
-        )
-    if config.ep != 1:
-        raise NotImplementedError(
-            f"ParallelConfig.ep={config.ep} inside mmengine's Runner is not built yet: no "
-            "test proves experts spread over ranks equal to the host's own training there. "
-            "Use ep=1 here, or train with shardwise's Engine and Runner."
-        )
 
 
 @MODEL_WRAPPERS.register_module()
@@ -111,7 +87,7 @@ class ShardwiseDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         config = ParallelConfig(**kwargs)
-        _refuse_unbuilt_layouts(config)
+        refuse_unbuilt_layouts(config, "mmengine's Runner")
         if config.strategy != "ddp":
             # mmengine initialises weights after wrapping, then broadcasts the state dict
             # from rank 0: on shards that would copy rank 0's shard over the others. Here

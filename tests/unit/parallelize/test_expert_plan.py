@@ -100,6 +100,8 @@ def test_hosts_refuse_expert_parallel_with_the_reason() -> None:
     mmengine = pytest.importorskip("shardwise.integrations.mmengine")
     with pytest.raises(NotImplementedError, match=r"ep=2 inside mmengine's Runner is not built"):
         mmengine.ShardwiseDataParallel(nn.Linear(2, 2), strategy="full_shard", ep=2)
+    with pytest.raises(NotImplementedError, match=r"tp=2 inside mmengine's Runner is not built"):
+        mmengine.ShardwiseDataParallel(nn.Linear(2, 2), strategy="full_shard", tp=2)
     lightning = pytest.importorskip("shardwise.integrations.lightning")
     with pytest.raises(NotImplementedError, match=r"ep=2 inside Lightning's Trainer"):
         lightning.ShardwiseStrategy(config=shardwise.ParallelConfig(ep=2))
