@@ -1085,8 +1085,17 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/parallelize/test_pipeline_stages.py::test_wrap_at_world_one_refuses_stages",),
     ),
     Mutant(
-        "lightning_takes_pp",
-        "src/shardwise/integrations/lightning.py",
+        "hosts_take_ep",
+        "src/shardwise/integrations/layouts.py",
+        "    if config.ep != 1:\n",
+        "    if False:\n",
+        (
+            "tests/unit/parallelize/test_expert_plan.py::test_hosts_refuse_expert_parallel_with_the_reason",
+        ),
+    ),
+    Mutant(
+        "hosts_take_pp",
+        "src/shardwise/integrations/layouts.py",
         "    if config.pp != 1:\n",
         "    if False:\n",
         (
