@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardwise.parallelize.moe import ExpertsParallel, local_parameters
 from shardwise.parallelize.tensor import CheckedPlan
@@ -44,14 +44,11 @@ from shardwise.parallelize.tensor import CheckedPlan
 __all__ = [
     "apply_expert_parallel",
     "check_expert_parallel",
-    "expert_parameters",
     "find_experts",
-    "is_expert_parallel",
     "plan_without_experts",
 ]
 
 _ROUTED = ("hidden_states", "top_k_index", "top_k_weights")
-_ATTR = "_shardwise_expert_parallel"
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -99,11 +96,6 @@ def check_expert_parallel(model: nn.Module, ep: int) -> dict[str, nn.Module]:
     return found
 
 
-def is_expert_parallel(module: nn.Module) -> bool:
-    """Whether `apply_expert_parallel` spread this module's experts."""
-    return _ATTR in module.__dict__
-
-
 def apply_expert_parallel(modules: dict[str, nn.Module], ep_mesh: DeviceMesh) -> None:
     """Split each experts module's parameters over `ep_mesh` (Shard(0)), in place, and make
     its forward dispatch tokens to their experts' ranks and combine them back."""
@@ -120,7 +112,6 @@ def apply_expert_parallel(modules: dict[str, nn.Module], ep_mesh: DeviceMesh) ->
             )
         local = _count(module) // ep
         own = type(module).forward.__get__(module)
-        module.__dict__[_ATTR] = local
         module.forward = _dispatcher(module, own, names, group, ep, local)
 
 
@@ -183,14 +174,3 @@ def plan_without_experts(plan: CheckedPlan, ep: int) -> CheckedPlan:
     kept = {k: v for k, v in plan.apply.items() if not isinstance(v, ExpertsParallel)}
     said = {k: v for k, v in plan.described.items() if k in kept}
     return CheckedPlan(kept, said)
-
-
-def expert_parameters(model: nn.Module) -> list[DTensor]:
-    """The parameters expert parallelism split (for checks and reports)."""
-    return [
-        p
-        for m in model.modules()
-        if is_expert_parallel(m)
-        for p in m.parameters(recurse=False)
-        if isinstance(p, DTensor)
-    ]
