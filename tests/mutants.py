@@ -1189,6 +1189,34 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_pipeline.py::test_pp2_dp2_tp2_at_world_8_trains_equal_to_one_process",
         ),
     ),
+    Mutant(
+        "stated_routing_sends_more_to_one_rank_than_can_reach_it",
+        "src/shardwise/parallelize/experts.py",
+        "else min(math.ceil(self.load * tokens * k), bound)",
+        "else math.ceil(self.load * tokens * k)",
+        (
+            "tests/unit/memory/test_expert_memory.py::test_the_stated_routing_sends_evenly_and_loads_the_busiest_rank_as_stated",
+        ),
+    ),
+    Mutant(
+        "simulated_rank_receives_only_what_it_sends",
+        "src/shardwise/parallelize/experts.py",
+        "            sent, got = _STATED[-1].splits(flat.numel() // k, k, ep, local)\n",
+        "            got, sent = _STATED[-1].splits(flat.numel() // k, k, ep, local)\n",
+        (
+            "tests/unit/memory/test_expert_memory.py::test_a_simulated_step_under_ep_states_its_routing_and_keeps_the_model_states",
+        ),
+    ),
+    Mutant(
+        "simulation_ignores_the_expert_load_given",
+        "src/shardwise/memory/simulate.py",
+        "_routing(spec.ep, expert_load) as routing,",
+        "_routing(spec.ep, DEFAULT_EXPERT_LOAD) as routing,",
+        (
+            "tests/unit/memory/test_expert_memory.py::test_a_simulated_step_under_ep_states_its_routing_and_keeps_the_model_states",
+            "tests/distributed/test_expert_parallel.py::test_the_simulated_peak_is_within_10_percent_of_the_busiest_real_rank",
+        ),
+    ),
 )
 
 

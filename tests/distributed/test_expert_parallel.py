@@ -227,6 +227,50 @@ def load_then_step(root: str) -> dict[str, Any]:
     return {"loaded": loaded, "next": engine.train_step(batches()[2])["loss"]}
 
 
+MEMORY_BATCH, MEMORY_SEQ = 4, 32
+
+
+def memory_model(zero_router: bool) -> nn.Module:
+    """A mixtral whose experts hold most of its bytes. With `zero_router` its routers are
+    zero and frozen: every token picks experts 0 and 1, which ep rank 0 holds, so that rank
+    receives every copy of its ep group (the stated worst case) at every step."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        **{**DECODER, "hidden_size": 64, "intermediate_size": 256, "vocab_size": 128,
+           "max_position_embeddings": 64}, num_local_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config)
+    model.config._attn_implementation = "eager"
+    if zero_router:
+        for layer in model.model.layers:
+            if not layer.mlp.gate.weight.is_meta:
+                nn.init.zeros_(layer.mlp.gate.weight)
+            layer.mlp.gate.weight.requires_grad_(False)
+    return model
+
+
+def measured_step(zero_router: bool) -> dict[str, Any]:
+    """One real step's tracked peak (the measure simulate_step is checked against) and the
+    rows this rank's experts received in each layer (the dispatch's output sizes)."""
+    sizes: list[int] = []
+    dispatch = ep_module.all_to_all_single_autograd
+
+    def counted(t: torch.Tensor, out: list[int], inp: list[int], group: Any) -> torch.Tensor:
+        sizes.append(sum(out))
+        return dispatch(t, out, inp, group)
+
+    ep_module.all_to_all_single_autograd = counted
+    try:
+        real = shardwise.memory.real_step(
+            functools.partial(memory_model, zero_router),
+            shardwise.ParallelConfig(**LAYOUTS["ep2"]), batch=MEMORY_BATCH, seq_len=MEMORY_SEQ,
+        )  # fmt: skip
+    finally:
+        ep_module.all_to_all_single_autograd = dispatch
+    # Each experts layer's forward calls it twice: the dispatch (rows in), the combine.
+    return {"peak": real["peak"], "received": sizes[0::2]}
+
+
 def run_cases(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for family in FAMILIES:
@@ -236,6 +280,7 @@ def run_cases(root: str) -> dict[str, Any]:
     idle = shardwise.ParallelConfig(**LAYOUTS["ep2"])
     out["idle"] = train("mixtral", idle, idle_experts, marked_batches)
     out["ckpt"] = save_then_step(root, shardwise.ParallelConfig(**LAYOUTS["ep2"]))
+    out["memory"] = {zero: measured_step(zero) for zero in (True, False)}
     return out
 
 
@@ -309,3 +354,25 @@ def test_an_ep2_checkpoint_loads_in_one_process_exactly_and_steps_on(
     assert packed.shape == (4, 2 * 8, 16)  # (experts, gate and up, hidden)
     for name, p in fresh.named_parameters():
         assert torch.equal(p.detach(), saved["saved"][name]), name
+
+
+@pytest.mark.parametrize("zero_router", [True, False], ids=["worst", "random"])
+def test_the_simulated_peak_is_within_10_percent_of_the_busiest_real_rank(
+    results: Any, zero_router: bool
+) -> None:
+    got, _ = results
+    runs = [r["memory"][zero_router] for r in got]
+    busiest = max(runs, key=lambda run: max(run["received"]))
+    balanced = MEMORY_BATCH * MEMORY_SEQ * 2  # each rank's copies: tokens x top-2
+    load = max(busiest["received"]) / balanced
+    if zero_router:  # every copy of the ep group reached its rank 0, in both layers
+        assert busiest["received"] == [2 * balanced] * 2 and load == 2.0
+    sim = shardwise.simulate_step(
+        functools.partial(memory_model, zero_router), shardwise.ParallelConfig(**LAYOUTS["ep2"]),
+        world=4, batch=MEMORY_BATCH, seq_len=MEMORY_SEQ, backend="gloo",
+        expert_load="worst" if zero_router else load,
+    )  # fmt: skip
+    off = sim.peak / busiest["peak"] - 1
+    print(f"ep 2, {'zero' if zero_router else 'random'} routers, load {load:.2f}: simulated "
+          f"{sim.peak} B, busiest real rank {busiest['peak']} B ({off:+.2%})")  # fmt: skip
+    assert abs(off) < 0.10, (sim, busiest)

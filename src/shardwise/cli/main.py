@@ -229,6 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="pipeline stages (the same as the override parallel.pp=N): each stage's part "
         "and model states",
     )
+    plan.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="expert-parallel degree (the same as the override parallel.ep=N): where each "
+        "rank's experts go, and the model states per rank",
+    )
+    plan.add_argument(
+        "--expert-load",
+        default=None,
+        help="with --ep and --simulate: the busiest rank's received rows over the balanced "
+        "count, a number >= 1 (default 2.0), or 'worst'",
+    )
     plan.add_argument("overrides", nargs="*", help="section.key=value")
     plan.set_defaults(func=plan_command)
 

@@ -102,19 +102,14 @@ def plan_command(args: argparse.Namespace) -> int:
         if any(o.startswith("parallel.pp=") for o in overrides):
             raise ValueError("--pp and parallel.pp=... both given: keep one of them.")
         overrides.append(f"parallel.pp={args.pp}")
-    if args.tp is not None:
-        if any(o.startswith("parallel.tp=") for o in overrides):
-            raise ValueError("--tp and parallel.tp=... both given: keep one of them.")
-        overrides.append(f"parallel.tp={args.tp}")
+    for flag in ("tp", "ep"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            if any(o.startswith(f"parallel.{flag}=") for o in overrides):
+                raise ValueError(f"--{flag} and parallel.{flag}=... both given: keep one of them.")
+            overrides.append(f"parallel.{flag}={value}")
     config = load_config(args.config, overrides, cls=Config)
     parallel = config.parallel
-    if parallel.ep > 1:
-        raise NotImplementedError(
-            f"shardwise plan with parallel.ep={parallel.ep} is not built yet: the estimate and "
-            "the simulation do not model experts spread over ranks. Plan with ep=1: the model "
-            "states per rank are the same (the experts are sharded over dp_shard ranks either "
-            "way); ep gathers num_experts / ep experts per layer instead of all of them."
-        )
     spec = None
     if parallel.strategy != "auto" and parallel.device_mesh is None:
         # The layout against the world size, before any model is built: one line.
@@ -135,6 +130,17 @@ def plan_command(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanNotice)
         plan = plan_wrap(model, config.parallel)
+    if spec is not None and spec.ep > 1:
+        from shardwise.cli.plan_experts import plan_experts
+
+        args.optimizer_name = config.optimizer.name
+        example = _example_input(args)
+        seq_len = args.seq_len
+        if seq_len is None and example is None:
+            from shardwise.memory.fake import default_seq_len
+
+            seq_len = default_seq_len(model)
+        return plan_experts(args, factory, model, parallel, spec, plan, seq_len, example)
     if spec is not None and spec.tp > 1:
         args.optimizer_name = config.optimizer.name
         return _plan_tp(args, model, parallel, spec, plan)

@@ -34,6 +34,7 @@ from shardwise.memory.fake import (
     fake_materialize,
     loss_of,
     meta_copy,
+    shaped_grouped_mm,
 )
 
 __all__ = ["ActivationTrace", "BlockTrace", "trace_activations"]
@@ -167,7 +168,8 @@ def trace_activations(
             if autocast and compute_dtype is not None
             else contextlib.nullcontext()
         )
-        with fake_mode, cast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with fake_mode, cast, shaped_grouped_mm(), saving:
             inputs = (
                 example_input()
                 if example_input is not None

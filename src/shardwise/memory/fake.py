@@ -104,7 +104,9 @@ def local_comm_hook(compress_to: torch.dtype | None) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def fake_world_patches(
-    tp_mesh: DeviceMesh | None = None, fake_mode: Any = None
+    tp_mesh: DeviceMesh | None = None,
+    fake_mode: Any = None,
+    experts_mesh: DeviceMesh | None = None,
 ) -> Iterator[list[Any]]:
     """While the simulation's own `wrap` runs: materialise meta models with fake storage
     (`shardwise.wrap` looks `materialize` up in parallelize/apply.py), and give DDP a
@@ -113,11 +115,13 @@ def fake_world_patches(
     Under tensor parallelism `wrap` builds its (replicate, shard, tp) mesh itself, which
     cannot happen under fake tensors: `tp_mesh`, built before, is handed to it instead,
     and `wrap` then runs on meta outside `fake_mode`, which only materialising enters.
+    Under expert parallelism the experts' mesh, `experts_mesh`, is handed over the same way.
     """
     hooked: list[Any] = []
     original_materialize = apply_module.materialize
     original_register = DistributedDataParallel.register_comm_hook
     original_build = MeshSpec.build
+    original_build_experts = MeshSpec.build_experts
 
     def register(self: DistributedDataParallel, state: object, hook: Callable[..., Any]) -> None:
         compress = {
@@ -140,12 +144,65 @@ def fake_world_patches(
     DistributedDataParallel.register_comm_hook = register  # type: ignore[method-assign]
     if tp_mesh is not None:
         MeshSpec.build = lambda self, device_type: tp_mesh  # type: ignore[method-assign]
+    if experts_mesh is not None:
+        MeshSpec.build_experts = lambda self, device_type: experts_mesh  # type: ignore[method-assign]
     try:
         yield hooked
     finally:
         apply_module.materialize = original_materialize
         DistributedDataParallel.register_comm_hook = original_register  # type: ignore[method-assign]
         MeshSpec.build = original_build  # type: ignore[method-assign]
+        MeshSpec.build_experts = original_build_experts  # type: ignore[method-assign]
+
+
+class _ShapedGroupedMM(torch.autograd.Function):
+    """torch's grouped matrix product by shape alone: what it returns and what its backward
+    saves and returns, with no kernel (values are fake)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        return torch.empty_like(a), torch.empty_like(b)
+
+
+def _shaped_grouped_mm(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    if mat_a.dim() != 2 or mat_b.dim() != 3 or args or kwargs.get("bias") is not None:
+        raise NotImplementedError(
+            "simulate_step: torch's grouped matrix product is simulated for (rows, in) x "
+            f"(groups, in, out) with offsets only; got {tuple(mat_a.shape)} x "
+            f"{tuple(mat_b.shape)}."
+        )
+    out: torch.Tensor = _ShapedGroupedMM.apply(mat_a, mat_b)  # type: ignore[no-untyped-call]
+    dtype = kwargs.get("out_dtype")
+    return out if dtype is None else out.to(dtype)
+
+
+@contextlib.contextmanager
+def shaped_grouped_mm() -> Iterator[None]:
+    """While a simulated step runs: torch's grouped matrix product (a mixture of experts'
+    expert math in transformers) by `_ShapedGroupedMM`. Its meta kernel takes bf16 only,
+    while the CPU and CUDA kernels take fp32 as well; the tensors it returns and saves are
+    the same whatever the dtype."""
+    targets = [
+        (owner, name)
+        for owner, name in ((torch, "_grouped_mm"), (torch.nn.functional, "grouped_mm"))
+        if hasattr(owner, name)
+    ]
+    originals = [getattr(owner, name) for owner, name in targets]
+    for owner, name in targets:
+        setattr(owner, name, _shaped_grouped_mm)
+    try:
+        yield
+    finally:
+        for (owner, name), original in zip(targets, originals, strict=True):
+            setattr(owner, name, original)
 
 
 def check_backend(backend: object) -> Backend:

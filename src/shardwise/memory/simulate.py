@@ -26,6 +26,7 @@ spawned subprocess), or allocate real parameter memory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
@@ -49,6 +50,7 @@ from shardwise.memory.fake import (
     default_seq_len,
     fake_world_patches,
     local_comm_hook,
+    shaped_grouped_mm,
 )
 from shardwise.memory.model_states import format_bytes
 from shardwise.memory.stages import StageSim, simulate_stages, tracked_stage
@@ -57,6 +59,7 @@ from shardwise.memory.tracking import (
     tracked_step,
 )
 from shardwise.parallelize.apply import wrap
+from shardwise.parallelize.experts import ExpertLoad, StatedRouting, stated_routing
 from shardwise.parallelize.materialize import init_empty
 from shardwise.plan.quantized import quantized_params
 
@@ -98,6 +101,8 @@ class SimReport:
     """Pipeline stages; with pp > 1 this report is the stage with the highest peak."""
     stages: list[dict[str, int]] = field(default_factory=list)
     """With pp > 1: each stage's index, peak, model states and micro-batches in flight."""
+    ep: int = 1
+    """Expert-parallel degree; with ep > 1 the notes state the routing simulated."""
 
     @property
     def model_states(self) -> int:
@@ -116,6 +121,8 @@ class SimReport:
             tp = f" x tp {self.tp}{' (sequence parallel)' if self.sequence_parallel else ''}"
         if self.pp > 1:
             tp = f" x pp {self.pp}{tp}"
+        if self.ep > 1:
+            tp = f"{tp} x ep {self.ep}"
         head = (
             f"{self.strategy}{tp} at world {self.world_size}, batch {self.batch} x seq "
             f"{self.seq_len}, {self.precision}, AC {self.activation_checkpointing}, "
@@ -156,6 +163,28 @@ def _make_optimizer(
     raise ValueError(
         f"simulate_step(optimizer={optimizer!r}): use one of {list(_OPTIMIZERS)} or a "
         "callable that takes the parameters and returns a torch optimizer."
+    )
+
+
+# --------------------------------------------------------------------------- experts
+
+DEFAULT_EXPERT_LOAD = 2.0
+"""The stated routing's load when none is given: the busiest rank receives twice the
+balanced count of rows (GShard's and Switch Transformer's evaluation capacity factor; a
+run trained with a load-balancing loss sits below it, one that is not may sit above)."""
+
+
+def _routing(ep: int, load: ExpertLoad) -> contextlib.AbstractContextManager[Any]:
+    return stated_routing(load) if ep > 1 else contextlib.nullcontext()
+
+
+def routing_note(routing: StatedRouting) -> str:
+    """What the stated routing gave the simulated rank, for the report's notes."""
+    tokens, k, rows = max(routing.seen, key=lambda seen: seen[2], default=(0, 0, 0))
+    return (
+        f"experts: routing stated, not traced (expert_load={routing.load!r}): the simulated "
+        f"rank is the busiest, receiving {rows} rows per experts layer against a balanced "
+        f"{tokens * k} ({tokens} tokens x top-{k})"
     )
 
 
@@ -212,6 +241,7 @@ def _simulate_here(
     optimizer: str | SimOptimizerFactory,
     backend: Backend,
     stage: StageSim | None = None,
+    expert_load: ExpertLoad = DEFAULT_EXPERT_LOAD,
 ) -> SimReport:
     import torch.distributed._tools.fake_collectives
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -226,12 +256,15 @@ def _simulate_here(
             world,
             reshard_after_forward=config.reshard_after_forward,
             tp=config.tp_size,
+            ep=config.ep,
         )
         # DeviceMesh reads its layout with .tolist(): build it before entering fake mode.
         mesh = spec.build("cpu")
-        if mesh is not None and spec.tp == 1:
+        experts_mesh = spec.build_experts("cpu") if spec.ep > 1 else None
+        on_meta = spec.tp > 1 or spec.ep > 1
+        if mesh is not None and not on_meta:
             config = dataclasses.replace(config, device_mesh=mesh)
-        elif spec.tp > 1:  # the fake world has no nodes: fix the shard size resolved here
+        elif on_meta:  # the fake world has no nodes: fix the shard size resolved here
             config = dataclasses.replace(config, dp_shard=spec.dp_shard)
         fake_mode = FakeTensorMode()
         model = _build_fake(model_factory, fake_mode)
@@ -242,10 +275,10 @@ def _simulate_here(
                     "simulate_step: seq_len=None and no example_input: give the sequence "
                     "length of the default (batch, seq_len) token input, or example_input."
                 )
-        if spec.tp > 1:
-            # fully_shard over a mesh with a tp dimension fails under fake tensors; on the
-            # meta device it works, and the sharded model is then materialised fake.
-            with fake_world_patches(mesh, fake_mode) as hooked:
+        if on_meta:
+            # fully_shard over a mesh with a tp or ep dimension fails under fake tensors; on
+            # the meta device it works, and the sharded model is then materialised fake.
+            with fake_world_patches(mesh, fake_mode, experts_mesh) as hooked:
                 model = wrap(model, config)
         else:
             with fake_mode, fake_world_patches() as hooked:
@@ -260,7 +293,11 @@ def _simulate_here(
                     return example_input()
                 return default_input(model, batch, int(seq_len or 0))
 
-            with backend_collectives(backend):
+            with (
+                backend_collectives(backend),
+                shaped_grouped_mm(),
+                _routing(spec.ep, expert_load) as routing,
+            ):
                 if stage is None:
                     result = tracked_step(model, opt, make_input)
                 else:
@@ -269,6 +306,8 @@ def _simulate_here(
     finally:
         shutdown()
     notes = [f"rank 0 of {world}; ranks are symmetric ({spec.strategy}, {spec})"]
+    if routing is not None:
+        notes = [f"rank 0 of {world} ({spec.strategy}, {spec})", routing_note(routing)]
     return SimReport(
         strategy=spec.strategy,
         world_size=world,
@@ -284,6 +323,7 @@ def _simulate_here(
         tp=spec.tp,
         sequence_parallel=config.sequence_parallel,
         backend=backend,
+        ep=spec.ep,
     )
 
 
@@ -355,6 +395,7 @@ def simulate_step(
     optimizer: str | SimOptimizerFactory = "adamw",
     activation_checkpointing: ActivationCheckpointing = None,
     backend: Backend = "nccl",
+    expert_load: ExpertLoad = DEFAULT_EXPERT_LOAD,
     timeout_s: float = 600.0,
 ) -> SimReport:
     """Rank 0's peak memory, by category, for one training step at `world` ranks.
@@ -369,6 +410,12 @@ def simulate_step(
     `backend` is the process-group backend the job will run, whose collective buffers are
     modelled: "nccl" (a GPU job, the default) or "gloo" (a CPU job; its reduce-scatter
     holds a copy of each unit's gradients while it reduces). See the module docstring.
+
+    With expert parallelism (config.ep > 1) the tokens each rank's experts receive depend
+    on router values, which fake tensors lack: the routing is stated instead. The
+    simulated rank is the busiest one, receiving `expert_load` times the balanced count of
+    rows in every experts layer (2.0 by default; 1: balanced; "worst": every copy that can
+    reach one rank does). The report's notes say what it received.
 
     Runs in this process with a fake process group, destroyed afterwards. If this process
     already has a process group (torch allows one default group per process), the
@@ -385,14 +432,8 @@ def simulate_step(
             "callable that takes the parameters and returns a torch optimizer."
         )
     check_backend(backend)
-    if config.ep > 1:
-        raise NotImplementedError(
-            f"simulate_step with ParallelConfig.ep={config.ep} is not built yet: the tokens "
-            "each rank's experts receive depend on the routing, which a simulation without "
-            "real values cannot see. Simulate ep=1: the model states per rank are the same "
-            "(the experts are sharded over dp_shard ranks either way); ep gathers num_experts "
-            "/ ep experts per layer instead of all of them, and adds all-to-all buffers."
-        )
+    with stated_routing(expert_load):  # refuses a load that is not one
+        pass
     kwargs = dict(
         model_factory=model_factory,
         config=_resolve_config(config, activation_checkpointing),
@@ -402,6 +443,7 @@ def simulate_step(
         seq_len=seq_len,
         optimizer=optimizer,
         backend=backend,
+        expert_load=expert_load,
     )
     if config.pp > 1:
         in_process = not (dist.is_available() and dist.is_initialized())

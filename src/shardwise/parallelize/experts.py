@@ -20,6 +20,10 @@ forward:
 Each local expert joins the backward even when no token reached it, so FSDP's reduction
 over the ranks that shard the experts never waits for a gradient one rank lacks.
 
+A run without values (the memory simulation, on fake tensors) cannot count tokens: inside
+`stated_routing(load)` the dispatcher takes the counts from a stated routing instead of
+from the router (`StatedRouting`), and moves fake rows of those sizes.
+
 Must not: write collectives of its own (torch's all_to_all_single and its autograd
 version move the data), shard over the data-parallel ranks (fsdp.py does, over what ep
 leaves), or split an expert's own matrices (that is tp, moe.py).
@@ -27,9 +31,12 @@ leaves), or split an expert's own matrices (that is tp, moe.py).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
-from typing import Any
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -46,6 +53,7 @@ __all__ = [
     "check_expert_parallel",
     "find_experts",
     "plan_without_experts",
+    "stated_routing",
 ]
 
 _ROUTED = ("hidden_states", "top_k_index", "top_k_weights")
@@ -96,6 +104,55 @@ def check_expert_parallel(model: nn.Module, ep: int) -> dict[str, nn.Module]:
     return found
 
 
+ExpertLoad = float | Literal["worst"]
+"""How unevenly a stated routing loads the ranks: the rows the busiest rank receives over
+the balanced count (>= 1), or "worst" (every copy that can reach one rank does)."""
+
+
+@dataclass
+class StatedRouting:
+    """Token counts for a run that has no router values (see the module docstring).
+
+    Each rank sends its n = tokens x k copies evenly over the ep ranks. The rank simulated
+    is the busiest one: it receives `load` x n rows (n is what a rank receives on average),
+    evenly from every sender, but never more than can reach it: each token sends at most
+    min(k, local experts) copies to one rank (top-k picks distinct experts), so ep x tokens
+    x min(k, local) in all. `seen` records each dispatch: (tokens, k, rows received).
+    """
+
+    load: ExpertLoad
+    seen: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def splits(self, tokens: int, k: int, ep: int, local: int) -> tuple[list[int], list[int]]:
+        bound = ep * tokens * min(k, local)
+        rows = bound if self.load == "worst" else min(math.ceil(self.load * tokens * k), bound)
+        self.seen.append((tokens, k, rows))
+        return _even(tokens * k, ep), _even(rows, ep)
+
+
+def _even(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+_STATED: list[StatedRouting] = []
+
+
+@contextlib.contextmanager
+def stated_routing(load: ExpertLoad) -> Iterator[StatedRouting]:
+    """While it is open, dispatchers take their counts from a `StatedRouting(load)`."""
+    if load != "worst" and not (isinstance(load, (int, float)) and load >= 1):
+        raise ValueError(
+            f"expert_load={load!r}: give the busiest rank's received rows over the balanced "
+            "count, a number >= 1 (1: perfectly balanced), or 'worst'."
+        )
+    routing = StatedRouting(load)
+    _STATED.append(routing)
+    try:
+        yield routing
+    finally:
+        _STATED.remove(routing)
+
+
 def apply_expert_parallel(modules: dict[str, nn.Module], ep_mesh: DeviceMesh) -> None:
     """Split each experts module's parameters over `ep_mesh` (Shard(0)), in place, and make
     its forward dispatch tokens to their experts' ranks and combine them back."""
@@ -131,13 +188,17 @@ def _dispatcher(
         order = torch.argsort(flat, stable=True)  # by expert, so by owning rank
         expert = flat[order]
         owner = torch.div(expert, local, rounding_mode="floor")
-        send = torch.bincount(owner, minlength=ep)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        sent, got = send.tolist(), recv.tolist()
+        if _STATED:  # no values to count: the stated routing's counts, ids of that many
+            sent, got = _STATED[-1].splits(flat.numel() // k, k, ep, local)
+            ids = torch.zeros(sum(got), dtype=expert.dtype, device=expert.device)
+        else:
+            send = torch.bincount(owner, minlength=ep)
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=group)
+            sent, got = send.tolist(), recv.tolist()
+            ids = torch.empty(sum(got), dtype=expert.dtype, device=expert.device)
+            dist.all_to_all_single(ids, expert - owner * local, got, sent, group=group)
         rows = torch.div(order, k, rounding_mode="floor")  # each copy's token
-        ids = torch.empty(sum(got), dtype=expert.dtype, device=expert.device)
-        dist.all_to_all_single(ids, expert - owner * local, got, sent, group=group)
         received = all_to_all_single_autograd(hidden[rows], got, sent, group)
         ones = torch.ones(ids.shape[0], 1, dtype=weights.dtype, device=weights.device)
         with local_parameters(module, names):

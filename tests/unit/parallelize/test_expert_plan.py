@@ -105,14 +105,3 @@ def test_hosts_refuse_expert_parallel_with_the_reason() -> None:
     lightning = pytest.importorskip("shardwise.integrations.lightning")
     with pytest.raises(NotImplementedError, match=r"ep=2 inside Lightning's Trainer"):
         lightning.ShardwiseStrategy(config=shardwise.ParallelConfig(ep=2))
-
-
-def test_the_planner_and_the_simulation_refuse_ep_with_what_to_do() -> None:
-    from shardwise.cli.main import main
-
-    with pytest.raises(NotImplementedError, match=r"the model states per rank are the same"):
-        shardwise.simulate_step(
-            qwen3_moe, shardwise.ParallelConfig(ep=2), world=4, batch=1, seq_len=4
-        )
-    argv = ["plan", "shardwise.testing.models:GPT", "--world", "4", "parallel.ep=2"]
-    assert main(argv) == 2
