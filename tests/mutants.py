@@ -1217,6 +1217,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_expert_parallel.py::test_the_simulated_peak_is_within_10_percent_of_the_busiest_real_rank",
         ),
     ),
+    Mutant(
+        "simulation_counts_dtensor_shape_inference_as_memory",
+        "src/shardwise/memory/simulate.py",
+        "                untracked_shape_inference(fake_mode),\n",
+        "",
+        (
+            "tests/unit/memory/test_expert_memory.py::test_no_rank_is_charged_a_whole_experts_parameter_it_never_holds",
+        ),
+    ),
 )
 
 

@@ -205,6 +205,36 @@ def shaped_grouped_mm() -> Iterator[None]:
             setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def untracked_shape_inference(fake_mode: Any) -> Iterator[None]:
+    """While a simulated step runs: DTensor's shape inference runs with the memory
+    tracker set aside, as it does in a real run.
+
+    To learn an op's global output shape, DTensor runs the op on fake arguments of the
+    global shapes (`ShardingPropagator._propagate_tensor_meta_non_cached`), in the fake
+    mode it finds, else one of its own. In a real run that is its own, entered above the
+    tracker, which never sees those arguments. In a simulation it finds the simulation's,
+    below the tracker, which then counted them as memory held at that moment: a whole
+    experts parameter of DeepSeek-V3's shape (256 experts, 14 GiB) at every experts
+    layer's all-gather under ep, and the global shapes of tp's split weights. Here the
+    inference runs in the simulation's fake mode alone, every other mode set aside.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def alone(self: ShardingPropagator, op_schema: Any) -> Any:
+        with _disable_current_modes(), fake_mode:
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = alone  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
 def check_backend(backend: object) -> Backend:
     """`backend`, if the simulation models it; a ValueError naming the choices otherwise."""
     if backend not in BACKENDS:

@@ -114,3 +114,24 @@ def test_a_mixture_of_experts_is_traced_and_simulated_in_fp32(moe_factory, capsy
     assert main(["plan", moe_factory, "--world", "4", "--seq-len", str(TOKENS)]) == 0
     # the instant estimate of the peak with activations traces the forward
     assert re.search(r"\n  full_shard +none +[\d.]+ KiB +- +yes", capsys.readouterr().out)
+
+
+def test_no_rank_is_charged_a_whole_experts_parameter_it_never_holds() -> None:
+    # DTensor learns an op's global output shape by running it on global-shaped fake
+    # arguments. A real run's tracker never sees them; the simulation's must not either:
+    # under ep 8 a rank gathers 8 of 64 experts, and at every forward (bf16 gathers make
+    # FSDP rebuild its unsharded DTensor) it used to be charged all 64 for a moment.
+    def wide() -> nn.Module:
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=64, max_position_embeddings=16, use_cache=False,
+            head_dim=16, num_experts=64, num_experts_per_tok=2, moe_intermediate_size=256,
+        )  # fmt: skip
+        return transformers.Qwen3MoeForCausalLM(config)
+
+    report = shardwise.simulate_step(
+        wide, shardwise.ParallelConfig(strategy="full_shard", ep=8, mixed_precision="bf16"),
+        world=8, batch=1, seq_len=TOKENS, expert_load=1.0,
+    )  # fmt: skip
+    whole_gate_up = 64 * 2 * 256 * 64 * 2  # experts x (gate, up) x width x hidden, bf16
+    assert report.category_peaks["activations"] < whole_gate_up / 2, report
