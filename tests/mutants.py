@@ -1226,6 +1226,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/memory/test_expert_memory.py::test_no_rank_is_charged_a_whole_experts_parameter_it_never_holds",
         ),
     ),
+    Mutant(
+        "experts_of_other_stages_spread_too",
+        "src/shardwise/parallelize/apply.py",
+        "        experts = {name: m for name, m in experts.items() if id(m) in kept}\n",
+        "",
+        (
+            "tests/distributed/test_expert_parallel.py::test_ep_inside_pipeline_stages_trains_equal_to_one_process",
+        ),
+    ),
 )
 
 

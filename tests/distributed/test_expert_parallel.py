@@ -18,8 +18,11 @@ process. The negative control, outputs combined back
 in an order other than the one they left in, fails the same comparison. A checkpoint saved
 at ep 2 loads at world 1 with its optimizer, parameters exact, and the next step equals
 the run that was not interrupted; exported from that checkpoint, the weights load into a
-fresh model whole, experts packed as transformers stores them. All cases run in one
-spawned group of 4.
+fresh model whole, experts packed as transformers stores them. Inside pipeline stages
+(pp 2 × dp 2, 1F1B, ep 2 over each stage's two data-parallel ranks), qwen3_moe and
+mixtral train equal to one process the same way, each stage holding its own layer's
+experts spread over ep. The simulated peak of an ep step is checked against the busiest
+real rank's. All cases run in one spawned group of 4.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ LAYOUTS = {
     # experts over one rank (no reduce-scatter) and all-reduces them over the replicas.
     "ep2_hybrid": {"strategy": "hybrid_shard", "ep": 2},
 }
+
+
+# pp 2 x dp_shard 2 (1F1B): each stage's 2 data-parallel ranks form its ep group, one
+# layer per stage. Ranks 0 and 1 hold stage 0, ranks 2 and 3 stage 1.
+PP_EP = {"strategy": "full_shard", "pp": 2, "ep": 2}
+PIPELINED = ("qwen3_moe", "mixtral")
 
 
 def build(family: str) -> nn.Module:
@@ -281,7 +290,23 @@ def run_cases(root: str) -> dict[str, Any]:
     out["idle"] = train("mixtral", idle, idle_experts, marked_batches)
     out["ckpt"] = save_then_step(root, shardwise.ParallelConfig(**LAYOUTS["ep2"]))
     out["memory"] = {zero: measured_step(zero) for zero in (True, False)}
+    for family in PIPELINED:
+        out[f"{family}/pp2_ep2"] = train(family, shardwise.ParallelConfig(**PP_EP))
+    out["other stage"] = _other_stage_experts()
     return out
+
+
+def _other_stage_experts() -> dict[str, bool]:
+    """The experts modules this rank's stage does not hold, and whether ep touched them."""
+    model = build("qwen3_moe")
+    found = ep_module.find_experts(model)
+    wrapped = shardwise.wrap(model, shardwise.ParallelConfig(**PP_EP))
+    held = {id(m) for m in wrapped.modules()}
+    return {
+        name: any(isinstance(p, DTensor) for p in m.parameters())
+        for name, m in found.items()
+        if id(m) not in held
+    }
 
 
 @pytest.fixture(scope="module")
@@ -376,3 +401,24 @@ def test_the_simulated_peak_is_within_10_percent_of_the_busiest_real_rank(
     print(f"ep 2, {'zero' if zero_router else 'random'} routers, load {load:.2f}: simulated "
           f"{sim.peak} B, busiest real rank {busiest['peak']} B ({off:+.2%})")  # fmt: skip
     assert abs(off) < 0.10, (sim, busiest)
+
+
+@pytest.mark.parametrize("family", PIPELINED)
+def test_ep_inside_pipeline_stages_trains_equal_to_one_process(results: Any, family: str) -> None:
+    got, refs = results
+    runs = [r[f"{family}/pp2_ep2"] for r in got]
+    worst = 0.0
+    for run in runs:  # every rank's losses; each stage's gradients and parameters
+        whole = {k: {**runs[2][k], **runs[0][k]} for k in ("grads", "params")}
+        worst = max(worst, compare({"losses": run["losses"], **whole}, refs[family]))
+    print(f"{family} pp2 x ep2: rel {worst:.2e}")
+    assert worst < RTOL, f"{family} pp2 x ep2: rel {worst:.2e}"
+    for rank, run in enumerate(runs):  # one layer per stage, its experts spread over ep
+        layer = rank // 2
+        assert sorted(run["layout"]) == [
+            f"model.layers.{layer}.mlp.experts.{n}" for n in ("down_proj", "gate_up_proj")
+        ], run["layout"]
+        for dims, local, whole_count in run["layout"].values():
+            assert "ep" in dims and (whole_count, local) == (4, 2), dims
+        # The other stage's experts are left alone: neither split nor sharded here.
+        assert got[rank]["other stage"] == {f"model.layers.{1 - layer}.mlp.experts": False}

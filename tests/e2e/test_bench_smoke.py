@@ -32,6 +32,7 @@ pytestmark = pytest.mark.bench  # `make test-bench` (and .ci/run), not `make tes
         pytest.param("adapters.py", marks=pytest.mark.adapters),  # peft: `make test-adapters`
         pytest.param("pipeline.py", marks=pytest.mark.pipeline),  # `make test-pipeline`
         pytest.param("experts.py", marks=pytest.mark.experts),  # `make test-experts`
+        pytest.param("experts_memory.py", marks=pytest.mark.experts),
     ],
 )
 def test_benchmark_smoke(script):

@@ -31,7 +31,6 @@ def validate_ep(cfg: Any) -> None:
             "strategy='full_shard' (or 'shard_grad_op', 'hybrid_shard')."
         )
     unbuilt = {
-        "pp > 1": cfg.pp > 1,
         "strategy or tp 'auto'": cfg.strategy == "auto" or cfg.tp == "auto",
         "cpu_offload": cfg.cpu_offload not in (None, False),
         "sequence_parallel": cfg.sequence_parallel,

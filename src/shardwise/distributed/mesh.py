@@ -88,11 +88,13 @@ class MeshSpec:
         return json.dumps(asdict(self))
 
     def build_experts(self, device_type: str) -> DeviceMesh:
-        """The experts' mesh (dp_replicate, ep_shard, ep[, tp]) over the same ranks as
-        `build`'s: dp_shard is split into ep_shard × ep, ep innermost, so an ep group is
-        `ep` consecutive ranks of one shard group (with tp, one per tp coordinate: the
-        experts are whole on every rank of a tp group, which sees the same tokens)."""
-        dims = [
+        """The experts' mesh ([pp,] dp_replicate, ep_shard, ep[, tp]) over the same ranks
+        as `build`'s: dp_shard is split into ep_shard × ep, ep innermost, so an ep group is
+        `ep` consecutive ranks of one shard group of one stage (with tp, one per tp
+        coordinate: the experts are whole on every rank of a tp group, which sees the same
+        tokens)."""
+        dims = [(PP_DIM, self.pp)] if self.pp > 1 else []
+        dims += [
             (REPLICATE_DIM, self.dp_replicate),
             (EXPERT_SHARD_DIM, self.dp_shard // self.ep),
             (EP_DIM, self.ep),

@@ -372,7 +372,9 @@ def _apply_dimensions(
     if tp_plan is not None:  # 2
         apply_tensor_parallel(model, mesh[TP_DIM], tp_plan)
     experts_mesh = None
-    if experts is not None:  # 2b
+    if experts is not None:  # 2b: this rank's stage's experts
+        kept = {id(m) for m in model.modules()}
+        experts = {name: m for name, m in experts.items() if id(m) in kept}
         experts_mesh = spec.build_experts(info.device.type)
         apply_expert_parallel(experts, experts_mesh[EP_DIM])
     rf = spec.reshard_after_forward

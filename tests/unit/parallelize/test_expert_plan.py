@@ -38,7 +38,6 @@ def test_config_guards_name_the_field_and_the_fix() -> None:
         (dict(ep=0), ValueError, r"ParallelConfig.ep=0 must be >= 1"),
         (dict(ep=2, strategy="ddp"), ValueError, r"ep=2 with strategy='ddp': ep spreads the"),
         (dict(ep=2, strategy="no_shard"), ValueError, r"shards over none. Use strategy='full_"),
-        (dict(ep=2, pp=2), NotImplementedError, r"ep=2 with pp > 1 is not built yet"),
         (dict(ep=2, sequence_parallel=True, tp=2), NotImplementedError, r"sequence_parallel"),
         (dict(ep=2, strategy="auto"), NotImplementedError, r"strategy or tp 'auto'"),
     ]
