@@ -1037,7 +1037,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "sums_forced_over_a_shard_group_of_one",
         "src/shardwise/parallelize/fsdp.py",
-        '        if backend == "gloo" and spec.dp_shard // spec.ep > 1:\n',
+        '        if backend == "gloo" and spec.ep_shard > 1:\n',
         '        if backend == "gloo":\n',
         (
             "tests/distributed/test_expert_parallel.py::test_expert_parallel_trains_equal_to_one_process",
@@ -1057,7 +1057,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "src/shardwise/distributed/mesh.py",
         "    if spec.dp_shard % ep == 0:\n",
         "    if True:\n",
-        ("tests/unit/parallelize/test_expert_plan.py::test_ep_borrows_its_ranks_from_dp_shard",),
+        (
+            "tests/unit/parallelize/test_expert_plan.py::test_ep_borrows_its_ranks_from_dp_shard_or_whole_tp_groups",
+        ),
     ),
     Mutant(
         "auto_split_gives_the_remainder_to_the_last_stages",
@@ -1233,6 +1235,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         (
             "tests/distributed/test_expert_parallel.py::test_ep_inside_pipeline_stages_trains_equal_to_one_process",
+        ),
+    ),
+    Mutant(
+        "router_weights_split_over_tp_without_gathering_their_gradient",
+        "src/shardwise/parallelize/experts.py",
+        "        out = forward(shard(hidden), mine, shard(weights))\n",
+        "        out = forward(shard(hidden), mine, weights.chunk(tp)[tp_mesh.get_local_rank()])\n",
+        (
+            "tests/distributed/test_expert_parallel.py::test_expert_parallel_trains_equal_to_one_process",
+        ),
+    ),
+    Mutant(
+        "padding_rows_kept_and_last_tokens_cut",
+        "src/shardwise/parallelize/experts.py",
+        "        return gathered.redistribute(tp_mesh, [Replicate()]).to_local()[:rows]\n",
+        "        return gathered.redistribute(tp_mesh, [Replicate()]).to_local()[-rows:]\n",
+        (
+            "tests/distributed/test_expert_parallel.py::test_tokens_that_do_not_split_evenly_over_tp_still_train_equal",
         ),
     ),
 )

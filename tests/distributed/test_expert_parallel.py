@@ -5,8 +5,10 @@ per token) are built tiny and trained 3 SGD steps, with clipping active, under t
 layouts: ep 2 over full_shard's 4 ranks (each rank holds 2 whole experts, which FSDP
 shards over the 2 ranks ep leaves); ep 2 beside tp 2 (dp_shard 2 × tp 2: attention and
 the dense layers split over tp, the experts whole on both ranks of a tp group and spread
-over the 2 data-parallel ranks); and ep 2 under hybrid_shard (replicate 2 × shard 2: the
-experts all-reduced over the replicas). olmoe trains with its router's auxiliary
+over the 2 data-parallel ranks); ep 2 under hybrid_shard (replicate 2 × shard 2: the
+experts all-reduced over the replicas); and ep 4 over dp_shard 2 × tp 2 (ep takes whole tp
+groups: one expert per rank, each tp rank sending half of its group's tokens, also with a
+token count that does not split evenly). olmoe trains with its router's auxiliary
 load-balancing loss on, at its own coefficient. Each data-parallel rank reads its rows of
 every global batch. Compared with one process on the whole batch: the loss at every step,
 every gradient of the first step and the final parameters, each within rel 1e-5.
@@ -64,6 +66,9 @@ LAYOUTS = {
     # replicate 2 x shard 2: each ep group is a whole shard group, so FSDP shards the
     # experts over one rank (no reduce-scatter) and all-reduces them over the replicas.
     "ep2_hybrid": {"strategy": "hybrid_shard", "ep": 2},
+    # ep takes whole tp groups: dp_shard 2 x tp 2, all 4 ranks one ep group, one expert
+    # each; every tp rank sends half of the tokens its tp group shares.
+    "ep4_tp2": {"strategy": "full_shard", "ep": 4, "tp": 2},
 }
 
 
@@ -92,7 +97,7 @@ def batches() -> list[dict[str, torch.Tensor]]:
 
 
 def _rows(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    per = BATCH // size
+    per = len(batch["input_ids"]) // size
     return {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
 
 
@@ -293,6 +298,19 @@ def run_cases(root: str) -> dict[str, Any]:
     for family in PIPELINED:
         out[f"{family}/pp2_ep2"] = train(family, shardwise.ParallelConfig(**PP_EP))
     out["other stage"] = _other_stage_experts()
+    borrow = shardwise.ParallelConfig(**LAYOUTS["ep4_tp2"])
+    out["odd tokens"] = train("qwen3_moe", borrow, data=odd_batches)
+    return out
+
+
+def odd_batches() -> list[dict[str, torch.Tensor]]:
+    """6 rows of 5 tokens: each data-parallel rank's 15 tokens do not split evenly over
+    its tp group of 2 (the split pads them)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (6, 5), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
     return out
 
 
@@ -339,7 +357,8 @@ def test_each_rank_holds_num_experts_over_ep_whole_experts(results: Any, layout:
         shown = r[f"qwen3_moe/{layout}"]["layout"]
         assert len(shown) == 4, shown  # gate_up_proj and down_proj of 2 layers
         for name, (dims, local, whole) in shown.items():
-            assert "ep" in dims and (whole, local) == (4, 2), (name, dims, local, whole)
+            ep = LAYOUTS[layout]["ep"]
+            assert "ep" in dims and (whole, local) == (4, 4 // ep), (name, dims, local, whole)
 
 
 def test_experts_that_receive_no_token_still_step_as_in_one_process(results: Any) -> None:
@@ -422,3 +441,11 @@ def test_ep_inside_pipeline_stages_trains_equal_to_one_process(results: Any, fam
             assert "ep" in dims and (whole_count, local) == (4, 2), dims
         # The other stage's experts are left alone: neither split nor sharded here.
         assert got[rank]["other stage"] == {f"model.layers.{1 - layer}.mlp.experts": False}
+
+
+def test_tokens_that_do_not_split_evenly_over_tp_still_train_equal(results: Any) -> None:
+    got, _ = results
+    ref = train("qwen3_moe", None, data=odd_batches)
+    worst = max(compare(r["odd tokens"], ref) for r in got)
+    print(f"qwen3_moe ep 4 over tp 2, 15 tokens per data-parallel rank: rel {worst:.2e}")
+    assert worst < RTOL

@@ -78,7 +78,7 @@ def plan_experts(
     print(
         f"expert parallel over {spec.ep} ranks: {len(layers)} experts module(s) "
         f"({first['module']}, ...), each rank holding {first['per_rank']} of "
-        f"{first['num_experts']} whole experts, sharded over {spec.dp_shard // spec.ep} "
+        f"{first['num_experts']} whole experts, sharded over {spec.ep_shard} "
         "rank(s); the router stays whole"
     )
     print()

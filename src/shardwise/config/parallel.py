@@ -247,10 +247,12 @@ class ParallelConfig:
     the first begins, e.g. ['model.layers.2'] (the names of blocks in the model's list of
     layers): pp * pp_stages_per_rank - 1 names."""
     ep: int = 1
-    """Expert-parallel degree for a mixture of experts: each group of `ep` ranks of a shard
-    group holds num_experts / ep whole experts per rank, and tokens travel to their experts'
-    ranks and back by all-to-all. The experts are sharded by FSDP over the dp_shard // ep
-    ranks left; the rest of the model keeps its layout. ep must divide dp_shard. 1: none."""
+    """Expert-parallel degree for a mixture of experts: each group of `ep` ranks holds
+    num_experts / ep whole experts per rank, and tokens travel to their experts' ranks and
+    back by all-to-all. ep takes its ranks from dp_shard (ep divides dp_shard), or from
+    dp_shard and whole tp groups (ep a multiple of tp, ep // tp dividing dp_shard; each tp
+    rank then sends 1/tp of its group's tokens). The experts are sharded by FSDP over the
+    shard ranks ep leaves; the rest of the model keeps its layout. 1: none."""
     cp: int = 1
     """Context-parallel degree. Only 1 for now: anything else is refused (see the error)."""
     mixed_precision: PrecisionSetting = "fp32"

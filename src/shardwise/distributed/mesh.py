@@ -67,17 +67,30 @@ class MeshSpec:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def ep_borrows_tp(self) -> bool:
+        """Whether each ep group takes whole tp groups (ep does not divide dp_shard): the
+        tokens a tp group shares are then split over its ranks before they travel."""
+        return self.ep > 1 and self.dp_shard % self.ep != 0
+
+    @property
+    def ep_shard(self) -> int:
+        """The ranks FSDP shards each expert over: what ep leaves of dp_shard."""
+        return self.dp_shard // (self.ep // self.tp if self.ep_borrows_tp else self.ep)
+
+    @property
     def is_2d(self) -> bool:
         return self.strategy == "no_shard" or self.strategy in _HYBRID
 
     def __str__(self) -> str:
         tp = f" x tp {self.tp}" if self.tp > 1 else ""
         pp = f"pp {self.pp} x " if self.pp > 1 else ""
-        ep = (
-            f"; experts: ep {self.ep} x {self.dp_shard // self.ep} shard rank(s)"
-            if self.ep > 1
-            else ""
-        )
+        ep = ""
+        if self.ep > 1:
+            borrows = f" (whole tp groups; each tp rank sends 1/{self.tp} of the tokens)"
+            ep = (
+                f"; experts: ep {self.ep}{borrows if self.ep_borrows_tp else ''} x "
+                f"{self.ep_shard} shard rank(s)"
+            )
         return (
             f"{self.strategy}: {pp}{self.dp_replicate} replica group(s) x {self.dp_shard} shard "
             f"rank(s){tp} = world {self.world_size}, engine={self.engine}, "
@@ -92,14 +105,16 @@ class MeshSpec:
         as `build`'s: dp_shard is split into ep_shard × ep, ep innermost, so an ep group is
         `ep` consecutive ranks of one shard group of one stage (with tp, one per tp
         coordinate: the experts are whole on every rank of a tp group, which sees the same
-        tokens)."""
+        tokens). When ep borrows tp (`ep_borrows_tp`), an ep group is ep // tp shard ranks
+        with their whole tp groups: (dp_shard, tp) is split into ep_shard × ep."""
         dims = [(PP_DIM, self.pp)] if self.pp > 1 else []
         dims += [
             (REPLICATE_DIM, self.dp_replicate),
-            (EXPERT_SHARD_DIM, self.dp_shard // self.ep),
+            (EXPERT_SHARD_DIM, self.ep_shard),
             (EP_DIM, self.ep),
         ]
-        dims += [(TP_DIM, self.tp)] if self.tp > 1 else []
+        # tp innermost in `build`'s order: whole tp groups are the ep dimension's inner part
+        dims += [(TP_DIM, self.tp)] if self.tp > 1 and not self.ep_borrows_tp else []
         return init_device_mesh(
             device_type,
             tuple(size for _, size in dims),
@@ -276,6 +291,14 @@ def resolve_mesh(
     return MeshSpec(strategy, replicate, shard, raf, engine)
 
 
+def _ep_fits(spec: MeshSpec) -> list[int]:
+    """The ep degrees `spec` can hold: divisors of dp_shard, and tp times one."""
+    fits = {d for d in divisors(spec.dp_shard) if d > 1}
+    if spec.tp > 1:
+        fits |= {spec.tp * d for d in divisors(spec.dp_shard)}
+    return sorted(fits)
+
+
 def _with_experts(spec: MeshSpec, ep: int) -> MeshSpec:
     """`spec` with its dp_shard ranks grouped `ep` at a time for the experts."""
     if spec.dp_shard % ep == 0:
@@ -283,16 +306,24 @@ def _with_experts(spec: MeshSpec, ep: int) -> MeshSpec:
             spec.strategy, spec.dp_replicate, spec.dp_shard, spec.reshard_after_forward,
             spec.engine, spec.tp, spec.pp, ep,
         )  # fmt: skip
+    if spec.tp > 1 and ep % spec.tp == 0 and spec.dp_shard % (ep // spec.tp) == 0:
+        # ep takes every rank of a tp group, and ep // tp shard ranks: each tp rank sends
+        # its 1/tp of the tokens (experts.py), so no token reaches the experts twice.
+        return MeshSpec(
+            spec.strategy, spec.dp_replicate, spec.dp_shard, spec.reshard_after_forward,
+            spec.engine, spec.tp, spec.pp, ep,
+        )  # fmt: skip
     if (spec.dp_shard * spec.tp) % ep == 0:
         raise refused(
             NotImplementedError(
-                f"ParallelConfig.ep={ep} takes ranks from tp={spec.tp} as well as from "
-                f"dp_shard={spec.dp_shard}: not built yet. The ranks of a tp group see the same "
-                "tokens, which would then reach the experts twice. Choose ep dividing "
-                f"{spec.dp_shard} (dp_shard), or fewer tp ranks."
+                f"ParallelConfig.ep={ep} takes some but not all ranks of each tp={spec.tp} "
+                f"group as well as ranks of dp_shard={spec.dp_shard}: not built yet. ep takes "
+                "either ranks of dp_shard alone (ep divides dp_shard) or whole tp groups (ep "
+                "a multiple of tp, ep // tp dividing dp_shard). Choose ep in "
+                f"{_ep_fits(spec)}."
             )
         )
-    fits = [d for d in divisors(spec.dp_shard) if d > 1]
+    fits = _ep_fits(spec)
     why = (
         f"strategy={spec.strategy!r} shards over no ranks (dp_shard=1)"
         if spec.dp_shard == 1

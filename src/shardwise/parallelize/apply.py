@@ -376,7 +376,8 @@ def _apply_dimensions(
         kept = {id(m) for m in model.modules()}
         experts = {name: m for name, m in experts.items() if id(m) in kept}
         experts_mesh = spec.build_experts(info.device.type)
-        apply_expert_parallel(experts, experts_mesh[EP_DIM])
+        tp_mesh = mesh[TP_DIM] if spec.ep_borrows_tp else None
+        apply_expert_parallel(experts, experts_mesh[EP_DIM], tp_mesh)
     rf = spec.reshard_after_forward
     plan = plan_wrap(model, config, reshard_after_forward=rf)
     _prepare_blocks(model, plan, config)  # 3

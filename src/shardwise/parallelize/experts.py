@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from shardwise.parallelize.moe import ExpertsParallel, local_parameters
 from shardwise.parallelize.tensor import CheckedPlan
@@ -153,9 +153,13 @@ def stated_routing(load: ExpertLoad) -> Iterator[StatedRouting]:
         _STATED.remove(routing)
 
 
-def apply_expert_parallel(modules: dict[str, nn.Module], ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(
+    modules: dict[str, nn.Module], ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None
+) -> None:
     """Split each experts module's parameters over `ep_mesh` (Shard(0)), in place, and make
-    its forward dispatch tokens to their experts' ranks and combine them back."""
+    its forward dispatch tokens to their experts' ranks and combine them back. With
+    `tp_mesh` (ep takes whole tp groups), each tp rank sends only its 1/tp of the tokens
+    its tp group shares, and the combined rows are gathered back over tp (`_over_tp`)."""
     ep = ep_mesh.size()
     group = ep_mesh.get_group()
     for module in modules.values():
@@ -169,7 +173,39 @@ def apply_expert_parallel(modules: dict[str, nn.Module], ep_mesh: DeviceMesh) ->
             )
         local = _count(module) // ep
         own = type(module).forward.__get__(module)
-        module.forward = _dispatcher(module, own, names, group, ep, local)
+        forward = _dispatcher(module, own, names, group, ep, local)
+        module.forward = forward if tp_mesh is None else _over_tp(forward, tp_mesh)
+
+
+def _over_tp(
+    forward: Callable[..., torch.Tensor], tp_mesh: DeviceMesh
+) -> Callable[..., torch.Tensor]:
+    """`forward` on this tp rank's 1/tp of the tokens a tp group shares, gathered back.
+
+    The rows are padded to a multiple of tp (padding goes to expert 0 with weight 0, and is
+    cut off after the gather). Splitting and gathering go through DTensor, whose backward
+    all-gathers the split's gradient (the router's and the hidden states' gradients come
+    out whole on every tp rank, as without ep) and keeps each rank's own part of the
+    gather's."""
+    tp = tp_mesh.size()
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        whole = DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False)
+        return whole.redistribute(tp_mesh, [Shard(0)]).to_local()
+
+    def split(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        rows = hidden.shape[0]
+        pad = -rows % tp
+        if pad:
+            hidden = nn.functional.pad(hidden, (0, 0, 0, pad))
+            index = nn.functional.pad(index, (0, 0, 0, pad))
+            weights = nn.functional.pad(weights, (0, 0, 0, pad))
+        mine = index.chunk(tp)[tp_mesh.get_local_rank()]
+        out = forward(shard(hidden), mine, shard(weights))
+        gathered = DTensor.from_local(out, tp_mesh, [Shard(0)], run_check=False)
+        return gathered.redistribute(tp_mesh, [Replicate()]).to_local()[:rows]
+
+    return split
 
 
 def _dispatcher(

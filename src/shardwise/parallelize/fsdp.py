@@ -184,7 +184,7 @@ def shard_experts(
         # gloo has no pre-multiplied sum: reduce by sums and divide apart. Not over a shard
         # group of one rank (ep == dp_shard), where no reduce-scatter runs: torch 2.13 then
         # divides by the factor in its copy and again after it (half the gradient).
-        if backend == "gloo" and spec.dp_shard // spec.ep > 1:
+        if backend == "gloo" and spec.ep_shard > 1:
             unit.set_force_sum_reduction_for_comms(True)
 
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.tensor_parallel import TP_STYLE_NAMES
-from shardwise.distributed.mesh import TP_DIM
+from shardwise.distributed.mesh import EP_DIM, TP_DIM
 from shardwise.parallelize.adapters import adapter_plan, base_plan
 from shardwise.parallelize.moe import EXPERTS_WORD, ExpertsParallel
 from shardwise.parallelize.sequence import add_sequence_parallel
@@ -397,6 +397,8 @@ def check_whole_gradients(model: nn.Module, tp_mesh: DeviceMesh, rtol: float = 1
             dims = g.device_mesh.mesh_dim_names or ()
             if TP_DIM in dims and not isinstance(g.placements[dims.index(TP_DIM)], Replicate):
                 continue  # split over tp: each rank holds its own part
+            if EP_DIM in dims and TP_DIM not in dims:
+                continue  # spread over an ep group of whole tp groups: its own experts
             g = g.to_local()
         local = g.detach().double()
         names.append(name)

@@ -46,7 +46,7 @@ def test_config_guards_name_the_field_and_the_fix() -> None:
             shardwise.ParallelConfig(**kwargs)
 
 
-def test_ep_borrows_its_ranks_from_dp_shard() -> None:
+def test_ep_borrows_its_ranks_from_dp_shard_or_whole_tp_groups() -> None:
     spec = resolve_mesh("full_shard", -1, 4, ep=2)
     assert (spec.dp_shard, spec.ep, spec.dp_size) == (4, 2, 4)
     assert str(spec).endswith("; experts: ep 2 x 2 shard rank(s)")
@@ -56,10 +56,17 @@ def test_ep_borrows_its_ranks_from_dp_shard() -> None:
     assert (spec.dp_shard, spec.tp, spec.ep) == (2, 2, 2)
     with pytest.raises(ValueError, match=r"ep=3 must divide dp_shard=4, the ranks experts are "):
         resolve_mesh("full_shard", -1, 4, ep=3)
+    # ep takes whole tp groups: all 4 ranks, each tp rank sending half of its group's tokens
+    spec = resolve_mesh("full_shard", -1, 4, tp=2, ep=4)
+    assert (spec.ep_borrows_tp, spec.ep_shard) == (True, 1)
+    assert "ep 4 (whole tp groups; each tp rank sends 1/2 of the tokens) x 1 shard" in str(spec)
+    spec = resolve_mesh("full_shard", -1, 16, tp=2, ep=4)  # dp_shard 8: ep takes 4 of them
+    assert (spec.ep_borrows_tp, spec.ep_shard) == (False, 2)
     with pytest.raises(
-        NotImplementedError, match=r"ep=4 takes ranks from tp=2 as well as from dp_shard=2"
+        NotImplementedError,
+        match=r"ep=6 takes some but not all ranks of each tp=4 group .* Choose ep in \[3, 4, 12\]",
     ):
-        resolve_mesh("full_shard", -1, 4, tp=2, ep=4)
+        resolve_mesh("full_shard", -1, 12, tp=4, ep=6)
 
 
 def test_run_refuses_an_ep_the_world_cannot_hold_before_spawning(tmp_path) -> None:  # type: ignore[no-untyped-def]
