@@ -1255,6 +1255,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_expert_parallel.py::test_tokens_that_do_not_split_evenly_over_tp_still_train_equal",
         ),
     ),
+    Mutant(
+        "experts_padded_to_one_per_rank_on_their_first_dimension",
+        "src/shardwise/parallelize/fsdp.py",
+        "    return Shard(0) if local.shape[0] % ranks == 0 else Shard(1)\n",
+        "    return Shard(0)\n",
+        (
+            "tests/distributed/test_expert_parallel.py::test_one_expert_per_rank_is_split_on_its_second_dimension",
+        ),
+    ),
 )
 
 

@@ -78,9 +78,14 @@ PP_EP = {"strategy": "full_shard", "pp": 2, "ep": 2}
 PIPELINED = ("qwen3_moe", "mixtral")
 
 
+# Two experts at ep 2 over 4 ranks: each rank's one expert is split over the 2 ranks ep
+# leaves on its second dimension (a first dimension of 1 cannot be split evenly).
+NARROW = {"mixtral_2": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 2})}
+
+
 def build(family: str) -> nn.Module:
     torch.manual_seed(0)
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = {**FAMILIES, **NARROW}[family]
     config = getattr(transformers, config_cls)(**{**DECODER, "num_experts_per_tok": 2, **extra})
     model = getattr(transformers, model_cls)(config)
     model.config._attn_implementation = "eager"
@@ -177,7 +182,15 @@ def train(
     losses = [engine.train_step(_rows(b, rank, size))["loss"] for b in data()]
     params = {n: _full(p) for n, p in engine.model.named_parameters()}
     layout = _layout(engine.model)
-    return {"losses": losses, "grads": first, "params": params, "layout": layout, "none": no_grad}
+    placements = {  # the experts' (ep_shard, ep) placements
+        n: str(tuple(p.placements))
+        for n, p in engine.model.named_parameters()
+        if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+    }
+    return {
+        "losses": losses, "grads": first, "params": params, "layout": layout, "none": no_grad,
+        "placements": placements,
+    }  # fmt: skip
 
 
 def _layout(model: nn.Module) -> dict[str, Any]:
@@ -298,6 +311,7 @@ def run_cases(root: str) -> dict[str, Any]:
     for family in PIPELINED:
         out[f"{family}/pp2_ep2"] = train(family, shardwise.ParallelConfig(**PP_EP))
     out["other stage"] = _other_stage_experts()
+    out["mixtral_2/ep2"] = train("mixtral_2", shardwise.ParallelConfig(**LAYOUTS["ep2"]))
     borrow = shardwise.ParallelConfig(**LAYOUTS["ep4_tp2"])
     out["odd tokens"] = train("qwen3_moe", borrow, data=odd_batches)
     return out
@@ -449,3 +463,16 @@ def test_tokens_that_do_not_split_evenly_over_tp_still_train_equal(results: Any)
     worst = max(compare(r["odd tokens"], ref) for r in got)
     print(f"qwen3_moe ep 4 over tp 2, 15 tokens per data-parallel rank: rel {worst:.2e}")
     assert worst < RTOL
+
+
+def test_one_expert_per_rank_is_split_on_its_second_dimension(results: Any) -> None:
+    got, _ = results
+    ref = train("mixtral_2", None)
+    worst = max(compare(r["mixtral_2/ep2"], ref) for r in got)
+    print(f"mixtral, 2 experts at ep 2 over 4 ranks: rel {worst:.2e}")
+    assert worst < RTOL
+    for r in got:
+        for name, (dims, local, whole) in r["mixtral_2/ep2"]["layout"].items():
+            assert (whole, local) == (2, 1), (name, dims, local, whole)
+    placements = got[0]["mixtral_2/ep2"]["placements"]
+    assert placements and all(p == "(Shard(dim=1), Shard(dim=0))" for p in placements.values())

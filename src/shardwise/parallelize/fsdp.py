@@ -11,6 +11,7 @@ hand-write sharding: torch's fully_shard does it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.precision import Precision
@@ -171,13 +172,20 @@ def shard_experts(
     """fully_shard each experts module that expert parallelism spread, over the ranks ep
     leaves (its own unit, before the blocks that hold it). Each expert's gradient arrives
     summed over its ep group's tokens, so FSDP divides by every data-parallel rank, not by
-    the ranks it shards over; gloo reduces only by sums, so FSDP divides separately there."""
+    the ranks it shards over; gloo reduces only by sums, so FSDP divides separately there.
+
+    FSDP splits a parameter's first dimension, padded to a multiple of its ranks: a rank's
+    num_experts / ep experts over more ranks than that would be padded up to one expert
+    per rank (DeepSeek-V3's 4 experts per rank at ep 64 over 16 ranks: 4 times the
+    bytes, in the shards and in every all-gather). Such experts are split on their
+    second dimension instead (`expert_placement`), as torchtitan does."""
     for module in modules:
         fully_shard(
             module,
             mesh=mesh,
             reshard_after_forward=spec.reshard_after_forward,
             mp_policy=config.precision.to_fsdp_policy(),
+            shard_placement_fn=functools.partial(expert_placement, ranks=spec.ep_shard),
         )
         unit = cast(FSDPModule, module)
         unit.set_gradient_divide_factor(float(spec.dp_size))
@@ -186,6 +194,13 @@ def shard_experts(
         # divides by the factor in its copy and again after it (half the gradient).
         if backend == "gloo" and spec.ep_shard > 1:
             unit.set_force_sum_reduction_for_comms(True)
+
+
+def expert_placement(param: nn.Parameter, ranks: int) -> Shard:
+    """Where FSDP splits an experts parameter over `ranks`: its first dimension (this rank's
+    experts) when that divides evenly, else the dimension after it."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return Shard(0) if local.shape[0] % ranks == 0 else Shard(1)
 
 
 def replicate_scalars(model: nn.Module, names: list[str]) -> None:
