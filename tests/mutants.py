@@ -1264,6 +1264,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_expert_parallel.py::test_one_expert_per_rank_is_split_on_its_second_dimension",
         ),
     ),
+    Mutant(
+        "value_dependent_forward_blamed_on_the_input",
+        "src/shardwise/memory/fake.py",
+        '        if "DynamicOutputShape" in type(exc).__name__ or "DataDependent" in type(exc).__name__:\n',
+        "        if False:\n",
+        (
+            "tests/unit/memory/test_expert_memory.py::test_a_forward_with_value_dependent_shapes_is_refused_with_the_reason",
+        ),
+    ),
 )
 
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import shardwise
 from shardwise.parallelize import experts as ep_module
 from shardwise.testing import run_distributed
+from shardwise.testing.models import TinyMoE
 
 pytestmark = [pytest.mark.experts, pytest.mark.timeout(1500)]
 
@@ -85,6 +86,8 @@ NARROW = {"mixtral_2": ("MixtralConfig", "MixtralForCausalLM", {"num_local_exper
 
 def build(family: str) -> nn.Module:
     torch.manual_seed(0)
+    if family == "own":  # plain PyTorch, its experts module in the documented shape
+        return TinyMoE(vocab_size=VOCAB)
     config_cls, model_cls, extra = {**FAMILIES, **NARROW}[family]
     config = getattr(transformers, config_cls)(**{**DECODER, "num_experts_per_tok": 2, **extra})
     model = getattr(transformers, model_cls)(config)
@@ -312,6 +315,7 @@ def run_cases(root: str) -> dict[str, Any]:
         out[f"{family}/pp2_ep2"] = train(family, shardwise.ParallelConfig(**PP_EP))
     out["other stage"] = _other_stage_experts()
     out["mixtral_2/ep2"] = train("mixtral_2", shardwise.ParallelConfig(**LAYOUTS["ep2"]))
+    out["own/ep2"] = train("own", shardwise.ParallelConfig(**LAYOUTS["ep2"]))
     borrow = shardwise.ParallelConfig(**LAYOUTS["ep4_tp2"])
     out["odd tokens"] = train("qwen3_moe", borrow, data=odd_batches)
     return out
@@ -476,3 +480,17 @@ def test_one_expert_per_rank_is_split_on_its_second_dimension(results: Any) -> N
             assert (whole, local) == (2, 1), (name, dims, local, whole)
     placements = got[0]["mixtral_2/ep2"]["placements"]
     assert placements and all(p == "(Shard(dim=1), Shard(dim=0))" for p in placements.values())
+
+
+def test_a_model_of_ones_own_with_experts_in_the_documented_shape_trains_equal(
+    results: Any,
+) -> None:
+    got, _ = results
+    ref = train("own", None)
+    worst = max(compare(r["own/ep2"], ref) for r in got)
+    print(f"TinyMoE (plain PyTorch) at ep 2: rel {worst:.2e}")
+    assert worst < RTOL
+    for r in got:
+        assert sorted(r["own/ep2"]["layout"]) == [
+            f"blocks.{i}.experts.{n}" for i in (0, 1) for n in ("down", "up")
+        ]

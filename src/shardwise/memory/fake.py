@@ -381,17 +381,28 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
                 return model(*inputs)
             return model(inputs)
     except Exception as exc:
+        hint = (
+            "The input is one rank's batch, passed as model(**dict), model(*tuple) or "
+            "model(tensor): check that it is what the model takes."
+        )
+        if "DynamicOutputShape" in type(exc).__name__ or "DataDependent" in type(exc).__name__:
+            hint = (
+                "A shape there depends on tensor values (torch.where, nonzero, a boolean "
+                "mask), which fake tensors do not have: the simulation cannot run this "
+                "forward. Measure one real step instead (shardwise.memory.real_step), or "
+                "write the op without value-dependent shapes (sort and offsets, as "
+                "transformers' grouped experts do)."
+            )
         raise ForwardError(
             f"the model's forward raised {type(exc).__name__} on the example input "
-            f"{describe_input(inputs)}: {str(exc).rstrip('.')}. The input is one rank's "
-            "batch, passed as model(**dict), model(*tuple) or model(tensor): check that "
-            "it is what the model takes."
+            f"{describe_input(inputs)}: {str(exc).rstrip('.')}. {hint}"
         ) from exc
 
 
 def loss_of(out: Any) -> torch.Tensor:
-    """The scalar to backpropagate: the output itself, `.loss`, or the mean of logits."""
-    loss = getattr(out, "loss", None)
+    """The scalar to backpropagate: the output itself, `.loss` (or a mapping's "loss", as
+    the Engine reads it), or the mean of logits."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     if loss is None:
         loss = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(loss, torch.Tensor):

@@ -2,7 +2,8 @@
 
 Owns: `GPTConfig` and `GPT` (token embedding tied to the output head, pre-LayerNorm
 blocks of causal self-attention and MLP). Small enough for CPU tests, scalable to the
-benchmark sizes.
+benchmark sizes. Also `TinyMoE`, a mixture of experts in plain PyTorch whose `Experts`
+module has the shape expert parallelism finds (docs/experts.md).
 
 Must not: depend on any other shardwise module; models stay plain PyTorch.
 """
@@ -256,3 +257,73 @@ class CrossTied(nn.Module):
         for layer in self.layers:
             h = h + torch.relu(layer(h))
         return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+class Experts(nn.Module):
+    """A mixture of experts' experts, in the shape expert parallelism finds: `num_experts`,
+    parameters stored experts first, and a forward that takes (hidden_states, top_k_index,
+    top_k_weights) and loops over `self.num_experts` (under ep it sees its rank's own
+    experts, numbered from 0)."""
+
+    def __init__(self, num_experts: int, d_model: int, width: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.up = nn.Parameter(torch.randn(num_experts, width, d_model) * d_model**-0.5)
+        self.down = nn.Parameter(torch.randn(num_experts, d_model, width) * width**-0.5)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            h = F.gelu(hidden_states[token] @ self.up[e].T) @ self.down[e].T
+            out = out.index_add(0, token, h * top_k_weights[token, slot, None])
+        return out
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm residual block: a router picks `top_k` experts per token, softmax-weighted."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.experts = Experts(num_experts, d_model, width)
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x).reshape(-1, x.shape[-1])
+        weights, index = torch.topk(self.router(h).softmax(-1), self.top_k, dim=-1)
+        return x + self.experts(h, index, weights).reshape(x.shape)
+
+
+class TinyMoE(nn.Module):
+    """Token embedding, `layers` MoE blocks and an untied head; `forward(input_ids,
+    labels)` returns {"loss": next-token cross entropy} (with labels) or the logits."""
+
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        d_model: int = 16,
+        layers: int = 2,
+        num_experts: int = 4,
+        top_k: int = 2,
+        width: int = 32,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(
+            MoEBlock(d_model, num_experts, top_k, width) for _ in range(layers)
+        )
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> object:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return {"loss": loss}

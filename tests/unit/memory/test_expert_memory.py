@@ -135,3 +135,12 @@ def test_no_rank_is_charged_a_whole_experts_parameter_it_never_holds() -> None:
     )  # fmt: skip
     whole_gate_up = 64 * 2 * 256 * 64 * 2  # experts x (gate, up) x width x hidden, bf16
     assert report.category_peaks["activations"] < whole_gate_up / 2, report
+
+
+def test_a_forward_with_value_dependent_shapes_is_refused_with_the_reason() -> None:
+    from shardwise.testing.models import TinyMoE
+
+    with pytest.raises(Exception, match=r"A shape there depends on tensor values \(torch.where"):
+        shardwise.simulate_step(
+            TinyMoE, shardwise.ParallelConfig(ep=2), world=4, batch=1, seq_len=TOKENS
+        )
