@@ -876,8 +876,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "adam_betas_not_passed",
         "src/shardwise/config/run_file.py",
-        "return cls(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)",
-        "return cls(params, lr=self.lr, weight_decay=self.weight_decay)",
+        "params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay",
+        "params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay",
         ("tests/unit/config/test_optimizer_section.py::test_adams_fields_reach_the_optimizer",),
     ),
     Mutant(
@@ -1272,6 +1272,34 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/unit/memory/test_expert_memory.py::test_a_forward_with_value_dependent_shapes_is_refused_with_the_reason",
         ),
+    ),
+    Mutant(
+        "zero1_called_exact",
+        "src/shardwise/config/deepspeed.py",
+        '                "shard_grad_op",\n                "differs",',
+        '                "shard_grad_op",\n                "exact",',
+        ("tests/unit/config/test_deepspeed.py::test_each_row_says_how_faithful_it_is",),
+    ),
+    Mutant(
+        "deepspeed_adam_read_as_torch_adam",
+        "src/shardwise/config/deepspeed.py",
+        'decoupled = params.pop("adam_w_mode", True)',
+        'decoupled = params.pop("adam_w_mode", False)',
+        ("tests/unit/config/test_deepspeed.py::test_each_row_says_how_faithful_it_is",),
+    ),
+    Mutant(
+        "schedule_one_step_early",
+        "src/shardwise/config/deepspeed_schedules.py",
+        "    def warmup(step: int, base: float) -> float:\n        high = base if top is None else float(top)  # None: 'auto', the optimizer's lr\n        i = step - 1\n",
+        "    def warmup(step: int, base: float) -> float:\n        high = base if top is None else float(top)  # None: 'auto', the optimizer's lr\n        i = step\n",
+        ("tests/unit/config/test_deepspeed.py::test_schedulers_give_each_step_deepspeeds_lr",),
+    ),
+    Mutant(
+        "train_batch_size_mismatch_accepted",
+        "src/shardwise/config/deepspeed.py",
+        "    ok = size is not None and steps is not None and total == size * steps * world\n",
+        "    ok = size is not None and steps is not None\n",
+        ("tests/unit/config/test_deepspeed.py::test_what_cannot_mean_the_same_is_refused_by_key",),
     ),
 )
 

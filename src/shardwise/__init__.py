@@ -23,6 +23,7 @@ from shardwise.config import (
     Precision,
     RunnerConfig,
     TrainConfig,
+    translate_deepspeed,
 )
 from shardwise.distributed import (
     DistInfo,
@@ -130,6 +131,7 @@ __all__ = [
     "shutdown",
     "simulate_step",
     "sync_module_states",
+    "translate_deepspeed",
     "unwrap",
     "wait_for_checkpoint",
     "wrap",

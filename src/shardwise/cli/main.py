@@ -98,6 +98,23 @@ def _checkpoint(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> int:
     from shardwise.config import run_file as schema
 
+    if args.action == "show" and getattr(args, "source", None):
+        from shardwise.config.deepspeed import translate_deepspeed
+
+        if args.config is not None or args.overrides:
+            raise ValueError(
+                "config show --from FILE reads that file alone: drop --config and the "
+                "overrides (apply them to the translated YAML this prints)."
+            )
+        translation = translate_deepspeed(args.source)
+        print(translation.table())
+        print()
+        config = translation.config  # a ConfigError naming every refused key
+        if translation.schedule is not None:
+            print("# scheduler: the DeepSpeed schedule above is built by")
+            print("# Translation.build_scheduler(optimizer); this section stays 'none'.")
+        print(schema.dump_config(config), end="")
+        return 0
     if args.action == "show":
         print(
             schema.dump_config(schema.load_config(args.config, args.overrides, cls=schema.Config)),
@@ -265,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
         "show", help="the config after the file and overrides, as YAML"
     )
     show.add_argument("--config", default=None, help="a YAML config file")
+    show.add_argument(
+        "--from",
+        dest="source",
+        default=None,
+        metavar="FILE",
+        help="a DeepSpeed JSON config: print what each key becomes (exact, differs, no "
+        "effect or refused), then the shardwise config it implies",
+    )
     show.add_argument("overrides", nargs="*", help="section.key=value")
     reference = config_actions.add_parser("reference", help="the Markdown reference of every key")
     reference.add_argument(

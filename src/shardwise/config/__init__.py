@@ -7,6 +7,7 @@ The fields' types are exported too: each closed set is a `Literal` (`StrategySet
 `PrecisionName`, `FrozenPolicy`, `NonFinitePolicy`, `OptimizerName`, ...).
 """
 
+from shardwise.config.deepspeed import translate_deepspeed
 from shardwise.config.names import (
     STRATEGIES,
     StrategyName,
@@ -53,6 +54,7 @@ from shardwise.config.run_file import (
     update_reference,
 )
 from shardwise.config.training import NonFinitePolicy, RunnerConfig, TrainConfig
+from shardwise.config.translation import Translation
 from shardwise.config.vocabulary import FOREIGN_WORDS, PLACEMENT_WORDS, translate
 
 __all__ = [
@@ -80,6 +82,7 @@ __all__ = [
     "StrategyName",
     "StrategySetting",
     "TrainConfig",
+    "Translation",
     "UserMesh",
     "WrapPolicy",
     "apply_overrides",
@@ -97,6 +100,7 @@ __all__ = [
     "resolve_forward_prefetch",
     "resolve_precision",
     "translate",
+    "translate_deepspeed",
     "update_reference",
     "validate_parallel_config",
 ]

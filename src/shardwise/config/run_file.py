@@ -74,6 +74,8 @@ class OptimizerConfig:
     """Decoupled (adamw) or L2 (adam, sgd) weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
     """Adam's moment decay rates."""
+    eps: float = 1e-8
+    """Adam's term added to the denominator."""
     momentum: float = 0.0
     """SGD momentum."""
 
@@ -84,7 +86,7 @@ class OptimizerConfig:
                 f"optimizer.lr={self.lr} must be a finite number > 0 (a peak learning rate "
                 "such as 3e-4)."
             )
-        for name in ("weight_decay", "momentum"):
+        for name in ("weight_decay", "momentum", "eps"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"optimizer.{name}={value} must be a finite number >= 0.")
@@ -103,7 +105,9 @@ class OptimizerConfig:
                 params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
             )
         cls = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
-        return cls(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+        return cls(
+            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+        )
 
 
 @dataclass(kw_only=True)

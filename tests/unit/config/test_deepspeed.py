@@ -1,0 +1,237 @@
+"""DeepSpeed configs as users bring them: each translates to the documented layout, or is
+refused naming the key and the reason.
+
+The configs below follow the shapes published with transformers' DeepSpeed integration
+(the ZeRO-2 and ZeRO-3 templates full of "auto"), DeepSpeed's own tutorials (ZeRO-1 with
+fp16, ZeRO-Offload, ZeRO-Infinity, ZeRO++, MiCS, 1-bit Adam, Lamb for BERT) and the
+schedulers' documented parameters; the values are this file's own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from shardwise.cli.main import main
+from shardwise.config.deepspeed import translate_deepspeed
+from shardwise.config.run_file import ConfigError
+
+HF_ZERO3 = {  # transformers' ZeRO-3 template
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                 "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+        "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "steps_per_print": 2000, "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}  # fmt: skip
+HF_ZERO2 = {  # transformers' ZeRO-2 template
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True,
+                          "allgather_bucket_size": 2e8, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": 2e8,
+                          "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+}  # fmt: skip
+ZERO3_BF16 = {  # ZeRO-3 in bf16, numbers given
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "overlap_comm": True},
+    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+    "train_batch_size": 64, "gradient_clipping": 0.5,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
+                                              "eps": 1e-8, "weight_decay": 0.1}},
+}  # fmt: skip
+ZERO1_FP16 = {  # Megatron-style ZeRO-1 with fp16 and dynamic loss scaling
+    "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12},
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8},
+    "optimizer": {"type": "Adam", "params": {"lr": 1.5e-4, "weight_decay": 0.01}},
+}  # fmt: skip
+ZERO_OFFLOAD = {  # ZeRO-Offload: ZeRO-2 with the optimizer on CPU
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                          "contiguous_gradients": True, "overlap_comm": True},
+    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+}  # fmt: skip
+ZERO_INFINITY = {  # ZeRO-Infinity: parameters to NVMe
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+                                                        "nvme_path": "/local_nvme"}},
+    "aio": {"block_size": 1048576},
+}  # fmt: skip
+ZERO_PP = {  # ZeRO++: quantized weights and gradients, hierarchical partition
+    "zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                          "zero_hpz_partition_size": 8, "zero_quantized_gradients": True},
+}  # fmt: skip
+MICS = {"zero_optimization": {"stage": 3, "mics_shard_size": 8}}
+ONEBIT = {  # 1-bit Adam (communication-compressed)
+    "optimizer": {"type": "OneBitAdam", "params": {"lr": 4e-4, "freeze_step": 23000}},
+    "fp16": {"enabled": True},
+}  # fmt: skip
+BERT_LAMB = {
+    "optimizer": {"type": "Lamb", "params": {"lr": 11e-3}},
+    "zero_optimization": {"stage": 1},
+}
+DECAY = {  # a fixed schedule, warm-up then linear decay
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
+                  "warmup_num_steps": 10, "total_num_steps": 20, "warmup_type": "linear"}},
+    "zero_optimization": {"stage": 2},
+}  # fmt: skip
+COSINE = {
+    "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+    "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 20,
+                  "warmup_num_steps": 10, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0}},
+}  # fmt: skip
+STATIC_SCALE = {"fp16": {"enabled": True, "loss_scale": 128}, "zero_optimization": {"stage": 0}}
+AUTO_STEPS = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}
+
+
+def _layout(config):  # type: ignore[no-untyped-def]
+    p, t = config.parallel, config.train
+    return (p.strategy, bool(p.cpu_offload), str(p.precision), t.accumulate_steps,
+            t.max_grad_norm, config.runner.batch_size, config.optimizer.name)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("data", "layout"),
+    [
+        (HF_ZERO3, ("full_shard", True, "fp32", 1, 1.0, 8, "adamw")),
+        (HF_ZERO2, ("shard_grad_op", False, "fp32", 1, 1.0, 8, "adamw")),
+        (ZERO3_BF16, ("full_shard", False, "param=bfloat16 reduce=float32 output=None", 8, 0.5,
+                      4, "adamw")),
+        (ZERO1_FP16, ("shard_grad_op", False, "param=float16 reduce=float32 output=None", 4,
+                      None, 4, "adamw")),
+        (ZERO_OFFLOAD, ("shard_grad_op", True, "fp32", 4, None, 2, "adamw")),
+        (DECAY, ("shard_grad_op", False, "fp32", 1, None, 8, "adamw")),
+        (COSINE, ("full_shard", False, "fp32", 1, None, 8, "sgd")),
+    ],
+    ids=["hf_zero3", "hf_zero2", "zero3_bf16", "zero1_fp16", "zero_offload", "decay", "cosine"],
+)  # fmt: skip
+def test_a_config_translates_to_its_documented_layout(data, layout) -> None:  # type: ignore[no-untyped-def]
+    translation = translate_deepspeed(data, world=2)
+    assert _layout(translation.config) == layout, translation.table()
+    keys = {r.key.split(".")[0] for r in translation.rows}
+    assert keys == set(data), "every key read is listed"
+
+
+def test_each_row_says_how_faithful_it_is() -> None:
+    rows = {r.key: r for r in translate_deepspeed(HF_ZERO3).rows}
+    assert rows["zero_optimization.overlap_comm"].verdict == "no effect"
+    assert rows["zero_optimization.offload_optimizer"].verdict == "differs"
+    assert "optimizer state" in rows["zero_optimization.offload_optimizer"].note
+    assert rows["optimizer.params.lr"].became == "optimizer.lr=5e-05"
+    assert rows["fp16.loss_scale_window"].verdict == "no effect"  # fp16 is off ('auto')
+    rows = {r.key: r for r in translate_deepspeed(ZERO1_FP16, world=8).rows}
+    assert rows["zero_optimization.stage"].verdict == "differs"
+    assert "ZeRO-1 shards optimizer state only" in rows["zero_optimization.stage"].note
+    assert rows["optimizer.type"].became == "optimizer.name='adamw'"  # adam_w_mode
+    assert "reduces in the compute dtype" in rows["fp16.enabled"].note
+    assert rows["fp16.initial_scale_power"].became == "train.init_scale=2**12"
+    assert rows["train_batch_size"].became == "runner.batch_size=4, train.accumulate_steps=1"
+    config = translate_deepspeed(ZERO1_FP16, world=8).config
+    assert (config.train.grad_scaler, config.train.init_scale, config.optimizer.lr) == (
+        True, 2.0**12, 1.5e-4)  # fmt: skip
+    alone = translate_deepspeed({"train_batch_size": 32}, world=2).config  # DeepSpeed: 16 x 1
+    assert (alone.runner.batch_size, alone.train.accumulate_steps) == (16, 1)
+    no_decoupling = {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}
+    assert translate_deepspeed(no_decoupling).config.optimizer.name == "adam"
+
+
+@pytest.mark.parametrize(
+    ("data", "refused"),
+    [
+        (ZERO_INFINITY, {"zero_optimization.offload_param": "offload to 'nvme' is not built",
+                         "aio": "NVMe offload is not built"}),
+        (ZERO_PP, {"zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights",
+                   "zero_optimization.zero_hpz_partition_size": "strategy='hybrid_shard'",
+                   "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients"}),
+        (MICS, {"zero_optimization.mics_shard_size": "MiCS is not built"}),
+        (ONEBIT, {"optimizer.type": "a DeepSpeed-only optimizer"}),
+        (BERT_LAMB, {"optimizer.type": "a DeepSpeed-only optimizer"}),
+        (STATIC_SCALE, {"fp16.loss_scale": "a static loss scale"}),
+        (AUTO_STEPS, {"scheduler.params.total_num_steps": "only a running Trainer knows"}),
+        ({"zero_optimisation": {"stage": 2}}, {"zero_optimisation": "not a DeepSpeed key"}),
+        ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+         {"train_batch_size": "(4 x None x 2 ranks): DeepSpeed would refuse this too"}),
+        ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+          "gradient_accumulation_steps": 2},
+         {"train_batch_size": "(4 x 2 x 2 ranks): DeepSpeed would refuse this too"}),
+        ({"scheduler": {"type": "OneCycle", "params": {}}}, {"scheduler.type": "not built"}),
+    ],
+    ids=["zero_infinity", "zero_pp", "mics", "onebit_adam", "lamb", "static_scale",
+         "auto_total_steps", "typo", "batch_mismatch", "batch_mismatch_given", "one_cycle"],
+)  # fmt: skip
+def test_what_cannot_mean_the_same_is_refused_by_key(data, refused) -> None:  # type: ignore[no-untyped-def]
+    translation = translate_deepspeed(data, world=2)
+    got = {r.key: r.note for r in translation.refused}
+    assert set(got) == set(refused), translation.table()
+    for key, words in refused.items():
+        assert words in got[key], (key, got[key])
+    with pytest.raises(ConfigError, match="cannot mean the same in shardwise; refused:") as exc:
+        translation.config  # noqa: B018
+    assert all(key in str(exc.value) for key in refused)
+
+
+def _lrs(data, steps):  # type: ignore[no-untyped-def]
+    translation = translate_deepspeed(data)
+    config = translation.config
+    optimizer = config.optimizer.build([torch.nn.Parameter(torch.zeros(1))])
+    scheduler = translation.build_scheduler(optimizer)
+    out = []
+    for _ in range(steps):
+        out.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+def test_schedulers_give_each_step_deepspeeds_lr() -> None:
+    # DeepSpeed steps its scheduler after each optimizer step: step s runs at the lr of
+    # iteration s - 1 (the constructor's for step 0). WarmupDecayLR, linear, 10 warm-up
+    # steps of 20: min, then min + i/10, then linear decay to 0 at iteration 20.
+    lrs = _lrs(DECAY, 22)
+    expected = [0.0, 0.0] + [1e-3 * i / 10 for i in range(1, 10)]
+    expected += [1e-3 * (20 - i) / 10 for i in range(10, 21)]
+    assert lrs == pytest.approx(expected, abs=1e-12)
+    # WarmupCosineLR: 0 at step 0 (DeepSpeed's constructor sets 0), the ratio after.
+    lrs = _lrs(COSINE, 21)
+    # warmup_type defaults to 'log': ratio log(i + 1) / log(10) at iteration i
+    assert lrs[0] == 0.0 and lrs[1] == 0.0
+    assert lrs[6] == pytest.approx(0.1 * math.log(6) / math.log(10))
+    assert lrs[11] == pytest.approx(0.1 * (1 + math.cos(math.pi * 1 / 10)) / 2)
+    assert lrs[20] == pytest.approx(0.0, abs=1e-12)
+    # WarmupLR with 'auto' (the Trainer's): warm-up over DeepSpeed's minimum of 2
+    # iterations, log-shaped, to the optimizer's lr.
+    lrs = _lrs(HF_ZERO2 | {"scheduler": HF_ZERO3["scheduler"]}, 4)
+    assert lrs == pytest.approx([0.0, 0.0, 5e-5, 5e-5])
+
+
+def test_config_show_from_prints_the_table_then_the_config(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ZERO3_BF16))
+    assert main(["config", "show", "--from", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "zero_optimization.stage" in out and "parallel.strategy='full_shard'" in out
+    assert "strategy: full_shard" in out and "accumulate_steps: 8" in out
+    path.write_text(json.dumps(ZERO_PP))
+    assert main(["config", "show", "--from", str(path)]) == 2
+    assert "zero_optimization.zero_quantized_weights" in capsys.readouterr().err
+    path.write_text("{not json")
+    assert main(["config", "show", "--from", str(path)]) == 2
+    assert "is not JSON" in capsys.readouterr().err
