@@ -120,7 +120,7 @@ _REFUSED_TOP = {
 
 
 def translate_deepspeed(
-    source: str | Path | Mapping[str, Any], *, world: int | None = None
+    source: str | Path | Mapping[str, object], *, world: int | None = None
 ) -> Translation:
     """Read a DeepSpeed config (see the module docstring). `world` (the number of ranks)
     lets train_batch_size be checked against micro-batch x accumulation x ranks."""
@@ -140,7 +140,7 @@ def translate_deepspeed(
     return out
 
 
-def _load(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+def _load(source: str | Path | Mapping[str, object]) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
     path = Path(source)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -21,9 +21,11 @@ from shardwise.config.parallel import ParallelConfig
 from shardwise.config.run_file import Config, ConfigError, OptimizerConfig
 from shardwise.config.training import RunnerConfig, TrainConfig
 
-__all__ = ["Row", "Translation", "Verdict"]
+__all__ = ["Row", "Tool", "Translation", "Verdict"]
 
 Verdict = Literal["exact", "differs", "no effect", "refused"]
+Tool = Literal["DeepSpeed"]
+"""The tools whose configuration files shardwise reads."""
 
 
 @dataclass(frozen=True)
@@ -41,15 +43,22 @@ class Row:
 class Translation:
     """What another tool's config means in shardwise (see the module docstring)."""
 
-    source: str
-    """The tool whose config was read, e.g. "DeepSpeed"."""
-    rows: list[Row]
+    source: Tool
+    """The tool whose config was read."""
+    rows: list[Row] = field(default_factory=list)
     parallel: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     runner: dict[str, Any] = field(default_factory=dict)
     optimizer: dict[str, Any] = field(default_factory=dict)
     schedule: Callable[[int, float], float] | None = None
     """lr at optimizer step s (from 0), given the optimizer's lr: DeepSpeed's schedule."""
+
+    def __post_init__(self) -> None:
+        if self.source not in get_args(Tool):
+            raise ValueError(
+                f"Translation.source={self.source!r} is not one of the tools shardwise "
+                f"reads: {list(get_args(Tool))}."
+            )
 
     @property
     def refused(self) -> list[Row]:

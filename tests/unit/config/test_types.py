@@ -26,6 +26,7 @@ from shardwise.config import (
     TrainConfig,
 )
 from shardwise.config.run_file import ConfigError
+from shardwise.config.translation import Translation
 
 CLOSED_SETS: dict[tuple[type, str], tuple[str, ...]] = {
     (ParallelConfig, "strategy"): (
@@ -41,6 +42,7 @@ CLOSED_SETS: dict[tuple[type, str], tuple[str, ...]] = {
     (ParallelConfig, "backward_prefetch"): ("pre", "post"),
     (ParallelConfig, "frozen_policy"): ("split", "warn", "error"),
     (TrainConfig, "on_nonfinite"): ("stop", "skip"),
+    (Translation, "source"): ("DeepSpeed",),
     (OptimizerConfig, "name"): ("adamw", "adam", "sgd"),
     (SchedulerConfig, "name"): ("none", "constant", "cosine", "linear"),
 }
