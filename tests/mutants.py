@@ -1301,6 +1301,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "    ok = size is not None and steps is not None\n",
         ("tests/unit/config/test_deepspeed.py::test_what_cannot_mean_the_same_is_refused_by_key",),
     ),
+    Mutant(
+        "fsdp2_reshard_false_read_as_full_shard",
+        "src/shardwise/config/accelerate.py",
+        'out.parallel["strategy"] = "full_shard" if reshard else "shard_grad_op"',
+        'out.parallel["strategy"] = "full_shard"',
+        ("tests/unit/config/test_accelerate.py::test_a_yaml_translates_to_its_documented_layout",),
+    ),
+    Mutant(
+        "flat_parameters_asked_for_and_accepted",
+        "src/shardwise/config/accelerate.py",
+        'verdict: Verdict = "no effect" if value else "refused"',
+        'verdict: Verdict = "no effect"',
+        ("tests/unit/config/test_accelerate.py::test_what_cannot_mean_the_same_is_refused_by_key",),
+    ),
 )
 
 

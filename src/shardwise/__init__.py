@@ -23,6 +23,7 @@ from shardwise.config import (
     Precision,
     RunnerConfig,
     TrainConfig,
+    translate_accelerate,
     translate_deepspeed,
 )
 from shardwise.distributed import (
@@ -131,6 +132,7 @@ __all__ = [
     "shutdown",
     "simulate_step",
     "sync_module_states",
+    "translate_accelerate",
     "translate_deepspeed",
     "unwrap",
     "wait_for_checkpoint",

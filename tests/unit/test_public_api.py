@@ -61,6 +61,7 @@ PUBLIC: dict[str, str] = {
     "set_aside_newer": "function",
     "shutdown": "function",
     "simulate_step": "function",
+    "translate_accelerate": "function",
     "translate_deepspeed": "function",
     "sync_module_states": "function",
     "unwrap": "function",

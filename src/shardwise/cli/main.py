@@ -99,6 +99,7 @@ def _config(args: argparse.Namespace) -> int:
     from shardwise.config import run_file as schema
 
     if args.action == "show" and getattr(args, "source", None):
+        from shardwise.config.accelerate import translate_accelerate
         from shardwise.config.deepspeed import translate_deepspeed
 
         if args.config is not None or args.overrides:
@@ -106,7 +107,14 @@ def _config(args: argparse.Namespace) -> int:
                 "config show --from FILE reads that file alone: drop --config and the "
                 "overrides (apply them to the translated YAML this prints)."
             )
-        translation = translate_deepspeed(args.source)
+        suffix = str(args.source).rsplit(".", 1)[-1].lower()
+        if suffix not in ("json", "yaml", "yml"):
+            raise ValueError(
+                f"config show --from {args.source}: a DeepSpeed config is .json, an "
+                "Accelerate config .yaml or .yml."
+            )
+        read = translate_deepspeed if suffix == "json" else translate_accelerate
+        translation = read(args.source)
         print(translation.table())
         print()
         config = translation.config  # a ConfigError naming every refused key
@@ -287,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="source",
         default=None,
         metavar="FILE",
-        help="a DeepSpeed JSON config: print what each key becomes (exact, differs, no "
-        "effect or refused), then the shardwise config it implies",
+        help="a DeepSpeed JSON or Accelerate YAML config: print what each key becomes "
+        "(exact, differs, no effect or refused), then the shardwise config it implies",
     )
     show.add_argument("overrides", nargs="*", help="section.key=value")
     reference = config_actions.add_parser("reference", help="the Markdown reference of every key")

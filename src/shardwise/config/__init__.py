@@ -7,6 +7,7 @@ The fields' types are exported too: each closed set is a `Literal` (`StrategySet
 `PrecisionName`, `FrozenPolicy`, `NonFinitePolicy`, `OptimizerName`, ...).
 """
 
+from shardwise.config.accelerate import translate_accelerate
 from shardwise.config.deepspeed import translate_deepspeed
 from shardwise.config.names import (
     STRATEGIES,
@@ -100,6 +101,7 @@ __all__ = [
     "resolve_forward_prefetch",
     "resolve_precision",
     "translate",
+    "translate_accelerate",
     "translate_deepspeed",
     "update_reference",
     "validate_parallel_config",

@@ -1,0 +1,288 @@
+"""An Accelerate config (the YAML `accelerate config` writes), read as it is: every key
+becomes what it means in shardwise, or is refused with the reason.
+
+Owns: `translate_accelerate`, which reads the YAML (a path, or its dict) into a
+`Translation` (config/translation.py): `distributed_type` FSDP with its `fsdp_config`
+keys (FSDP1's and FSDP2's), MULTI_GPU/MULTI_CPU (DDP), NO (one process), and DEEPSPEED
+(its `deepspeed_config`, inline keys or a `deepspeed_config_file`, read by
+config/deepspeed.py); `mixed_precision`; `parallelism_config` (dp_replicate × dp_shard ×
+tp); and the launch keys, which say where processes run and change no training value.
+
+Must not: import accelerate, or read the environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shardwise.config.deepspeed import translate_deepspeed
+from shardwise.config.names import normalize_strategy
+from shardwise.config.run_file import ConfigError, read_yaml
+from shardwise.config.translation import Row, Translation, Verdict
+
+__all__ = ["translate_accelerate"]
+
+_LAUNCH = {
+    "compute_environment", "debug", "machine_rank", "main_process_ip", "main_process_port",
+    "main_training_function", "rdzv_backend", "same_network", "gpu_ids", "num_machines",
+    "num_processes", "enable_cpu_affinity", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
+    "use_cpu", "downcast_bf16", "deepspeed_multinode_launcher", "ipex_config", "mpirun_config",
+}  # fmt: skip
+_STRATEGIES = {"1": "full_shard", "2": "shard_grad_op", "3": "no_shard", "4": "hybrid_shard",
+               "5": "hybrid_shard_zero2"}  # fmt: skip
+_PREFETCH = {"BACKWARD_PRE": "pre", "BACKWARD_POST": "post", "NO_PREFETCH": None}
+
+
+def translate_accelerate(source: str | Path | Mapping[str, object]) -> Translation:
+    """Read an Accelerate config (see the module docstring)."""
+    data, base = _load(source)
+    out = Translation(source="Accelerate")
+    kind = str(data.get("distributed_type", "NO"))
+    for key, value in data.items():
+        if key == "distributed_type":
+            _distributed(out, kind)
+        elif key == "fsdp_config":
+            _fsdp(out, value, kind)
+        elif key == "deepspeed_config":
+            _deepspeed(out, value, kind, base, data)
+        elif key == "mixed_precision":
+            _precision(out, value, kind)
+        elif key == "parallelism_config":
+            _parallelism(out, value)
+        elif key == "dynamo_config":
+            _dynamo(out, value)
+        elif key in _LAUNCH:
+            out.rows.append(
+                Row(key, value, "-", "no effect",
+                    "a launch setting: give it to shardwise run / torchrun")
+            )  # fmt: skip
+        else:
+            out.rows.append(
+                Row(key, value, "-", "refused", "not an Accelerate key shardwise reads")
+            )
+    if "distributed_type" not in data:
+        _distributed(out, kind)
+    return out
+
+
+def _load(source: str | Path | Mapping[str, object]) -> tuple[dict[str, Any], Path | None]:
+    if isinstance(source, Mapping):
+        return dict(source), None
+    path = Path(source)
+    try:
+        data = read_yaml(path.read_text(), path)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the Accelerate config {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: an Accelerate config is a YAML mapping")
+    return data, path.parent
+
+
+def _distributed(out: Translation, kind: str) -> None:
+    if kind in ("MULTI_GPU", "MULTI_CPU", "NO"):
+        out.parallel.setdefault("strategy", "ddp")
+        note = "one process (shardwise does not wrap at world size 1)" if kind == "NO" else ""
+        out.rows.append(Row("distributed_type", kind, "parallel.strategy='ddp'", "exact", note))
+    elif kind == "FSDP":
+        out.parallel.setdefault("strategy", "full_shard")
+        out.rows.append(Row("distributed_type", kind, "FSDP2 (fully_shard)", "exact",
+                            "fsdp_config sets the layout"))  # fmt: skip
+    elif kind == "DEEPSPEED":
+        out.rows.append(Row("distributed_type", kind, "deepspeed_config, read as DeepSpeed's",
+                            "exact"))  # fmt: skip
+    else:
+        out.rows.append(Row("distributed_type", kind, "-", "refused",
+                            "shardwise runs FSDP2 and DDP on GPUs and CPUs (no XLA, "
+                            "Megatron-LM or other backends)"))  # fmt: skip
+
+
+def _fsdp(out: Translation, block: object, kind: str) -> None:
+    if kind != "FSDP" or not isinstance(block, Mapping):
+        why = "fsdp_config without distributed_type FSDP: Accelerate ignores it"
+        out.rows.append(Row("fsdp_config", block, "-", "no effect", why))
+        return
+    version = int(block.get("fsdp_version", 1))
+    for sub, value in block.items():
+        key = f"fsdp_config.{sub}"
+        if sub == "fsdp_version":
+            note = "FSDP1 keys mean what FSDP2 does the same way" if version == 1 else ""
+            out.rows.append(Row(key, value, "FSDP2", "exact", note))
+        elif sub == "fsdp_sharding_strategy":
+            name = _STRATEGIES.get(str(value), str(value))
+            try:
+                strategy = normalize_strategy(name)
+            except ValueError as exc:
+                out.rows.append(Row(key, value, "-", "refused", str(exc)))
+                continue
+            out.parallel["strategy"] = strategy
+            out.rows.append(Row(key, value, f"parallel.strategy='{strategy}'", "exact"))
+        elif sub == "fsdp_reshard_after_forward":
+            reshard = value if isinstance(value, bool) else str(value).upper() != "SHARD_GRAD_OP"
+            out.parallel["strategy"] = "full_shard" if reshard else "shard_grad_op"
+            out.rows.append(Row(key, value, f"parallel.strategy='{out.parallel['strategy']}'",
+                                "exact"))  # fmt: skip
+        elif sub == "fsdp_offload_params":
+            out.parallel["cpu_offload"] = bool(value)
+            out.rows.append(Row(key, value, f"parallel.cpu_offload={bool(value)}", "exact"))
+        elif sub in ("fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
+                     "fsdp_min_num_params"):  # fmt: skip
+            _wrap(out, key, sub, value, block)
+        elif sub == "fsdp_backward_prefetch":
+            if str(value) not in _PREFETCH:
+                out.rows.append(Row(key, value, "-", "refused", f"one of {list(_PREFETCH)}"))
+                continue
+            out.parallel["backward_prefetch"] = _PREFETCH[str(value)]
+            post = str(value) == "BACKWARD_POST"
+            why = "FSDP2 has no post-gradient prefetch; it prefetches before (depth 1)"
+            out.rows.append(Row(key, value, f"parallel.backward_prefetch="
+                                f"{_PREFETCH[str(value)]!r}", "differs" if post else "exact",
+                                why if post else ""))  # fmt: skip
+        elif sub == "fsdp_forward_prefetch":
+            out.parallel["forward_prefetch"] = bool(value)
+            out.rows.append(Row(key, value, f"parallel.forward_prefetch={bool(value)}", "exact"))
+        elif sub == "fsdp_sync_module_states":
+            out.parallel["sync_module_states"] = bool(value)
+            out.rows.append(Row(key, value, f"parallel.sync_module_states={bool(value)}", "exact"))
+        elif sub == "fsdp_activation_checkpointing":
+            ac = "full" if value else "none"
+            out.parallel["activation_checkpointing"] = ac
+            out.rows.append(Row(key, value, f"parallel.activation_checkpointing='{ac}'", "exact"))
+        elif sub == "fsdp_use_orig_params":
+            verdict: Verdict = "no effect" if value else "refused"
+            why = "FSDP2 has no flat parameters: the optimizer always sees the originals"
+            out.rows.append(Row(key, value, "-", verdict, why))
+        elif sub in ("fsdp_cpu_ram_efficient_loading", "fsdp_state_dict_type"):
+            why = (
+                "build the model under shardwise.init_empty(): each rank fills only its shards"
+                if sub == "fsdp_cpu_ram_efficient_loading"
+                else "shardwise saves sharded (DCP) checkpoints; export_weights writes whole ones"
+            )
+            out.rows.append(Row(key, value, "-", "no effect", why))
+        else:
+            out.rows.append(
+                Row(key, value, "-", "refused", "not an fsdp_config key shardwise reads")
+            )
+
+
+def _wrap(out: Translation, key: str, sub: str, value: object, block: Mapping[str, Any]) -> None:
+    if sub == "fsdp_auto_wrap_policy":
+        policy = str(value)
+        if policy == "TRANSFORMER_BASED_WRAP":
+            classes = block.get("fsdp_transformer_layer_cls_to_wrap")
+            if classes:
+                names = [c.strip() for c in str(classes).split(",")]
+                out.parallel["auto_wrap_policy"] = names
+                became = f"parallel.auto_wrap_policy={names}"
+            else:
+                became = "parallel.auto_wrap_policy='auto' (the model's _no_split_modules)"
+            out.rows.append(Row(key, value, became, "exact"))
+        elif policy == "SIZE_BASED_WRAP":
+            out.parallel["auto_wrap_policy"] = "size"
+            size = block.get("fsdp_min_num_params")
+            if size is not None:
+                out.parallel["min_num_params"] = int(size)
+            out.rows.append(Row(key, value, f"parallel.auto_wrap_policy='size' (min {size})",
+                                "exact"))  # fmt: skip
+        elif policy == "NO_WRAP":
+            out.parallel["auto_wrap_policy"] = "none"
+            out.rows.append(Row(key, value, "parallel.auto_wrap_policy='none'", "exact"))
+        else:
+            out.rows.append(Row(key, value, "-", "refused", "TRANSFORMER_BASED_WRAP, "
+                                "SIZE_BASED_WRAP or NO_WRAP"))  # fmt: skip
+    else:
+        out.rows.append(Row(key, value, "read with fsdp_auto_wrap_policy", "exact"))
+
+
+def _precision(out: Translation, value: object, kind: str) -> None:
+    key = "mixed_precision"
+    if value in ("no", None):
+        out.rows.append(Row(key, value, "parallel.mixed_precision='fp32'", "exact"))
+        return
+    if value not in ("bf16", "fp16"):
+        out.rows.append(Row(key, value, "-", "refused", f"{value} is not built (bf16, fp16)"))
+        return
+    if kind == "DEEPSPEED":  # the DeepSpeed block's precision decides
+        out.rows.append(Row(key, value, "read with deepspeed_config", "exact"))
+        return
+    out.parallel["mixed_precision"] = value
+    note = (
+        "compute in the low precision from fp32 parameters, as Accelerate; shardwise "
+        "reduces gradients in fp32 where Accelerate's FSDP reduces in the compute dtype "
+        "(more exact, twice the reduce-scatter bytes)"
+    )
+    if value == "fp16":
+        note += "; dynamic loss scaling, as Accelerate"
+    out.rows.append(Row(key, value, f"parallel.mixed_precision='{value}'", "differs", note))
+
+
+def _deepspeed(
+    out: Translation, block: object, kind: str, base: Path | None, data: Mapping[str, Any]
+) -> None:
+    if kind != "DEEPSPEED" or not isinstance(block, Mapping):
+        why = "deepspeed_config without distributed_type DEEPSPEED: Accelerate ignores it"
+        out.rows.append(Row("deepspeed_config", block, "-", "no effect", why))
+        return
+    file = block.get("deepspeed_config_file")
+    if file not in (None, "none"):
+        path = Path(str(file))
+        inner = translate_deepspeed(path if path.is_absolute() or base is None else base / path)
+    else:
+        inner = translate_deepspeed(_inline(block, data.get("mixed_precision")))
+    for row in inner.rows:
+        out.rows.append(Row(f"deepspeed_config: {row.key}", row.value, row.became, row.verdict,
+                            row.note))  # fmt: skip
+    for name in ("parallel", "train", "runner", "optimizer"):
+        getattr(out, name).update(getattr(inner, name))
+    out.schedule = inner.schedule
+
+
+def _inline(block: Mapping[str, Any], precision: object) -> dict[str, Any]:
+    """Accelerate's inline DeepSpeed keys as the DeepSpeed JSON they stand for."""
+    zero: dict[str, Any] = {"stage": int(block.get("zero_stage", 2))}
+    for side in ("optimizer", "param"):
+        device = block.get(f"offload_{side}_device")
+        if device not in (None, "none"):
+            zero[f"offload_{side}"] = {"device": device}
+    ds: dict[str, Any] = {"zero_optimization": zero}
+    for name in ("gradient_accumulation_steps", "gradient_clipping"):
+        if name in block:
+            ds[name] = block[name]
+    if precision in ("bf16", "fp16"):
+        ds[str(precision)] = {"enabled": True}
+    return ds
+
+
+def _parallelism(out: Translation, block: object) -> None:
+    sizes = dict(block) if isinstance(block, Mapping) else {}
+    for key, value in sizes.items():
+        name = key.removeprefix("parallelism_config_")
+        where = f"parallelism_config.{key}"
+        if name == "dp_shard_size":
+            out.parallel["dp_shard"] = int(value)
+            out.rows.append(Row(where, value, f"parallel.dp_shard={value}", "exact"))
+        elif name == "dp_replicate_size":
+            if int(value) > 1:
+                out.parallel["strategy"] = "hybrid_shard"
+            out.rows.append(Row(where, value, "replicas of each shard group (hybrid_shard "
+                                "when > 1)", "exact"))  # fmt: skip
+        elif name == "tp_size":
+            out.parallel["tp"] = int(value)
+            out.rows.append(Row(where, value, f"parallel.tp={value}", "exact"))
+        elif name == "cp_size" and int(value) == 1:
+            out.rows.append(Row(where, value, "no context parallel", "exact"))
+        else:
+            out.rows.append(Row(where, value, "-", "refused",
+                                "context parallel is not built" if name == "cp_size"
+                                else "not a parallelism_config key shardwise reads"))  # fmt: skip
+
+
+def _dynamo(out: Translation, block: object) -> None:
+    backend = block.get("dynamo_backend", "NO") if isinstance(block, Mapping) else "NO"
+    if str(backend).upper() == "NO":
+        out.rows.append(Row("dynamo_config", block, "parallel.compile=False", "exact"))
+        return
+    out.parallel["compile"] = str(backend).lower()
+    out.rows.append(Row("dynamo_config", block, f"parallel.compile='{str(backend).lower()}'",
+                        "exact", "torch.compile on each planned block"))  # fmt: skip

@@ -1,0 +1,208 @@
+"""Accelerate configs as `accelerate config` writes them: each translates to the
+documented layout, or is refused naming the key and the reason. The YAMLs follow the
+shapes Accelerate writes (FSDP1 and FSDP2 keys, DeepSpeed inline and from a file, the
+parallelism config); the values are this file's own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise.cli.main import main
+from shardwise.config.accelerate import translate_accelerate
+from shardwise.config.run_file import ConfigError
+
+LAUNCH = """compute_environment: LOCAL_MACHINE
+debug: false
+machine_rank: 0
+main_training_function: main
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+FSDP1 = (
+    LAUNCH
+    + """distributed_type: FSDP
+downcast_bf16: 'no'
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch: BACKWARD_PRE
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_forward_prefetch: false
+  fsdp_offload_params: false
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_sync_module_states: true
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_use_orig_params: true
+mixed_precision: bf16
+"""
+)
+FSDP1_NUMBERED = (
+    LAUNCH
+    + """distributed_type: FSDP
+fsdp_config:
+  fsdp_auto_wrap_policy: SIZE_BASED_WRAP
+  fsdp_min_num_params: 100000000
+  fsdp_backward_prefetch: BACKWARD_POST
+  fsdp_offload_params: true
+  fsdp_sharding_strategy: 2
+  fsdp_state_dict_type: FULL_STATE_DICT
+mixed_precision: 'no'
+"""
+)
+FSDP2 = (
+    LAUNCH
+    + """distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: false
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_activation_checkpointing: true
+mixed_precision: fp16
+"""
+)
+HSDP_TP = (
+    LAUNCH
+    + """distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_reshard_after_forward: true
+parallelism_config:
+  parallelism_config_dp_replicate_size: 2
+  parallelism_config_dp_shard_size: 2
+  parallelism_config_tp_size: 2
+  parallelism_config_cp_size: 1
+mixed_precision: bf16
+"""
+)
+DS_INLINE = (
+    LAUNCH
+    + """distributed_type: DEEPSPEED
+deepspeed_config:
+  gradient_accumulation_steps: 4
+  gradient_clipping: 1.0
+  offload_optimizer_device: cpu
+  offload_param_device: none
+  zero3_init_flag: false
+  zero_stage: 2
+mixed_precision: bf16
+"""
+)
+DDP = (
+    LAUNCH
+    + """distributed_type: MULTI_GPU
+mixed_precision: 'no'
+dynamo_config:
+  dynamo_backend: INDUCTOR
+"""
+)
+
+
+def _layout(config):  # type: ignore[no-untyped-def]
+    p = config.parallel
+    return (p.strategy, bool(p.cpu_offload), str(p.precision), p.auto_wrap_policy,
+            p.backward_prefetch, p.activation_checkpointing, p.tp, p.dp_shard)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "layout"),
+    [
+        (FSDP1, ("full_shard", False, "param=bfloat16 reduce=float32 output=None",
+                 ("LlamaDecoderLayer",), "pre", "none", 1, -1)),
+        (FSDP1_NUMBERED, ("shard_grad_op", True, "fp32", "size", "post", "none", 1, -1)),
+        (FSDP2, ("shard_grad_op", False, "param=float16 reduce=float32 output=None", "auto",
+                 "pre", "full", 1, -1)),
+        (HSDP_TP, ("hybrid_shard", False, "param=bfloat16 reduce=float32 output=None", "auto",
+                   "pre", "none", 2, 2)),
+        (DS_INLINE, ("shard_grad_op", True, "param=bfloat16 reduce=float32 output=None", "auto",
+                     "pre", "none", 1, -1)),
+        (DDP, ("ddp", False, "fp32", "auto", "pre", "none", 1, -1)),
+    ],
+    ids=["fsdp1", "fsdp1_numbered", "fsdp2", "hsdp_tp", "deepspeed_inline", "ddp"],
+)  # fmt: skip
+@pytest.mark.filterwarnings("ignore:ParallelConfig.backward_prefetch='post'")
+def test_a_yaml_translates_to_its_documented_layout(tmp_path, text, layout) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "default_config.yaml"
+    path.write_text(text)
+    translation = translate_accelerate(path)
+    config = translation.config
+    assert _layout(config) == layout, translation.table()
+    rows = {r.key: r for r in translation.rows}
+    assert rows["num_processes"].verdict == "no effect"  # a launch setting
+
+
+def test_the_rows_say_what_differs_and_what_has_no_effect(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rows = {r.key: r for r in translate_accelerate(_yaml(tmp_path, FSDP1)).rows}
+    assert rows["mixed_precision"].verdict == "differs"
+    assert "reduces in the compute dtype" in rows["mixed_precision"].note
+    assert rows["fsdp_config.fsdp_use_orig_params"].verdict == "no effect"
+    assert "init_empty" in rows["fsdp_config.fsdp_cpu_ram_efficient_loading"].note
+    inline = translate_accelerate(_yaml(tmp_path, DS_INLINE))
+    rows = {r.key: r for r in inline.rows}
+    assert rows["deepspeed_config: zero_optimization.offload_optimizer"].verdict == "differs"
+    assert inline.config.train.accumulate_steps == 4 and inline.config.train.max_grad_norm == 1.0
+    assert translate_accelerate(_yaml(tmp_path, DDP)).config.parallel.compile == "inductor"
+    rows = {r.key: r for r in translate_accelerate(_yaml(tmp_path, FSDP1_NUMBERED)).rows}
+    assert rows["fsdp_config.fsdp_backward_prefetch"].verdict == "differs"
+
+
+def test_a_deepspeed_config_file_is_read_as_deepspeeds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3},
+                                                  "gradient_clipping": 0.5}))  # fmt: skip
+    text = (
+        LAUNCH
+        + "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n"
+    )
+    config = translate_accelerate(_yaml(tmp_path, text)).config
+    assert (config.parallel.strategy, config.train.max_grad_norm) == ("full_shard", 0.5)
+
+
+@pytest.mark.parametrize(
+    ("text", "refused"),
+    [
+        (FSDP1.replace("fsdp_use_orig_params: true", "fsdp_use_orig_params: false"),
+         {"fsdp_config.fsdp_use_orig_params": "no flat parameters"}),
+        (LAUNCH + "distributed_type: XLA\n", {"distributed_type": "no XLA"}),
+        (FSDP2.replace("mixed_precision: fp16", "mixed_precision: fp8"),
+         {"mixed_precision": "fp8 is not built"}),
+        (HSDP_TP.replace("cp_size: 1", "cp_size: 2"),
+         {"parallelism_config.parallelism_config_cp_size": "context parallel is not built"}),
+        (FSDP1 + "fsdp_extra_key: 1\n", {"fsdp_extra_key": "not an Accelerate key"}),
+        (DS_INLINE.replace("zero_stage: 2", "zero_stage: 3\n  offload_param_device: nvme")
+         .replace("  offload_param_device: none\n", ""),
+         {"deepspeed_config: zero_optimization.offload_param": "offload to 'nvme'"}),
+    ],
+    ids=["orig_params_off", "xla", "fp8", "context_parallel", "unknown_key", "nvme"],
+)  # fmt: skip
+def test_what_cannot_mean_the_same_is_refused_by_key(tmp_path, text, refused) -> None:  # type: ignore[no-untyped-def]
+    translation = translate_accelerate(_yaml(tmp_path, text))
+    got = {r.key: r.note for r in translation.refused}
+    assert set(got) == set(refused), translation.table()
+    for key, words in refused.items():
+        assert words in got[key], (key, got[key])
+    with pytest.raises(ConfigError, match="this Accelerate config cannot mean the same"):
+        translation.config  # noqa: B018
+
+
+def test_config_show_from_reads_a_yaml_as_accelerates(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["config", "show", "--from", str(_yaml(tmp_path, FSDP1))]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp_config.fsdp_sharding_strategy" in out and "strategy: full_shard" in out
+    assert main(["config", "show", "--from", str(tmp_path / "config.toml")]) == 2
+    assert "an Accelerate config .yaml or .yml" in capsys.readouterr().err
+
+
+def _yaml(tmp_path, text):  # type: ignore[no-untyped-def]
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    return path
