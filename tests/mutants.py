@@ -1315,6 +1315,20 @@ MUTANTS: tuple[Mutant, ...] = (
         'verdict: Verdict = "no effect"',
         ("tests/unit/config/test_accelerate.py::test_what_cannot_mean_the_same_is_refused_by_key",),
     ),
+    Mutant(
+        "torchtitan_sequence_parallel_default_off",
+        "src/shardwise/config/torchtitan.py",
+        'sp = bool(p.pop("enable_sequence_parallel", True))',
+        'sp = bool(p.pop("enable_sequence_parallel", False))',
+        ("tests/unit/config/test_torchtitan.py::test_a_toml_translates_to_its_documented_layout",),
+    ),
+    Mutant(
+        "torchtitan_default_resharding_ignores_pp",
+        "src/shardwise/config/torchtitan.py",
+        'reshard == "never" or (reshard == "default" and pp > 1)',
+        'reshard == "never"',
+        ("tests/unit/config/test_torchtitan.py::test_a_toml_translates_to_its_documented_layout",),
+    ),
 )
 
 

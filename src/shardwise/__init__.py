@@ -25,6 +25,7 @@ from shardwise.config import (
     TrainConfig,
     translate_accelerate,
     translate_deepspeed,
+    translate_torchtitan,
 )
 from shardwise.distributed import (
     DistInfo,
@@ -134,6 +135,7 @@ __all__ = [
     "sync_module_states",
     "translate_accelerate",
     "translate_deepspeed",
+    "translate_torchtitan",
     "unwrap",
     "wait_for_checkpoint",
     "wrap",

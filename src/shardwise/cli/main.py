@@ -107,13 +107,16 @@ def _config(args: argparse.Namespace) -> int:
                 "config show --from FILE reads that file alone: drop --config and the "
                 "overrides (apply them to the translated YAML this prints)."
             )
-        suffix = str(args.source).rsplit(".", 1)[-1].lower()
-        if suffix not in ("json", "yaml", "yml"):
+        from shardwise.config.torchtitan import translate_torchtitan
+
+        readers = {"json": translate_deepspeed, "yaml": translate_accelerate,
+                   "yml": translate_accelerate, "toml": translate_torchtitan}  # fmt: skip
+        read = readers.get(str(args.source).rsplit(".", 1)[-1].lower())
+        if read is None:
             raise ValueError(
                 f"config show --from {args.source}: a DeepSpeed config is .json, an "
-                "Accelerate config .yaml or .yml."
+                "Accelerate config .yaml or .yml, a torchtitan config .toml."
             )
-        read = translate_deepspeed if suffix == "json" else translate_accelerate
         translation = read(args.source)
         print(translation.table())
         print()
@@ -295,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="source",
         default=None,
         metavar="FILE",
-        help="a DeepSpeed JSON or Accelerate YAML config: print what each key becomes "
+        help="a DeepSpeed JSON, Accelerate YAML or torchtitan TOML config: print what each key "
+        "becomes "
         "(exact, differs, no effect or refused), then the shardwise config it implies",
     )
     show.add_argument("overrides", nargs="*", help="section.key=value")

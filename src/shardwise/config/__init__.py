@@ -54,6 +54,7 @@ from shardwise.config.run_file import (
     reference_markdown,
     update_reference,
 )
+from shardwise.config.torchtitan import translate_torchtitan
 from shardwise.config.training import NonFinitePolicy, RunnerConfig, TrainConfig
 from shardwise.config.translation import Translation
 from shardwise.config.vocabulary import FOREIGN_WORDS, PLACEMENT_WORDS, translate
@@ -103,6 +104,7 @@ __all__ = [
     "translate",
     "translate_accelerate",
     "translate_deepspeed",
+    "translate_torchtitan",
     "update_reference",
     "validate_parallel_config",
 ]

@@ -24,7 +24,7 @@ from shardwise.config.training import RunnerConfig, TrainConfig
 __all__ = ["Row", "Tool", "Translation", "Verdict"]
 
 Verdict = Literal["exact", "differs", "no effect", "refused"]
-Tool = Literal["DeepSpeed", "Accelerate"]
+Tool = Literal["DeepSpeed", "Accelerate", "torchtitan"]
 """The tools whose configuration files shardwise reads."""
 
 

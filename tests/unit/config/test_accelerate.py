@@ -198,8 +198,10 @@ def test_config_show_from_reads_a_yaml_as_accelerates(tmp_path, capsys) -> None:
     assert main(["config", "show", "--from", str(_yaml(tmp_path, FSDP1))]) == 0
     out = capsys.readouterr().out
     assert "fsdp_config.fsdp_sharding_strategy" in out and "strategy: full_shard" in out
-    assert main(["config", "show", "--from", str(tmp_path / "config.toml")]) == 2
-    assert "an Accelerate config .yaml or .yml" in capsys.readouterr().err
+    assert main(["config", "show", "--from", str(tmp_path / "config.ini")]) == 2
+    assert "an Accelerate config .yaml or .yml, a torchtitan config .toml" in (
+        capsys.readouterr().err
+    )
 
 
 def _yaml(tmp_path, text):  # type: ignore[no-untyped-def]

@@ -42,7 +42,7 @@ CLOSED_SETS: dict[tuple[type, str], tuple[str, ...]] = {
     (ParallelConfig, "backward_prefetch"): ("pre", "post"),
     (ParallelConfig, "frozen_policy"): ("split", "warn", "error"),
     (TrainConfig, "on_nonfinite"): ("stop", "skip"),
-    (Translation, "source"): ("DeepSpeed", "Accelerate"),
+    (Translation, "source"): ("DeepSpeed", "Accelerate", "torchtitan"),
     (OptimizerConfig, "name"): ("adamw", "adam", "sgd"),
     (SchedulerConfig, "name"): ("none", "constant", "cosine", "linear"),
 }

@@ -1,0 +1,178 @@
+"""torchtitan job configs (the TOML files of its 2025 releases, or a dict of sections):
+each translates to the documented layout, or is refused naming the key and the reason.
+The sections follow the shapes torchtitan's Llama 3 train configs use; the values are this
+file's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.cli.main import main
+from shardwise.config.run_file import ConfigError
+from shardwise.config.torchtitan import translate_torchtitan
+
+OWN = """[job]
+dump_folder = "./outputs"
+description = "Llama 3 8B training"
+
+[metrics]
+log_freq = 10
+enable_tensorboard = true
+
+[model]
+name = "llama3"
+flavor = "8B"
+
+[checkpoint]
+enable_checkpoint = false
+folder = "checkpoint"
+"""
+FSDP = (
+    OWN
+    + """
+[training]
+local_batch_size = 1
+seq_len = 8192
+max_norm = 1.0
+steps = 1000
+mixed_precision_param = "bfloat16"
+mixed_precision_reduce = "float32"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+pipeline_parallel_degree = 1
+fsdp_reshard_after_forward = "default"
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "2"
+
+[optimizer]
+name = "AdamW"
+lr = 3e-4
+eps = 1e-8
+"""
+)
+HSDP_TP = (
+    OWN
+    + """
+[training]
+local_batch_size = 2
+max_norm = 0.5
+
+[parallelism]
+data_parallel_replicate_degree = 2
+data_parallel_shard_degree = 2
+tensor_parallel_degree = 2
+enable_async_tensor_parallel = false
+
+[activation_checkpoint]
+mode = "full"
+
+[compile]
+enable = true
+components = ["model", "loss"]
+"""
+)
+PIPELINE = (
+    OWN
+    + """
+[training]
+local_batch_size = 8
+mixed_precision_param = "float32"
+
+[parallelism]
+pipeline_parallel_degree = 2
+pipeline_parallel_schedule = "Interleaved1F1B"
+num_pp_microbatches = 8
+"""
+)
+DDP = """
+[parallelism]
+data_parallel_replicate_degree = 4
+data_parallel_shard_degree = 1
+"""
+
+
+def _layout(config):  # type: ignore[no-untyped-def]
+    p = config.parallel
+    return (p.strategy, p.dp_shard, p.tp, p.sequence_parallel, p.pp, p.pp_schedule,
+            str(p.precision), p.activation_checkpointing, config.train.max_grad_norm,
+            config.runner.batch_size)  # fmt: skip
+
+
+BF16 = "param=bfloat16 reduce=float32 output=None"
+
+
+@pytest.mark.parametrize(
+    ("text", "layout"),
+    [
+        (FSDP, ("full_shard", -1, 1, False, 1, "1f1b", BF16, "every_2", 1.0, 1)),
+        (HSDP_TP, ("hybrid_shard", 2, 2, True, 1, "1f1b", BF16, "full", 0.5, 2)),
+        (PIPELINE, ("shard_grad_op", -1, 1, False, 2, "interleaved_1f1b", "fp32", "none", 1.0,
+                    8)),
+        (DDP, ("ddp", -1, 1, False, 1, "1f1b", BF16, "none", 1.0, 8)),
+    ],
+    ids=["fsdp", "hsdp_tp", "pipeline", "ddp"],
+)  # fmt: skip
+def test_a_toml_translates_to_its_documented_layout(tmp_path, text, layout) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "llama3_8b.toml"
+    path.write_text(text)
+    translation = translate_torchtitan(path)
+    assert _layout(translation.config) == layout, translation.table()
+
+
+def test_the_rows_name_torchtitans_defaults_and_own_sections() -> None:
+    import tomllib
+
+    translation = translate_torchtitan(tomllib.loads(FSDP))
+    rows = {r.key: r for r in translation.rows}
+    assert rows["checkpoint"].verdict == "no effect" and rows["job"].verdict == "no effect"
+    assert translation.config.runner.max_steps == 1000
+    ddp = {r.key: r for r in translate_torchtitan(tomllib.loads(DDP)).rows}
+    assert ddp["training.mixed_precision_param"].note == "torchtitan's default, bfloat16"
+    tp = {r.key: r for r in translate_torchtitan(tomllib.loads(HSDP_TP)).rows}
+    assert "sequence parallel on by default" in tp["parallelism.tensor_parallel_degree"].note
+    pipeline = {r.key: r for r in translate_torchtitan(tomllib.loads(PIPELINE)).rows}
+    assert "torchtitan's default under pp" in pipeline["parallelism.data_parallel_*_degree"].note
+
+
+@pytest.mark.parametrize(
+    ("text", "refused"),
+    [
+        (FSDP.replace('selective_ac_option = "2"', 'selective_ac_option = "op"'),
+         {"activation_checkpoint.mode": "per-op selective checkpointing is not built"}),
+        (DDP + "context_parallel_degree = 2\n",
+         {"parallelism.context_parallel_degree": "not built"}),
+        (DDP + "\n[float8]\nenable_fsdp_float8_all_gather = true\n",
+         {"float8": "float8 training is not built"}),
+        (DDP + "\n[lr_scheduler]\nwarmup_steps = 200\n",
+         {"lr_scheduler": "warm-up, stable, decay schedule is not built"}),
+        (DDP + 'pipeline_parallel_schedule = "ZBVZeroBubble"\n',
+         {"parallelism.pipeline_parallel_schedule": "not built"}),
+    ],
+    ids=["per_op_ac", "context_parallel", "float8", "wsd_schedule", "zbv"],
+)  # fmt: skip
+def test_what_cannot_mean_the_same_is_refused_by_key(tmp_path, text, refused) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    translation = translate_torchtitan(path)
+    got = {r.key: r.note for r in translation.refused}
+    assert set(got) == set(refused), translation.table()
+    for key, words in refused.items():
+        assert words in got[key], (key, got[key])
+    with pytest.raises(ConfigError, match="this torchtitan config cannot mean the same"):
+        translation.config  # noqa: B018
+
+
+def test_config_show_from_reads_a_toml_as_torchtitans(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "job.toml"
+    path.write_text(HSDP_TP)
+    assert main(["config", "show", "--from", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "strategy: hybrid_shard" in out and "sequence_parallel: true" in out
+    path.write_text("[parallelism\n")
+    assert main(["config", "show", "--from", str(path)]) == 2
+    assert "is not TOML" in capsys.readouterr().err
