@@ -18,7 +18,8 @@ ep-local first dimension is num_experts / ep. Experts that receive no token on o
 of the pair that shards them, while the other rank's receive one, step as they do in one
 process. The negative control, outputs combined back
 in an order other than the one they left in, fails the same comparison. A checkpoint saved
-at ep 2 loads at world 1 with its optimizer, parameters exact, and the next step equals
+at ep 2 loads at ep 1 over the same 4 ranks and at world 1 with its optimizer,
+parameters exact, and the next step equals
 the run that was not interrupted; exported from that checkpoint, the weights load into a
 fresh model whole, experts packed as transformers stores them. Inside pipeline stages
 (pp 2 × dp 2, 1F1B, ep 2 over each stage's two data-parallel ranks), qwen3_moe and
@@ -250,11 +251,14 @@ def save_then_step(root: str, config: shardwise.ParallelConfig | None) -> dict[s
     return {"saved": saved, "next": engine.train_step(_rows(data[2], rank, size))["loss"]}
 
 
-def load_then_step(root: str) -> dict[str, Any]:
-    engine = _engine("qwen3_moe", None, functools.partial(torch.optim.AdamW, lr=1e-2))
+def load_then_step(root: str, config: shardwise.ParallelConfig | None = None) -> dict[str, Any]:
+    """Load the ep 2 checkpoint into `config`'s layout (one process when None), step once."""
+    engine = _engine("qwen3_moe", config, functools.partial(torch.optim.AdamW, lr=1e-2))
     shardwise.load_checkpoint(root, engine)
+    info = shardwise.wrap_info(engine.model)
+    rank, size = (info.dp_rank, info.dp_size) if info is not None else (0, 1)
     loaded = {n: _full(p) for n, p in engine.model.named_parameters()}
-    return {"loaded": loaded, "next": engine.train_step(batches()[2])["loss"]}
+    return {"loaded": loaded, "next": engine.train_step(_rows(batches()[2], rank, size))["loss"]}
 
 
 MEMORY_BATCH, MEMORY_SEQ = 4, 32
@@ -310,6 +314,7 @@ def run_cases(root: str) -> dict[str, Any]:
     idle = shardwise.ParallelConfig(**LAYOUTS["ep2"])
     out["idle"] = train("mixtral", idle, idle_experts, marked_batches)
     out["ckpt"] = save_then_step(root, shardwise.ParallelConfig(**LAYOUTS["ep2"]))
+    out["ckpt at ep 1"] = load_then_step(root, shardwise.ParallelConfig(strategy="full_shard"))
     out["memory"] = {zero: measured_step(zero) for zero in (True, False)}
     for family in PIPELINED:
         out[f"{family}/pp2_ep2"] = train(family, shardwise.ParallelConfig(**PP_EP))
@@ -404,6 +409,10 @@ def test_an_ep2_checkpoint_loads_in_one_process_exactly_and_steps_on(
     got, _ = results
     at_1 = load_then_step(root)
     saved = got[0]["ckpt"]
+    for r in got:  # also at ep 1 (full_shard over the same 4 ranks), optimizer included
+        for name, value in saved["saved"].items():
+            assert torch.equal(r["ckpt at ep 1"]["loaded"][name], value), name
+        assert abs(r["ckpt at ep 1"]["next"] - saved["next"]) / saved["next"] < RTOL
     for name, value in saved["saved"].items():
         assert torch.equal(at_1["loaded"][name], value), name
     assert abs(at_1["next"] - saved["next"]) / saved["next"] < RTOL
