@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-reshard test-launcher lint typecheck unit layout bench gpu-check soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-reshard test-launcher test-foreign lint typecheck unit layout bench gpu-check soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,11 @@ test-reshard: $(STAMP)
 # starts them); .ci/run runs it.
 test-launcher: $(STAMP)
 	$(VENV)/bin/pytest -q -m "launcher and not slow" tests/e2e/test_launch_robust.py
+
+# A plain script driven by a DeepSpeed JSON and an Accelerate YAML through `shardwise run
+# --nproc 2`, against one process; .ci/run runs it.
+test-foreign: $(STAMP)
+	$(VENV)/bin/pytest -q -m foreign tests/e2e/test_foreign_configs.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

@@ -1329,6 +1329,15 @@ MUTANTS: tuple[Mutant, ...] = (
         'reshard == "never"',
         ("tests/unit/config/test_torchtitan.py::test_a_toml_translates_to_its_documented_layout",),
     ),
+    Mutant(
+        "engine_ignores_the_launched_file",
+        "src/shardwise/train/engine.py",
+        "    launched = translation_from_env()\n    if launched is None:\n",
+        "    launched = None\n    if launched is None:\n",
+        (
+            "tests/e2e/test_foreign_configs.py::test_the_unchanged_script_on_two_processes_equals_one",
+        ),
+    ),
 )
 
 

@@ -40,6 +40,18 @@ COVERED: dict[str, RunBy] = {
     "make test": RunBy(
         ".ci/run", ("for target in test ",), also=(("Makefile", "$(VENV)/bin/pytest -q\n"),)
     ),
+    # docs/vocabulary.md: a plain script driven by another tool's file
+    "shardwise run --nproc 2 --deepspeed ds_config.json train.py": RunBy(
+        "tests/e2e/test_foreign_configs.py::test_the_unchanged_script_on_two_processes_equals_one",
+        ('flag, strategy, source = "--deepspeed"', "_shardwise(flag, str(config))"),
+    ),
+    "shardwise run --nproc 2 --accelerate-config default_config.yaml train.py": RunBy(
+        "tests/e2e/test_foreign_configs.py::test_the_unchanged_script_on_two_processes_equals_one",
+        ('flag, strategy, source = "--accelerate-config"', "_shardwise(flag, str(config))"),
+    ),
+    "python train.py": RunBy(
+        "tests/e2e/test_foreign_configs.py::one_process", ("_run(tmp_path_factory",)
+    ),
     # docs/examples.md
     "shardwise run --nproc 2 examples/train_lm.py": RunBy(
         "tests/e2e/test_example_lm.py::"

@@ -63,6 +63,7 @@ PUBLIC: dict[str, str] = {
     "simulate_step": "function",
     "translate_accelerate": "function",
     "translate_deepspeed": "function",
+    "translation_from_env": "function",
     "translate_torchtitan": "function",
     "sync_module_states": "function",
     "unwrap": "function",

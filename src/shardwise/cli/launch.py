@@ -270,6 +270,29 @@ def check_layout(script_args: list[str], world: int) -> None:
         ) from None
 
 
+def check_foreign(source: str, world: int | None) -> None:
+    """Read another tool's config before anything spawns: every refused key is an error
+    here, nothing started; the workers get its path (`SHARDWISE_FROM`)."""
+    from shardwise.config.foreign import read_foreign
+    from shardwise.distributed.process_group import FOREIGN_CONFIG_ENV
+
+    path = os.path.abspath(source)
+    translation = read_foreign(path, world=world)
+    try:
+        translation.config  # noqa: B018  (a ConfigError naming every refused key)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}\nNothing was started.") from None
+    counts = {v: sum(r.verdict == v for r in translation.rows) for v in ("exact", "differs")}
+    print(
+        f"shardwise run: {translation.source} config {source}: {len(translation.rows)} keys, "
+        f"{counts['exact']} exact, {counts['differs']} with a stated difference (shardwise "
+        f"config show --from {source} lists them)",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.environ[FOREIGN_CONFIG_ENV] = path
+
+
 def run_command(args: argparse.Namespace) -> int:
     torchrun = launcher_args(args)  # the launcher's own words first
     if not args.module and not os.path.isfile(args.script):
@@ -278,7 +301,10 @@ def run_command(args: argparse.Namespace) -> int:
             "the script's path, or -m MODULE for a module."
         )
     fit_nproc(args.nproc, visible_gpus(), default=args.nproc, command="run")
-    if ":" not in str(args.nnodes):  # an elastic job's world is not known yet
+    elastic = ":" in str(args.nnodes)  # an elastic job's world is not known yet
+    if getattr(args, "source", None):
+        check_foreign(args.source, None if elastic else args.nproc * int(args.nnodes))
+    if not elastic:
         check_layout(args.script_args, args.nproc * int(args.nnodes))
     target = ["-m", args.script] if args.module else [args.script]
     return launch_torchrun(

@@ -99,25 +99,14 @@ def _config(args: argparse.Namespace) -> int:
     from shardwise.config import run_file as schema
 
     if args.action == "show" and getattr(args, "source", None):
-        from shardwise.config.accelerate import translate_accelerate
-        from shardwise.config.deepspeed import translate_deepspeed
+        from shardwise.config.foreign import read_foreign
 
         if args.config is not None or args.overrides:
             raise ValueError(
                 "config show --from FILE reads that file alone: drop --config and the "
                 "overrides (apply them to the translated YAML this prints)."
             )
-        from shardwise.config.torchtitan import translate_torchtitan
-
-        readers = {"json": translate_deepspeed, "yaml": translate_accelerate,
-                   "yml": translate_accelerate, "toml": translate_torchtitan}  # fmt: skip
-        read = readers.get(str(args.source).rsplit(".", 1)[-1].lower())
-        if read is None:
-            raise ValueError(
-                f"config show --from {args.source}: a DeepSpeed config is .json, an "
-                "Accelerate config .yaml or .yml, a torchtitan config .toml."
-            )
-        translation = read(args.source)
+        translation = read_foreign(args.source)
         print(translation.table())
         print()
         config = translation.config  # a ConfigError naming every refused key
@@ -192,6 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=GRACE_S,
         help="seconds the other workers may run on after one fails, to end or fail on their "
         f"own, before the launcher stops them (default {GRACE_S:g}; 0: at once, as torchrun)",
+    )
+    run.add_argument(
+        "--from",
+        "--deepspeed",
+        "--accelerate-config",
+        dest="source",
+        default=None,
+        metavar="FILE",
+        help="another tool's config (DeepSpeed .json, Accelerate .yaml, torchtitan .toml), "
+        "checked before anything starts; shardwise.wrap(model) with no config takes its "
+        "layout, shardwise.translation_from_env() its training values",
     )
     run.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m"

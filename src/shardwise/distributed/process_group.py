@@ -89,6 +89,17 @@ def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
         ) from None
 
 
+FOREIGN_CONFIG_ENV = "SHARDWISE_FROM"
+"""Set by `shardwise run --from FILE` for its workers: the absolute path of another tool's
+configuration (DeepSpeed, Accelerate, torchtitan), read by `shardwise.translation_from_env`
+and by `shardwise.wrap` when given no config."""
+
+
+def foreign_config_path(env: Mapping[str, str] | None = None) -> str | None:
+    """The file `shardwise run --from` passed its workers (None when it passed none)."""
+    return (os.environ if env is None else env).get(FOREIGN_CONFIG_ENV) or None
+
+
 def env_world_size(env: Mapping[str, str] | None = None) -> int:
     """WORLD_SIZE as the launcher set it (1 when absent)."""
     return _env_int(os.environ if env is None else env, "WORLD_SIZE", 1)

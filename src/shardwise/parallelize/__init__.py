@@ -13,6 +13,7 @@ shards; wrapped.py is the record of what wrap did, read by every layer above.
 from shardwise.parallelize.apply import check_not_wrapped, wrap
 from shardwise.parallelize.autocast import apply_autocast
 from shardwise.parallelize.batch_stats import BatchStatisticNotice
+from shardwise.parallelize.from_env import translation_from_env
 from shardwise.parallelize.fsdp import sync_module_states
 from shardwise.parallelize.global_batch import global_batch_sum
 from shardwise.parallelize.materialize import InitializationError, has_meta, init_empty, materialize
@@ -48,6 +49,7 @@ __all__ = [
     "pipeline_step",
     "stale_parameters",
     "sync_module_states",
+    "translation_from_env",
     "unwrap",
     "wrap",
     "wrap_info",

@@ -43,6 +43,7 @@ from shardwise.parallelize.experts import (
     check_expert_parallel,
     plan_without_experts,
 )
+from shardwise.parallelize.from_env import translation_from_env
 from shardwise.parallelize.fsdp import apply_fsdp, replicate_scalars, shard_experts, unit_preparer
 from shardwise.parallelize.global_batch import attach, groups_of
 from shardwise.parallelize.materialize import has_meta
@@ -197,8 +198,14 @@ def wrap(
     `weights` (safetensors from export_weights) or through the model's initialisers.
     Every rank reads its own slices of `weights`, unless `broadcast_from_rank0=True`: then
     only rank 0 reads the file and sends each rank its shards (see `load_weights`).
+
+    With no `config`, a script started by `shardwise run --from FILE` takes its layout from
+    that DeepSpeed, Accelerate or torchtitan file (`translation_from_env`); any other takes
+    `ParallelConfig()`.
     """
-    config = config if config is not None else ParallelConfig()
+    if config is None:  # the file `shardwise run --from` launched with, else the defaults
+        launched = translation_from_env()
+        config = launched.config.parallel if launched is not None else ParallelConfig()
     if not isinstance(config, ParallelConfig):
         raise TypeError(
             f"shardwise.wrap(config=...) expects a ParallelConfig, got {type(config).__name__}."

@@ -35,6 +35,7 @@ from shardwise.config.adapters import AdapterConfig, apply_adapter
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import TrainConfig
 from shardwise.parallelize.apply import wrap
+from shardwise.parallelize.from_env import translation_from_env
 from shardwise.parallelize.fsdp import frozen_units, keep_gathered
 from shardwise.parallelize.pipeline import (
     pipeline_eval,
@@ -194,6 +195,20 @@ def local_values(logs: dict[str, Any]) -> dict[str, Any]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in logs.items()}
 
 
+def _from_launch(
+    config: ParallelConfig | None, train: TrainConfig | None
+) -> tuple[ParallelConfig | None, TrainConfig | None]:
+    """What the script's `shardwise run --from FILE` file says, where the caller gave
+    nothing: its layout, and its accumulation, clipping and loss scaling."""
+    if config is not None and train is not None:
+        return config, train
+    launched = translation_from_env()
+    if launched is None:
+        return config, train
+    given = launched.config
+    return config or given.parallel, train or given.train
+
+
 class Engine:
     """One object that steps a wrapped model: `train_step`, `val_step`, `test_step`."""
 
@@ -207,6 +222,7 @@ class Engine:
         train: TrainConfig | None = None,
         adapter: AdapterConfig | None = None,
     ) -> None:
+        config, train = _from_launch(config, train)
         self.train_config = train or TrainConfig()
         model = _with_adapter(model, adapter)  # before wrapping: peft adds layers to wrap
         info = wrap_info(model)
@@ -226,12 +242,9 @@ class Engine:
                 )
             self.config = info.config
             self.model = model
-        elif _already_parallel(model):
-            self.config = config or ParallelConfig()
-            self.model = model
         else:
             self.config = config or ParallelConfig()
-            self.model = wrap(model, self.config)
+            self.model = model if _already_parallel(model) else wrap(model, self.config)
         self.device = _model_device(self.model)
         self._pipeline = pipeline_state(unwrap(self.model)) is not None
         wrapper_scaler = None

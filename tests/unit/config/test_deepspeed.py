@@ -235,3 +235,18 @@ def test_config_show_from_prints_the_table_then_the_config(tmp_path, capsys) -> 
     path.write_text("{not json")
     assert main(["config", "show", "--from", str(path)]) == 2
     assert "is not JSON" in capsys.readouterr().err
+
+
+def test_a_launched_script_reads_the_file_at_its_world_size(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import shardwise
+
+    monkeypatch.delenv("SHARDWISE_FROM", raising=False)
+    assert shardwise.translation_from_env() is None
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 32, "zero_optimization": {"stage": 2}}))
+    monkeypatch.setenv("SHARDWISE_FROM", str(path))
+    monkeypatch.setenv("WORLD_SIZE", "4")  # DeepSpeed derives micro-batch 32 / 4 = 8
+    launched = shardwise.translation_from_env()
+    assert launched is not None and launched.source == "DeepSpeed"
+    assert (launched.config.parallel.strategy, launched.config.runner.batch_size) == (
+        "shard_grad_op", 8)  # fmt: skip
