@@ -1338,6 +1338,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/e2e/test_foreign_configs.py::test_the_unchanged_script_on_two_processes_equals_one",
         ),
     ),
+    Mutant(
+        "runner_ignores_the_launched_file",
+        "src/shardwise/train/runner.py",
+        "    return launched.config.runner if launched is not None else RunnerConfig()\n",
+        "    return RunnerConfig()\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_the_engine_and_the_runner_take_a_launched_files_values",
+        ),
+    ),
 )
 
 

@@ -196,17 +196,18 @@ def local_values(logs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _from_launch(
-    config: ParallelConfig | None, train: TrainConfig | None
-) -> tuple[ParallelConfig | None, TrainConfig | None]:
+    config: ParallelConfig | None, train: TrainConfig | None, scheduler: Any
+) -> tuple[ParallelConfig | None, TrainConfig | None, Any]:
     """What the script's `shardwise run --from FILE` file says, where the caller gave
-    nothing: its layout, and its accumulation, clipping and loss scaling."""
-    if config is not None and train is not None:
-        return config, train
+    nothing: its layout, its accumulation, clipping and loss scaling, and its schedule."""
+    if config is not None and train is not None and scheduler is not None:
+        return config, train, scheduler
     launched = translation_from_env()
     if launched is None:
-        return config, train
+        return config, train, scheduler
     given = launched.config
-    return config or given.parallel, train or given.train
+    schedule = launched.build_scheduler if launched.schedule is not None else None
+    return config or given.parallel, train or given.train, scheduler or schedule
 
 
 class Engine:
@@ -222,7 +223,7 @@ class Engine:
         train: TrainConfig | None = None,
         adapter: AdapterConfig | None = None,
     ) -> None:
-        config, train = _from_launch(config, train)
+        config, train, scheduler = _from_launch(config, train, scheduler)
         self.train_config = train or TrainConfig()
         model = _with_adapter(model, adapter)  # before wrapping: peft adds layers to wrap
         info = wrap_info(model)

@@ -44,6 +44,7 @@ from shardwise.config.training import RunnerConfig
 from shardwise.distributed.process_group import rank_and_world
 from shardwise.distributed.watchdog import guard
 from shardwise.distributed.worker_errors import refused
+from shardwise.parallelize.from_env import translation_from_env
 from shardwise.parallelize.wrapped import wrap_info
 from shardwise.train.data import ResumableSampler, make_loader
 from shardwise.train.engine import Engine
@@ -108,6 +109,13 @@ def _refuse_short_batches(engine: Engine, *loaders: DataLoader[Any] | None) -> N
             )
 
 
+def _launched_runner() -> RunnerConfig:
+    """The runner values of the file `shardwise run --from` launched the script with (its
+    micro-batch, a torchtitan file's steps), else the defaults."""
+    launched = translation_from_env()
+    return launched.config.runner if launched is not None else RunnerConfig()
+
+
 class Runner:
     """Train, validate and test an `Engine` over data, logging as it goes."""
 
@@ -122,7 +130,7 @@ class Runner:
         evaluate: EvaluateFn | None = None,
     ) -> None:
         self.engine = engine
-        self.config = config or RunnerConfig()
+        self.config = config or _launched_runner()
         self.rank, self.world = rank_and_world()
         self.dp_rank, self.dp_world = _data_parallel(engine, self.rank, self.world)
         self.evaluate = evaluate

@@ -9,6 +9,7 @@ schedulers' documented parameters; the values are this file's own.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -250,3 +251,24 @@ def test_a_launched_script_reads_the_file_at_its_world_size(tmp_path, monkeypatc
     assert launched is not None and launched.source == "DeepSpeed"
     assert (launched.config.parallel.strategy, launched.config.runner.batch_size) == (
         "shard_grad_op", 8)  # fmt: skip
+
+
+def test_the_engine_and_the_runner_take_a_launched_files_values(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import shardwise
+    from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5,
+                                "gradient_accumulation_steps": 2, "scheduler": DECAY["scheduler"]}))  # fmt: skip
+    monkeypatch.setenv("SHARDWISE_FROM", str(path))
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=1)
+    engine = shardwise.Engine(GPT(cfg), functools.partial(torch.optim.SGD, lr=0.1))
+    assert (engine.train_config.accumulate_steps, engine.train_config.max_grad_norm) == (2, 0.5)
+    assert engine.scheduler is not None  # DeepSpeed's WarmupDecayLR: step 0 at warmup_min_lr
+    assert engine.optimizer.param_groups[0]["lr"] == 0.0
+    x, y = random_lm_batches(cfg, 1, 8)[0]
+    data = torch.utils.data.TensorDataset(x, y)
+    runner = shardwise.Runner(engine, data)
+    assert runner.config.batch_size == 4
+    given = shardwise.Runner(engine, data, config=shardwise.RunnerConfig(batch_size=2))
+    assert given.config.batch_size == 2  # a config given wins
