@@ -1347,6 +1347,31 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/config/test_deepspeed.py::test_the_engine_and_the_runner_take_a_launched_files_values",
         ),
     ),
+    Mutant(
+        "launch_starts_despite_refused_keys",
+        "src/shardwise/cli/launch.py",
+        "        translation.config  # noqa: B018  (a ConfigError naming every refused key)\n",
+        "        pass\n",
+        (
+            "tests/e2e/test_foreign_configs.py::test_a_refused_key_stops_the_launch_before_anything_starts",
+        ),
+    ),
+    Mutant(
+        "schedule_read_against_the_first_groups_lr",
+        "src/shardwise/config/translation.py",
+        '        factors = [factor(group["lr"]) for group in optimizer.param_groups]\n',
+        '        factors = [factor(optimizer.param_groups[0]["lr"]) for _ in optimizer.param_groups]\n',
+        ("tests/unit/config/test_deepspeed.py::test_every_param_group_gets_deepspeeds_lr",),
+    ),
+    Mutant(
+        "grouped_product_of_any_shape_simulated",
+        "src/shardwise/memory/fake.py",
+        '    if mat_a.dim() != 2 or mat_b.dim() != 3 or args or kwargs.get("bias") is not None:\n',
+        "    if False:\n",
+        (
+            "tests/unit/memory/test_expert_memory.py::test_a_grouped_product_of_another_shape_is_refused_by_the_simulation",
+        ),
+    ),
 )
 
 

@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from shardwise.memory.model_states import format_bytes
-from shardwise.parallelize.experts import ExpertLoad
+from shardwise.parallelize.experts import EXPERT_LOAD_CHOICES, ExpertLoad, check_expert_load
 
 __all__ = ["plan_experts"]
 
@@ -104,15 +104,10 @@ def plan_experts(
 
 
 def _expert_load(given: str | None, default: float) -> ExpertLoad:
-    """--expert-load as simulate_step takes it: a number, or 'worst'."""
+    """--expert-load as simulate_step takes it: a number >= 1, or 'worst'."""
     if given is None:
         return default
-    if given == "worst":
-        return "worst"
     try:
-        return float(given)
+        return check_expert_load(given if given == "worst" else float(given))
     except ValueError:
-        raise ValueError(
-            f"--expert-load {given}: give the busiest rank's received rows over the balanced "
-            "count, a number >= 1 (1: perfectly balanced), or 'worst'."
-        ) from None
+        raise ValueError(f"--expert-load {given}: {EXPERT_LOAD_CHOICES}") from None

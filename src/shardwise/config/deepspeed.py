@@ -130,14 +130,23 @@ def translate_deepspeed(
         handler = _TOP.get(key)
         if handler is not None:
             handler(out, key, value)
-        elif key in _NO_EFFECT_TOP:
-            out.rows.append(Row(key, value, "-", "no effect", _NO_EFFECT_TOP[key]))
-        elif key in _REFUSED_TOP:
-            out.rows.append(Row(key, value, "-", "refused", _REFUSED_TOP[key]))
         else:
-            out.rows.append(Row(key, value, "-", "refused", "not a DeepSpeed key shardwise reads"))
+            out.rows.append(_listed(key, value, _NO_EFFECT_TOP, _REFUSED_TOP, "a DeepSpeed"))
     _batch(out, data, world)
     return out
+
+
+def _listed(
+    key: str, value: object, no_effect: dict[str, str], refused: dict[str, str], what: str
+) -> Row:
+    """The row of a key a handler does not read: listed as no effect or refused, with the
+    reason, or refused as unknown."""
+    name = key.rsplit(".", 1)[-1]
+    if name in no_effect:
+        return Row(key, value, "-", "no effect", no_effect[name])
+    if name in refused:
+        return Row(key, value, "-", "refused", refused[name])
+    return Row(key, value, "-", "refused", f"not {what} key shardwise reads")
 
 
 def _load(source: str | Path | Mapping[str, object]) -> dict[str, Any]:
@@ -364,12 +373,8 @@ def _zero(out: Translation, key: str, value: object) -> None:
             continue
         if sub in ("offload_optimizer", "offload_param"):
             _offload(out, name, sub, sub_value, stage)
-        elif sub in _NO_EFFECT_ZERO:
-            out.rows.append(Row(name, sub_value, "-", "no effect", _NO_EFFECT_ZERO[sub]))
-        elif sub in _REFUSED_ZERO:
-            out.rows.append(Row(name, sub_value, "-", "refused", _REFUSED_ZERO[sub]))
         else:
-            out.rows.append(Row(name, sub_value, "-", "refused", "not a key shardwise reads"))
+            out.rows.append(_listed(name, sub_value, _NO_EFFECT_ZERO, _REFUSED_ZERO, "a"))
 
 
 def _offload(out: Translation, key: str, sub: str, value: object, stage: int) -> None:

@@ -84,10 +84,14 @@ class Translation:
         """A torch LambdaLR giving each optimizer step DeepSpeed's lr (None: no block)."""
         if self.schedule is None:
             return None
-        schedule, base = self.schedule, optimizer.param_groups[0]["lr"]
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: schedule(step, base) / base
-        )
+        schedule = self.schedule
+
+        def factor(base: float) -> Callable[[int], float]:
+            return lambda step: schedule(step, base) / base
+
+        # each group against its own lr, as DeepSpeed's schedulers read them
+        factors = [factor(group["lr"]) for group in optimizer.param_groups]
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
     def table(self) -> str:
         width = max([len(r.key) for r in self.rows] + [3])

@@ -60,7 +60,12 @@ from shardwise.memory.tracking import (
     tracked_step,
 )
 from shardwise.parallelize.apply import wrap
-from shardwise.parallelize.experts import ExpertLoad, StatedRouting, stated_routing
+from shardwise.parallelize.experts import (
+    ExpertLoad,
+    StatedRouting,
+    check_expert_load,
+    stated_routing,
+)
 from shardwise.parallelize.materialize import init_empty
 from shardwise.plan.quantized import quantized_params
 
@@ -434,8 +439,7 @@ def simulate_step(
             "callable that takes the parameters and returns a torch optimizer."
         )
     check_backend(backend)
-    with stated_routing(expert_load):  # refuses a load that is not one
-        pass
+    check_expert_load(expert_load)
     kwargs = dict(
         model_factory=model_factory,
         config=_resolve_config(config, activation_checkpointing),

@@ -50,6 +50,7 @@ from shardwise.parallelize.tensor import CheckedPlan
 
 __all__ = [
     "apply_expert_parallel",
+    "check_expert_load",
     "check_expert_parallel",
     "find_experts",
     "plan_without_experts",
@@ -137,15 +138,23 @@ def _even(total: int, parts: int) -> list[int]:
 _STATED: list[StatedRouting] = []
 
 
+EXPERT_LOAD_CHOICES = (
+    "give the busiest rank's received rows over the balanced count, a number >= 1 "
+    "(1: perfectly balanced), or 'worst'."
+)
+
+
+def check_expert_load(load: object) -> ExpertLoad:
+    """`load` if it is one a stated routing takes; a ValueError naming the choices."""
+    if load == "worst" or (isinstance(load, (int, float)) and load >= 1):
+        return load
+    raise ValueError(f"expert_load={load!r}: {EXPERT_LOAD_CHOICES}")
+
+
 @contextlib.contextmanager
 def stated_routing(load: ExpertLoad) -> Iterator[StatedRouting]:
     """While it is open, dispatchers take their counts from a `StatedRouting(load)`."""
-    if load != "worst" and not (isinstance(load, (int, float)) and load >= 1):
-        raise ValueError(
-            f"expert_load={load!r}: give the busiest rank's received rows over the balanced "
-            "count, a number >= 1 (1: perfectly balanced), or 'worst'."
-        )
-    routing = StatedRouting(load)
+    routing = StatedRouting(check_expert_load(load))
     _STATED.append(routing)
     try:
         yield routing

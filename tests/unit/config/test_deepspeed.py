@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from _refusals import assert_refused
 
 from shardwise.cli.main import main
 from shardwise.config.deepspeed import translate_deepspeed
@@ -179,14 +180,7 @@ def test_each_row_says_how_faithful_it_is() -> None:
          "auto_total_steps", "typo", "batch_mismatch", "batch_mismatch_given", "one_cycle"],
 )  # fmt: skip
 def test_what_cannot_mean_the_same_is_refused_by_key(data, refused) -> None:  # type: ignore[no-untyped-def]
-    translation = translate_deepspeed(data, world=2)
-    got = {r.key: r.note for r in translation.refused}
-    assert set(got) == set(refused), translation.table()
-    for key, words in refused.items():
-        assert words in got[key], (key, got[key])
-    with pytest.raises(ConfigError, match="cannot mean the same in shardwise; refused:") as exc:
-        translation.config  # noqa: B018
-    assert all(key in str(exc.value) for key in refused)
+    assert_refused(translate_deepspeed(data, world=2), refused)
 
 
 def _lrs(data, steps):  # type: ignore[no-untyped-def]
@@ -272,3 +266,27 @@ def test_the_engine_and_the_runner_take_a_launched_files_values(tmp_path, monkey
     assert runner.config.batch_size == 4
     given = shardwise.Runner(engine, data, config=shardwise.RunnerConfig(batch_size=2))
     assert given.config.batch_size == 2  # a config given wins
+
+
+def test_every_param_group_gets_deepspeeds_lr() -> None:
+    # WarmupDecayLR sets absolute lrs: every group reaches warmup_max_lr whatever its own.
+    translation = translate_deepspeed(DECAY)
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in (1e-3, 1e-2)]
+    optimizer = torch.optim.AdamW(groups)
+    scheduler = translation.build_scheduler(optimizer)
+    for _ in range(11):
+        optimizer.step()
+        scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([1e-3, 1e-3])
+
+
+def test_files_that_are_not_a_config_are_refused_with_what_they_are(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "ds_config.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"a DeepSpeed config is a JSON object, got list"):
+        translate_deepspeed(path)
+    with pytest.raises(ConfigError, match=r"cannot read the DeepSpeed config"):
+        translate_deepspeed(tmp_path / "missing.json")
+    argv = ["config", "show", "--from", str(path), "--config", str(path)]
+    assert main(argv) == 2
+    assert "config show --from FILE reads that file alone" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 import transformers
 from torch import nn
 
@@ -144,3 +145,13 @@ def test_a_forward_with_value_dependent_shapes_is_refused_with_the_reason() -> N
         shardwise.simulate_step(
             TinyMoE, shardwise.ParallelConfig(ep=2), world=4, batch=1, seq_len=TOKENS
         )
+
+
+def test_a_grouped_product_of_another_shape_is_refused_by_the_simulation() -> None:
+    from shardwise.memory.fake import shaped_grouped_mm
+
+    with shaped_grouped_mm():
+        a, b = torch.zeros(4, 8), torch.zeros(2, 8, 3)
+        assert torch.nn.functional.grouped_mm(a, b, offs=None).shape == (4, 3)
+        with pytest.raises(NotImplementedError, match=r"simulated for \(rows, in\) x"):
+            torch.nn.functional.grouped_mm(torch.zeros(2, 4, 8), b)
