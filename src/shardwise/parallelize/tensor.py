@@ -149,7 +149,24 @@ def own_plan(model: nn.Module) -> Mapping[str, object] | None:
     if found is not None:
         return base_plan(found)
     own = getattr(model, "_tp_plan", None)
-    return own if isinstance(own, Mapping) else None
+    if isinstance(own, Mapping):
+        return own
+    plan: dict[str, object] = {}
+    for prefix, inner in planned_submodules(model):
+        plan.update({f"{prefix}.{k}": v for k, v in getattr(inner, "_tp_plan").items()})  # noqa: B009
+    return plan or None
+
+
+def planned_submodules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost submodules with a plan of their own, e.g. a Hugging Face model held
+    by a LightningModule or a plain wrapper of one: a host's module is planned by them."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        if isinstance(getattr(module, "_tp_plan", None), Mapping) and module._tp_plan:
+            found.append((name, module))
+    return found
 
 
 def _fold_experts(entries: dict[str, object]) -> dict[str, object]:
@@ -177,6 +194,8 @@ def check_sizes(model: nn.Module, tp: int, splits_vocab: bool) -> None:
     a model with 2 KV heads failed only in the first forward, in a reshape."""
     config = getattr(model, "config", None)
     if config is None:
+        for _, inner in planned_submodules(model):
+            check_sizes(inner, tp, splits_vocab)
         return
     fields = [*_DIVISIBLE, *((("vocab_size", "vocabulary rows"),) if splits_vocab else ())]
     sizes = {f: getattr(config, f) for f, _ in fields if isinstance(getattr(config, f, None), int)}

@@ -48,6 +48,23 @@ def test_a_hugging_face_models_own_plan_is_read():
     assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
 
 
+class Holder(nn.Module):
+    """A host's module (a LightningModule, a wrapper of one's own) holding a model with a plan."""
+
+    def __init__(self, **sizes: int) -> None:
+        super().__init__()
+        self.model, self.head = _llama(**sizes), nn.Linear(4, 4)
+
+
+def test_a_module_holding_a_hugging_face_model_takes_its_plan_under_its_name():
+    plan = resolve_tp_plan(Holder(), "auto")
+    assert isinstance(plan, dict)
+    assert isinstance(plan["model.model.layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert not any(k.startswith(("model.layers", "head")) for k in plan)  # outermost only
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM's config.num_key_value_heads=2"):
+        check_tensor_parallel(Holder(), ParallelConfig(tp=4))  # its sizes are checked too
+
+
 def test_tp_that_does_not_divide_the_kv_heads_fails_at_plan_time_in_one_line():
     # Before: accepted, and failed in the first forward with a reshape error.
     with pytest.raises(ValueError) as caught:
