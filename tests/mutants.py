@@ -1372,6 +1372,62 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/memory/test_expert_memory.py::test_a_grouped_product_of_another_shape_is_refused_by_the_simulation",
         ),
     ),
+    # Issue 38, part 2 and 3: Lightning Fabric and tensor parallel inside the hosts.
+    Mutant(
+        "fabric_joint_setup_keeps_the_replaced_parameters",
+        "src/shardwise/integrations/fabric.py",
+        'group["params"] = [after.get(names.get(id(p), ""), p) for p in group["params"]]',
+        'group["params"] = [p for p in group["params"]]',
+        (
+            "tests/unit/integrations/test_fabric_contract.py::"
+            "test_a_joint_setup_points_the_optimizer_at_the_new_parameters_by_name",
+        ),
+    ),
+    Mutant(
+        "fabric_no_sync_never_turns_sync_back_on",
+        "src/shardwise/integrations/fabric.py",
+        "        finally:\n            module.set_requires_gradient_sync(True)",
+        "        finally:\n            pass",
+        ("tests/integrations/test_fabric.py::test_world_2_matches_fabric_ddp",),
+    ),
+    Mutant(
+        "fabric_sampler_splits_a_tp_group",
+        "src/shardwise/integrations/fabric.py",
+        "        if self.config.tp_size == 1:  # every rank reads its own rows",
+        "        if True:  # every rank reads its own rows",
+        ("tests/integrations/test_fabric.py::test_tensor_parallel_matches_fabric_ddp",),
+    ),
+    Mutant(
+        "fabric_load_leaves_the_optimizer",
+        "src/shardwise/integrations/fabric.py",
+        "            load_optimizer=parts.optimizer is not None,",
+        "            load_optimizer=False,",
+        ("tests/integrations/test_fabric.py::test_fabric_save_and_load_resume_exactly",),
+    ),
+    Mutant(
+        "fabric_clip_counts_one_rank",
+        "src/shardwise/integrations/fabric.py",
+        "        norm = clip_grad_norm_(_trainable(optimizer), float(max_norm))",
+        "        norm = torch.nn.utils.clip_grad_norm_(_trainable(optimizer), float(max_norm))",
+        ("tests/integrations/test_fabric.py::test_world_2_matches_fabric_ddp",),
+    ),
+    Mutant(
+        "lightning_sampler_splits_a_tp_group",
+        "src/shardwise/integrations/lightning.py",
+        "        if info is not None and self.config.tp_size > 1:",
+        "        if info is not None and self.config.tp_size > 99:",
+        ("tests/integrations/test_lightning.py::test_tensor_parallel_matches_lightning_ddp",),
+    ),
+    Mutant(
+        "a_held_models_plan_not_found",
+        "src/shardwise/parallelize/tensor.py",
+        "    for prefix, inner in planned_submodules(model):\n        plan.update(",
+        "    for prefix, inner in planned_submodules(model)[:0]:\n        plan.update(",
+        (
+            "tests/unit/parallelize/test_tensor_plan.py::"
+            "test_a_module_holding_a_hugging_face_model_takes_its_plan_under_its_name",
+        ),
+    ),
 )
 
 

@@ -1,4 +1,4 @@
-"""docs/hosts.md's mmengine and Lightning commands, run as written in a fresh directory.
+"""docs/hosts.md's mmengine, Lightning and Fabric commands, run as written in a fresh directory.
 
 They take about a minute together (mmengine and Lightning each start their own processes),
 so they run with the other host tests under `-m integrations`, not in `make test`."""
@@ -20,7 +20,12 @@ def _commands(example: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("example", "count"), [("examples/mmengine/train.py", 2), ("examples/lightning_train.py", 2)]
+    ("example", "count"),
+    [
+        ("examples/mmengine/train.py", 2),
+        ("examples/lightning_train.py", 2),
+        ("examples/fabric_train.py", 2),
+    ],
 )
 def test_host_examples_run_as_written(example, count, tmp_path, monkeypatch):
     commands = _commands(example)
@@ -31,3 +36,5 @@ def test_host_examples_run_as_written(example, count, tmp_path, monkeypatch):
         run_shell({"text": text, "expected": None})
     if "mmengine" in example:
         assert (tmp_path / "work_dirs" / "toy" / "last_checkpoint").is_file()
+    if "fabric" in example:  # the second run continued the first one's checkpoint
+        assert (tmp_path / "fabric_ckpt" / "step_00000020" / "shardwise.json").is_file()

@@ -140,6 +140,40 @@ class PeftLit(Lit):
         self.net = peft.get_peft_model(self.net, lora)
 
 
+def tokens() -> TensorDataset:
+    g = torch.Generator().manual_seed(99)
+    return TensorDataset(torch.randint(0, 64, (32, 16), generator=g))
+
+
+class LlamaLit(Lit):
+    """A transformers Llama held by the LightningModule: tensor parallel finds its own plan
+    under `model.`; Lightning gives the sampler the strategy's data-parallel coordinates."""
+
+    def __init__(self) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        super().__init__(batch=4)
+        del self.net
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            attn_implementation="eager",
+        )
+        self.model = LlamaForCausalLM(config)
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(tokens(), batch_size=self.batch)  # Lightning adds the sampler
+
+
 class EarlyOptimizer(Lit):
     """Builds its optimizer in __init__, from parameters sharding will replace."""
 
@@ -153,6 +187,7 @@ class EarlyOptimizer(Lit):
 
 def trainer(strategy: Any, epochs: int, devices: int = 2, **kw: Any) -> L.Trainer:
     kw.setdefault("enable_checkpointing", False)
+    kw.setdefault("use_distributed_sampler", False)
     return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -161,7 +196,6 @@ def trainer(strategy: Any, epochs: int, devices: int = 2, **kw: Any) -> L.Traine
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        use_distributed_sampler=False,
         **kw,
     )
 
@@ -277,6 +311,9 @@ def main() -> None:
         record("peft_lightning_ddp", fit("ddp", **peft_kw)[0])
         record("peft_full_shard", fit(ShardwiseStrategy(strategy="full_shard"), **peft_kw)[0])
 
+        llama: dict[str, Any] = {"module": LlamaLit, "use_distributed_sampler": True}
+        record("llama_lightning_ddp", fit("ddp", **llama)[0])
+
         lit, _ = fit(ShardwiseStrategy(strategy="full_shard"), module=MetaLit)
         record("meta", lit)
         results["meta"]["built_on_meta"] = lit.built_on_meta
@@ -286,6 +323,21 @@ def main() -> None:
             results["early_optimizer"] = "no error"
         except RuntimeError as exc:
             results["early_optimizer"] = str(exc)
+        if rank == 0:
+            (out / f"{phase}.json").write_text(json.dumps(results))
+    elif phase == "tp":
+        # dp 2 x tp 2 at world 4, with and without sequence parallelism.
+        llama = {"module": LlamaLit, "use_distributed_sampler": True, "devices": 4}
+        for name, sp in (("llama_tp", False), ("llama_tp_sp", True)):
+            strategy = ShardwiseStrategy(strategy="full_shard", tp=2, sequence_parallel=sp)
+            lit, t = fit(strategy, **llama)
+            weight = lit.model.model.layers[0].self_attn.q_proj.weight
+            record(name, lit)
+            results[name].update(
+                sampler=t.strategy.distributed_sampler_kwargs,
+                local_rows=weight.to_local().shape[0],
+                placements=[str(p) for p in weight.placements],
+            )
         if rank == 0:
             (out / f"{phase}.json").write_text(json.dumps(results))
     elif phase == "world1":

@@ -1,19 +1,42 @@
-"""What a host (mmengine's Runner, Lightning's Trainer) cannot drive yet, refused the same way
-for both.
+"""What every host adapter does alike: reading its strategy's arguments into a
+`ParallelConfig`, and refusing the layouts a host cannot drive, named for the host.
 
-Owns: `refuse_unbuilt_layouts`, the one refusal of pp, tp and ep inside a host, named for it.
+Owns: `host_config` and `refuse_unbuilt_layouts`.
 Must not: import a host (each adapter imports this with the host's name).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from shardwise.config.parallel import ParallelConfig
 
-__all__ = ["refuse_unbuilt_layouts"]
+__all__ = ["host_config", "refuse_unbuilt_layouts"]
 
 
-def refuse_unbuilt_layouts(config: ParallelConfig, host: str) -> None:
-    """Layouts `host` (e.g. "mmengine's Runner") cannot drive yet, refused with the reason."""
+def host_config(
+    config: ParallelConfig | None, parallel: dict[str, Any], owner: str, host: str
+) -> ParallelConfig:
+    """`owner(config=...)` or `owner(**ParallelConfig keywords)`, checked for `host`, which
+    gives each tensor-parallel group's ranks the same rows through its sampler."""
+    if config is not None and parallel:
+        raise TypeError(
+            f"{owner}: pass either config=ParallelConfig(...) or its keywords "
+            f"({', '.join(sorted(parallel))}), not both."
+        )
+    config = config if config is not None else ParallelConfig(**parallel)
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(
+            f"{owner}(config=...) expects a shardwise.ParallelConfig, got {type(config).__name__}."
+        )
+    refuse_unbuilt_layouts(config, host, takes_tp=True)
+    return config
+
+
+def refuse_unbuilt_layouts(config: ParallelConfig, host: str, *, takes_tp: bool = False) -> None:
+    """Layouts `host` (e.g. "mmengine's Runner") cannot drive, refused with the reason.
+    `takes_tp`: the host's sampler can be given the data-parallel coordinates
+    (`wrap_info(model).dp_rank` and `.dp_size`), so tensor parallelism works there."""
     if config.pp != 1:
         raise NotImplementedError(
             f"ParallelConfig.pp={config.pp} inside {host} is not built yet: the host runs "
@@ -22,12 +45,14 @@ def refuse_unbuilt_layouts(config: ParallelConfig, host: str) -> None:
             "pipeline must read the same rows. Use pp=1 here, or train with shardwise's "
             "Engine and Runner."
         )
-    if config.tp != 1:
+    if config.tp != 1 and not takes_tp:
         raise NotImplementedError(
-            f"ParallelConfig.tp={config.tp} inside {host} is not built yet: the host's "
-            "sampler splits the data over every rank, while the ranks of a tensor-parallel "
-            "group must read the same rows (shardwise's Runner does that). Use tp=1 here, or "
-            "train with shardwise's Engine and Runner."
+            f"ParallelConfig.tp={config.tp} inside {host} is not built: the ranks of a "
+            "tensor-parallel group must read the same rows, and the host's samplers "
+            "(DefaultSampler, InfiniteSampler) take their rank and world size from the "
+            "process group, with no argument to give them the data-parallel ones. Use tp=1 "
+            "here, or train with shardwise's Engine and Runner (or Lightning's Trainer or "
+            "Fabric with shardwise's strategies)."
         )
     if config.ep != 1:
         raise NotImplementedError(

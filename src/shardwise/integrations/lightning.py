@@ -53,7 +53,7 @@ from shardwise.checkpoint.trust import (
     root_cause,
 )
 from shardwise.config.parallel import ParallelConfig
-from shardwise.integrations.layouts import refuse_unbuilt_layouts
+from shardwise.integrations.layouts import host_config
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.materialize import init_empty
 from shardwise.parallelize.wrapped import stale_parameters, wrap_info
@@ -157,18 +157,7 @@ class ShardwiseStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **parallel: Any,
     ) -> None:
-        if config is not None and parallel:
-            raise TypeError(
-                "ShardwiseStrategy: pass either config=ParallelConfig(...) or its keywords "
-                f"({', '.join(sorted(parallel))}), not both."
-            )
-        self.config = config if config is not None else ParallelConfig(**parallel)
-        if not isinstance(self.config, ParallelConfig):
-            raise TypeError(
-                "ShardwiseStrategy(config=...) expects a shardwise.ParallelConfig, got "
-                f"{type(self.config).__name__}."
-            )
-        refuse_unbuilt_layouts(self.config, "Lightning's Trainer")
+        self.config = host_config(config, parallel, "ShardwiseStrategy", "Lightning's Trainer")
         super().__init__(
             save_distributed_checkpoint=True,
             process_group_backend=process_group_backend,
@@ -185,7 +174,11 @@ class ShardwiseStrategy(ModelParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every strategy shardwise offers is data-parallel over all ranks (HSDP included).
+        # Data parallel over every rank, except that under tensor parallelism the ranks of
+        # one tp group read the same rows (Lightning asks after setup has wrapped the model).
+        info = wrap_info(self.model) if self.model is not None else None
+        if info is not None and self.config.tp_size > 1:
+            return {"num_replicas": info.dp_size, "rank": info.dp_rank}
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     # --- model and optimizers ----------------------------------------------------------------

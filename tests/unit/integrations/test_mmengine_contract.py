@@ -361,23 +361,17 @@ def test_optim_wrapper_without_a_torch_optimizer():
         Engine(MMToy(), Fake())
 
 
-@pytest.mark.parametrize("host", ["mmengine", "lightning"])
-def test_hosts_refuse_tensor_parallel_saying_why(host):
-    # Their samplers split data over every rank; a tp group must read the same rows.
-    if host == "mmengine":
-        pytest.importorskip("mmengine")
-        from shardwise.integrations.mmengine import ShardwiseDataParallel as host_wrapper
+def test_mmengine_refuses_tensor_parallel_saying_why():
+    # Its samplers split data over every rank; a tp group must read the same rows.
+    pytest.importorskip("mmengine")
+    from shardwise.integrations.mmengine import ShardwiseDataParallel
 
-        make = lambda: host_wrapper(torch.nn.Linear(4, 4), tp=2)  # noqa: E731
-    else:
-        pytest.importorskip("lightning")
-        from shardwise.integrations.lightning import ShardwiseStrategy
-
-        make = lambda: ShardwiseStrategy(tp=2)  # noqa: E731
     with pytest.raises(
-        NotImplementedError, match=r"tp=2 inside .* is not built yet: the host's sampler"
+        NotImplementedError,
+        match=r"tp=2 inside mmengine's Runner is not built: the ranks of a tensor-parallel "
+        r"group must read the same rows, and the host's samplers \(DefaultSampler",
     ):
-        make()
+        ShardwiseDataParallel(torch.nn.Linear(4, 4), tp=2)
 
 
 def test_sharded_wrapper_keeps_sync_off_through_an_accumulating_backward_and_clips_globally():

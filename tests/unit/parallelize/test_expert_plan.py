@@ -111,3 +111,8 @@ def test_hosts_refuse_expert_parallel_with_the_reason() -> None:
     lightning = pytest.importorskip("shardwise.integrations.lightning")
     with pytest.raises(NotImplementedError, match=r"ep=2 inside Lightning's Trainer"):
         lightning.ShardwiseStrategy(config=shardwise.ParallelConfig(ep=2))
+    fabric = pytest.importorskip("shardwise.integrations.fabric")
+    with pytest.raises(NotImplementedError, match=r"ep=2 inside Lightning Fabric is not built"):
+        fabric.ShardwiseFabricStrategy(ep=2)
+    with pytest.raises(NotImplementedError, match=r"pp=2 inside Lightning Fabric is not built"):
+        fabric.ShardwiseFabricStrategy(pp=2)
