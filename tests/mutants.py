@@ -1331,9 +1331,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "engine_ignores_the_launched_file",
-        "src/shardwise/train/engine.py",
-        "    launched = translation_from_env()\n    if launched is None:\n",
-        "    launched = None\n    if launched is None:\n",
+        "src/shardwise/parallelize/from_env.py",
+        "    launched = translation_from_env()\n    if launched is None:\n        if optimizer",
+        "    launched = None\n    if launched is None:\n        if optimizer",
         (
             "tests/e2e/test_foreign_configs.py::test_the_unchanged_script_on_two_processes_equals_one",
         ),
@@ -1426,6 +1426,16 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/unit/parallelize/test_tensor_plan.py::"
             "test_a_module_holding_a_hugging_face_model_takes_its_plan_under_its_name",
+        ),
+    ),
+    Mutant(
+        "engine_builds_a_default_optimizer_not_the_files",
+        "src/shardwise/parallelize/from_env.py",
+        "        optimizer if optimizer is not None else given.optimizer.build,",
+        "        optimizer if optimizer is not None else type(given.optimizer)().build,",
+        (
+            "tests/unit/config/test_deepspeed.py::"
+            "test_the_engine_builds_the_files_optimizer_when_the_script_passes_none",
         ),
     ),
 )

@@ -35,7 +35,7 @@ from shardwise.config.adapters import AdapterConfig, apply_adapter
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import TrainConfig
 from shardwise.parallelize.apply import wrap
-from shardwise.parallelize.from_env import translation_from_env
+from shardwise.parallelize.from_env import engine_values_from_env
 from shardwise.parallelize.fsdp import frozen_units, keep_gathered
 from shardwise.parallelize.pipeline import (
     pipeline_eval,
@@ -195,35 +195,22 @@ def local_values(logs: dict[str, Any]) -> dict[str, Any]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in logs.items()}
 
 
-def _from_launch(
-    config: ParallelConfig | None, train: TrainConfig | None, scheduler: Any
-) -> tuple[ParallelConfig | None, TrainConfig | None, Any]:
-    """What the script's `shardwise run --from FILE` file says, where the caller gave
-    nothing: its layout, its accumulation, clipping and loss scaling, and its schedule."""
-    if config is not None and train is not None and scheduler is not None:
-        return config, train, scheduler
-    launched = translation_from_env()
-    if launched is None:
-        return config, train, scheduler
-    given = launched.config
-    schedule = launched.build_scheduler if launched.schedule is not None else None
-    return config or given.parallel, train or given.train, scheduler or schedule
-
-
 class Engine:
     """One object that steps a wrapped model: `train_step`, `val_step`, `test_step`."""
 
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | OptimizerFactory | OptimWrapperLike,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | OptimWrapperLike | None = None,
         config: ParallelConfig | None = None,
         scheduler: SchedulerLike | SchedulerFactory | None = None,
         *,
         train: TrainConfig | None = None,
         adapter: AdapterConfig | None = None,
     ) -> None:
-        config, train, scheduler = _from_launch(config, train, scheduler)
+        config, train, scheduler, optimizer = engine_values_from_env(
+            config, train, scheduler, optimizer
+        )
         self.train_config = train or TrainConfig()
         model = _with_adapter(model, adapter)  # before wrapping: peft adds layers to wrap
         info = wrap_info(model)

@@ -268,6 +268,33 @@ def test_the_engine_and_the_runner_take_a_launched_files_values(tmp_path, monkey
     assert given.config.batch_size == 2  # a config given wins
 
 
+def test_the_engine_builds_the_files_optimizer_when_the_script_passes_none(
+    tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    # As deepspeed.initialize does with no client optimizer; a client optimizer wins.
+    import shardwise
+    from shardwise.testing.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=1)
+    monkeypatch.delenv("SHARDWISE_FROM", raising=False)
+    with pytest.raises(TypeError, match=r"Engine\(model\) needs an optimizer: pass one"):
+        shardwise.Engine(GPT(cfg))
+    path = tmp_path / "ds_config.json"
+    block = {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.1, "betas": [0.8, 0.9]}}
+    path.write_text(json.dumps({"optimizer": block}))
+    monkeypatch.setenv("SHARDWISE_FROM", str(path))
+    built = shardwise.Engine(GPT(cfg)).optimizer
+    assert isinstance(built, torch.optim.AdamW)
+    group = built.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"]) == (2e-3, 0.1, (0.8, 0.9))
+    with pytest.warns(UserWarning, match=r"the script's optimizer is used, not the optimizer "):
+        given = shardwise.Engine(GPT(cfg), functools.partial(torch.optim.SGD, lr=0.1))
+    assert isinstance(given.optimizer, torch.optim.SGD)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    with pytest.raises(TypeError, match=r"the DeepSpeed file the script was launched with has no"):
+        shardwise.Engine(GPT(cfg))
+
+
 def test_every_param_group_gets_deepspeeds_lr() -> None:
     # WarmupDecayLR sets absolute lrs: every group reaches warmup_max_lr whatever its own.
     translation = translate_deepspeed(DECAY)
