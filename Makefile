@@ -87,10 +87,11 @@ test-reshard: $(STAMP)
 test-launcher: $(STAMP)
 	$(VENV)/bin/pytest -q -m "launcher and not slow" tests/e2e/test_launch_robust.py
 
-# A plain script driven by a DeepSpeed JSON and an Accelerate YAML through `shardwise run
+# A plain script driven by a DeepSpeed JSON and an Accelerate YAML, and examples/port's causal LM
+# under a DeepSpeed, Accelerate and torchtitan file, through `shardwise run
 # --nproc 2`, against one process; .ci/run runs it.
 test-foreign: $(STAMP)
-	$(VENV)/bin/pytest -q -m foreign tests/e2e/test_foreign_configs.py
+	$(VENV)/bin/pytest -q -m foreign tests/e2e/test_foreign_configs.py tests/e2e/test_port.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

@@ -63,7 +63,8 @@ def main() -> None:
         optimizer.zero_grad()
         state["iter_num"] += 1
     fabric.save(args.checkpoint, state)  # every rank writes its shards
-    fabric.print(f"step {state['iter_num']}: loss {float(loss.detach()):.4f}; checkpoint {args.checkpoint}")
+    step, last = state["iter_num"], float(loss.detach())
+    fabric.print(f"step {step}: loss {last:.4f}; checkpoint {args.checkpoint}")
 
 
 if __name__ == "__main__":
