@@ -1438,6 +1438,18 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_the_engine_builds_the_files_optimizer_when_the_script_passes_none",
         ),
     ),
+    # Issue 39: a resume at another data-parallel world keeps the global batch.
+    Mutant(
+        "world_change_halves_the_global_batch",
+        "src/shardwise/train/resume.py",
+        "    set_accumulation(engine, steps)\n",
+        "    pass\n",
+        (
+            "tests/unit/train/test_keep_global_batch.py::test_the_accumulation_keeps_the_global_batch",
+            "tests/distributed/test_runner_dist.py::"
+            "test_resume_at_another_world_size_trains_each_sample_of_the_epoch_once",
+        ),
+    ),
 )
 
 

@@ -229,8 +229,38 @@ def seen_run(run_dir: str, batch_size: int, resume: str | None = None, **cfg) ->
     return unwrap(engine.model).seen
 
 
+def batch_run(run_dir: str, steps: int, accumulate: int = 1, resume: str | None = None) -> dict:
+    """A shuffled run of batches of 2 per rank; its final parameters and the ids it saw."""
+    from shardwise import unwrap
+    from shardwise.testing.parity import full_parameters
+
+    torch.manual_seed(0)
+    engine = Engine(
+        Recorder(),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        ParallelConfig(),
+        train=TrainConfig(accumulate_steps=accumulate),
+    )
+    data = TensorDataset(
+        torch.arange(N), torch.randn(N, 4, generator=torch.Generator().manual_seed(1))
+    )
+    config = RunnerConfig(
+        run_dir=run_dir, batch_size=2, seed=5, progress=False, resume=resume, max_steps=steps,
+        max_epochs=None, save_at_end=True,
+    )  # fmt: skip
+    Runner(engine, data, config=config).fit()
+    weights = list(full_parameters(engine.model).values())  # every rank gathers
+    return {"params": weights, "seen": unwrap(engine.model).seen}
+
+
 def world_change_cases(tmp: str) -> dict:
     out: dict = {}
+    # The global batch kept across a world change: 2 ranks x 2 (no accumulation) for 6 steps
+    # uninterrupted, and for 3 steps then (in the test process) 1 rank x 2, accumulating 2.
+    out["g_w2"] = batch_run(f"{tmp}/g_w2", 6)
+    out["g_w2_half"] = batch_run(f"{tmp}/g_w2_half", 3)
+    # 1 rank x 2 accumulating 2 for 2 steps (the test process), then 2 ranks without.
+    out["g_w1_to_w2"] = batch_run(f"{tmp}/g_w1b", 6, 2, resume=f"{tmp}/g_w1_half/checkpoints")
     # 2 ranks x batch 2 x 3 steps = 12 samples, then (in the test process) 1 rank, batch 3.
     out["w2"] = seen_run(f"{tmp}/w2", 2, max_steps=3, max_epochs=None, save_at_end=True)
     # 1 rank x batch 3 x 2 steps = 6 samples (saved by the test process), then 2 ranks x 2.
@@ -248,6 +278,8 @@ def world_change_cases(tmp: str) -> dict:
 
 def test_resume_at_another_world_size_trains_each_sample_of_the_epoch_once(tmp_path, capfd):
     w1 = seen_run(str(tmp_path / "w1"), 3, max_steps=2, max_epochs=None, save_at_end=True)
+    g_w1 = batch_run(str(tmp_path / "g_w1"), 6, 2)  # one process, accumulating 2
+    batch_run(str(tmp_path / "g_w1_half"), 2, 2)
     seen_run(str(tmp_path / "odd"), 3, max_steps=1, max_epochs=None, save_at_end=True)
     r0, r1 = run_distributed(world_change_cases, 2, args=(str(tmp_path),), timeout_s=240)
     capfd.readouterr()
@@ -275,3 +307,23 @@ def test_resume_at_another_world_size_trains_each_sample_of_the_epoch_once(tmp_p
     )
     assert "3 does not split evenly over this world size 2" in r0["odd"]
     assert "Resume at a world size dividing 3 (e.g. [1, 3])" in r0["odd"]
+
+    # A world change keeps the global batch: 2 -> 1 accumulates 2, 1 -> 2 stops accumulating.
+    g_w2, g_w2_half, g_w1_to_w2 = r0["g_w2"], r0["g_w2_half"], r0["g_w1_to_w2"]
+    capfd.readouterr()
+    g_w2_to_w1 = batch_run(
+        str(tmp_path / "g_w1c"), 6, resume=str(tmp_path / "g_w2_half" / "checkpoints")
+    )
+    said = capfd.readouterr().err
+    assert (
+        "shardwise: data-parallel ranks 2 -> 1: resuming after step 3 with accumulate_steps=2 "
+        "(was 1), so every step still takes the global batch of 4 samples" in said
+    )
+    assert sorted(g_w2_half["seen"] + r1["g_w2_half"]["seen"] + g_w2_to_w1["seen"]) == sorted(
+        g_w2["seen"] + r1["g_w2"]["seen"]
+    )  # the same 24 samples: none skipped or seen twice
+    for ours, ref in ((g_w2_to_w1, g_w2), (g_w1_to_w2, g_w1)):
+        for a, b in zip(ours["params"], ref["params"], strict=True):
+            assert float((a - b).norm() / b.norm()) < 1e-6
+    for a, b in zip(g_w2_half["params"], g_w2["params"], strict=True):  # it can fail
+        assert float((a - b).norm() / b.norm()) > 1e-3

@@ -208,8 +208,18 @@ def main() -> None:
         )
         state = {"model": model, "optimizer": optimizer, "iter_num": 0}
         fabric.load(ck, state)
-        losses = train(fabric, model, optimizer, batches, start=state["iter_num"])
+        losses = train(fabric, model, optimizer, batches, start=state["iter_num"], stop=6)
+        ck4 = out / "ckpt-hybrid"  # saved at world 4 too, and resumed there
+        fabric.save(ck4, {"model": model, "optimizer": optimizer, "iter_num": 6})
+        losses += train(fabric, model, optimizer, batches, start=6)
         record("hybrid_resumed", model, losses)
+        fabric, model, optimizer, batches, _ = litgpt_style(
+            ShardwiseFabricStrategy(strategy="hybrid_shard", dp_shard=2), 4, 4
+        )
+        state = {"model": model, "optimizer": optimizer, "iter_num": 0}
+        fabric.load(ck4, state)
+        losses = train(fabric, model, optimizer, batches, start=state["iter_num"])
+        record("hybrid_resumed_at_4", model, losses, start=state["iter_num"])
         # Tensor parallel: dp 2 x tp 2, the sampler given the data-parallel coordinates.
         tp = ShardwiseFabricStrategy(strategy="full_shard", tp=2, tp_plan=TP_PLAN)
         fabric, model, losses = joint(tp, 4, 2)

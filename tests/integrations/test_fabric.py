@@ -109,10 +109,13 @@ def test_fabric_save_and_load_resume_exactly(runs: tuple[Path, dict[str, Any]]) 
     _assert_same(runs, "resumed", "litgpt", skip=4)
 
 
-def test_a_world_2_checkpoint_resumes_into_hybrid_at_world_4(
+def test_checkpoints_resume_into_hybrid_at_world_4(
     runs: tuple[Path, dict[str, Any]],
 ) -> None:
     _assert_same(runs, "hybrid_resumed", "litgpt", skip=4)
+    # ... and saved at world 4 under hybrid_shard, resumed there by a fresh model.
+    assert runs[1]["hybrid_resumed_at_4"]["start"] == 6
+    _assert_same(runs, "hybrid_resumed_at_4", "litgpt", skip=6)
 
 
 def test_tensor_parallel_matches_fabric_ddp(runs: tuple[Path, dict[str, Any]]) -> None:

@@ -576,3 +576,15 @@ def _nonfinite_keys(reduced: _Reduced, norm_is_ours: bool) -> list[str]:
     if norm_is_ours and not math.isfinite(reduced.norm):
         bad.append("grad_norm")
     return bad
+
+
+def set_accumulation(engine: Engine, steps: int) -> None:
+    """Make each optimizer step of `engine` take `steps` micro-batches from now on (between
+    steps only: a resume at another data-parallel world keeps its global batch this way)."""
+    if engine.micro_step != 0:
+        raise RuntimeError(
+            f"set_accumulation: the engine is {engine.micro_step} micro-batch(es) into an "
+            "accumulation window; change it between optimizer steps."
+        )
+    engine.train_config = dataclasses.replace(engine.train_config, accumulate_steps=steps)
+    engine._held = engine._units_to_hold()  # which units stay gathered depends on it

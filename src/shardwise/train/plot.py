@@ -1,6 +1,7 @@
 """Plots of a run: loss (train and validation), learning rate and throughput, to PNG.
 
-Owns: `plot_run(run_dir)`, behind `shardwise plot RUN_DIR`. Needs matplotlib (the `plot`
+Owns: `plot_run(run_dir)`, behind `shardwise plot RUN_DIR`, which marks each change of
+the data-parallel ranks (a node lost or gained) on the loss curve. Needs matplotlib (the `plot`
 extra); without it, a clear error says how to install it.
 
 Must not: read anything but the run's metrics.csv.
@@ -21,6 +22,20 @@ def _series(rows: list[dict[str, Any]], split: str, key: str) -> tuple[list[floa
         if r.get("split") == split and r.get(key) is not None and "step" in r
     ]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def world_changes(rows: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+    """(step, data-parallel ranks before, after) at each training row whose `dp_world`
+    differs from the row before: where a resume continued on other ranks."""
+    out, last = [], None
+    for r in rows:
+        world = r.get("dp_world")
+        if r.get("split") != "train" or world is None or "step" not in r:
+            continue
+        if last is not None and world != last:
+            out.append((int(r["step"]), int(last), int(world)))
+        last = world
+    return out
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -44,6 +59,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         x, y = _series(rows, split, "loss")
         if x:
             ax.plot(x, y, style, label=split)
+    for step, before, after in world_changes(rows):
+        ax.axvline(step, color="grey", linestyle=":", label=f"ranks {before} -> {after}")
     ax.set(title="loss", xlabel="step")
     ax.legend()
     for ax, key, title in (

@@ -77,6 +77,7 @@ class Window:
         if self.tokens:
             row["tokens_per_s"] = self.tokens * world / elapsed
         row["peak_mem_mb"] = _peak_memory_mb(device)
+        row["dp_world"] = world  # a change marks a node lost or gained (shardwise plot)
         self.restart()
         return row
 

@@ -48,7 +48,7 @@ from shardwise.checkpoint.trust import CheckpointError
 from shardwise.config.training import RunnerConfig
 from shardwise.distributed.process_group import rank_and_world
 from shardwise.train.data import map_position
-from shardwise.train.engine import Engine
+from shardwise.train.engine import Engine, set_accumulation
 from shardwise.train.metrics import METRICS_FILE, free_name
 from shardwise.train.progress import say
 
@@ -299,7 +299,43 @@ def resume(
         )
     set_aside_newer(checkpoint_dir(config), engine.step)
     saved_world = int(manifest.get("world_size", world))
+    batch = (loader.batch_size if loader else None) or 1
+    keep_global_batch(position, engine, batch, world, config.resume)
     return map_position(position, saved_world, loader, world, config.resume)
+
+
+def keep_global_batch(
+    position: dict[str, Any], engine: Engine, batch: int, world: int, resume: str | None
+) -> None:
+    """At another number of data-parallel ranks (a node lost or gained), set the engine's
+    accumulation so every optimizer step still takes the checkpoint's global batch: the
+    same training as without the change. Accumulation, not the per-rank batch, absorbs it:
+    it never raises a rank's activation memory. Nothing changes at the same world, for an
+    older checkpoint, or where this run's batch_size or accumulate_steps differ from the
+    checkpoint's configured ones (the user's change is used, and warned of)."""
+    saved_world = int(position.get("world_size", world))
+    saved_batch, saved_steps = position.get("batch_size"), position.get("accumulate_steps")
+    configured = position.get("accumulate_configured", saved_steps)
+    now = engine.train_config.accumulate_steps
+    if saved_world == world or saved_steps is None or saved_batch != batch or configured != now:
+        return
+    total = int(saved_batch) * saved_world * int(saved_steps)
+    steps, rest = divmod(total, batch * world)
+    if rest or steps < 1:
+        fits = [w for w in range(1, 257) if total % (batch * w) == 0]
+        raise ValueError(
+            f"RunnerConfig.resume={resume!r}: the checkpoint's global batch is {total} samples "
+            f"({saved_world} data-parallel rank(s) x {saved_batch} x {saved_steps} "
+            f"accumulated), and {world} rank(s) x batch_size {batch} cannot make it up with "
+            f"whole accumulation steps. Run at a data-parallel world in {fits}, or set "
+            "batch_size (a changed batch_size trains with this world's global batch)."
+        )
+    set_accumulation(engine, steps)
+    say(
+        f"data-parallel ranks {saved_world} -> {world}: resuming after step {engine.step} "
+        f"with accumulate_steps={steps} (was {saved_steps}), so every step still takes the "
+        f"global batch of {total} samples"
+    )
 
 
 _RUNNER_FIELDS = ("max_steps", "max_epochs", "batch_size", "seed")

@@ -109,6 +109,16 @@ def _refuse_short_batches(engine: Engine, *loaders: DataLoader[Any] | None) -> N
             )
 
 
+def _total_steps(config: RunnerConfig, batches_per_epoch: int, accumulate_steps: int) -> int:
+    """The optimizer steps the run is to take (for the progress bar): max_steps, or
+    max_epochs' worth at this world's batches per epoch, whichever comes first."""
+    total = config.max_steps or 0
+    if config.max_epochs is not None:
+        by_epochs = math.ceil(batches_per_epoch / accumulate_steps) * config.max_epochs
+        total = min(total, by_epochs) if total else by_epochs
+    return total
+
+
 def _launched_runner() -> RunnerConfig:
     """The runner values of the file `shardwise run --from` launched the script with (its
     micro-batch, a torchtitan file's steps), else the defaults."""
@@ -170,15 +180,11 @@ class Runner:
         if self.adapters_only and (cfg.save_every or cfg.save_at_end):
             say("checkpoints hold the adapters and their optimizer state, not the frozen base")
         seed_everything(cfg.seed)
-        k = engine.train_config.accumulate_steps
-        steps_per_epoch = math.ceil(len(self.train_loader) / k)
-        total = cfg.max_steps or 0
-        if cfg.max_epochs is not None:
-            by_epochs = steps_per_epoch * cfg.max_epochs
-            total = min(total, by_epochs) if total else by_epochs
-        step_limit = cfg.max_steps or math.inf
         self._resumed = True
+        configured = engine.train_config.accumulate_steps  # before a resume may change it
         epoch, skip = resume(cfg, engine, self.train_loader, self.dp_world)
+        total = _total_steps(cfg, len(self.train_loader), engine.train_config.accumulate_steps)
+        step_limit = cfg.max_steps or math.inf
         if cfg.resume is not None and self.rank == 0:
             keep_earlier_export(cfg)  # a resumed or restarted run exports anew at its end
         self._start_logger()
@@ -227,6 +233,8 @@ class Runner:
                             "samples_done": consumed + (i + 1) * batch * self.dp_world,
                             "world_size": self.dp_world,
                             "batch_size": batch,
+                            "accumulate_steps": engine.train_config.accumulate_steps,
+                            "accumulate_configured": configured,
                         }
                         row = window.close(logs, self.dp_world, engine.device, done, epoch)
                         last_train = row

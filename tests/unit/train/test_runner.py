@@ -97,6 +97,24 @@ def test_plot_command_writes_png(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_rows_record_the_data_parallel_ranks_and_the_plot_marks_a_change(tmp_path):
+    from shardwise.train.plot import world_changes
+
+    make_runner(tmp_path, batch_size=4, max_steps=2, max_epochs=None).fit()
+    train = [r for r in rows(tmp_path) if r["split"] == "train"]
+    assert train and all(int(r["dp_world"]) == 1 for r in train)
+    resumed = [
+        {"split": "train", "step": 1, "dp_world": 4},
+        {"split": "val", "step": 1},
+        {"split": "train", "step": 2, "dp_world": 4},
+        {"split": "train", "step": 3, "dp_world": 2},  # a node lost, resumed on 2 ranks
+        {"split": "train", "step": 4, "dp_world": 2},
+        {"split": "train", "step": 5},  # an older run's row: no record, no change
+        {"split": "train", "step": 6, "dp_world": 4},
+    ]
+    assert world_changes(resumed) == [(3, 4, 2), (6, 2, 4)]
+
+
 def test_plot_of_missing_run(tmp_path, capsys):
     assert cli_main(["plot", str(tmp_path / "nope")]) == 2
     assert "metrics.csv does not exist: RUN_DIR must be a run directory" in capsys.readouterr().err

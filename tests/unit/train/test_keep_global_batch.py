@@ -1,0 +1,52 @@
+"""A resume at another number of data-parallel ranks keeps the global batch through the
+accumulation, or refuses in one line (the training equality is in
+tests/distributed/test_runner_dist.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise import Engine, TrainConfig
+from shardwise.train.resume import keep_global_batch
+
+
+def _engine(accumulate: int = 1) -> Engine:
+    return Engine(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1),
+                  train=TrainConfig(accumulate_steps=accumulate))  # fmt: skip
+
+
+def _position(world: int, batch: int = 2, steps: int = 1, configured: int | None = None) -> dict:
+    out = {"world_size": world, "batch_size": batch, "accumulate_steps": steps}
+    return out if configured is None else {**out, "accumulate_configured": configured}
+
+
+@pytest.mark.parametrize(
+    ("position", "world", "accumulate", "expected"),
+    [
+        (_position(4), 2, 1, 2),  # half the ranks: twice the micro-batches per step
+        (_position(2, steps=2, configured=1), 4, 1, 1),  # back to 4 after a shrink
+        (_position(4), 4, 1, 1),  # the same world: untouched
+        (_position(4, batch=3), 2, 1, 1),  # a batch_size the user changed: theirs
+        (_position(4, steps=2), 2, 1, 1),  # an accumulation the user changed: theirs
+        ({"world_size": 4, "batch_size": 2}, 2, 1, 1),  # an older checkpoint: untouched
+    ],
+)
+def test_the_accumulation_keeps_the_global_batch(position, world, accumulate, expected):
+    engine = _engine(accumulate)
+    keep_global_batch(position, engine, 2, world, "latest")
+    assert engine.train_config.accumulate_steps == expected
+
+
+def test_a_global_batch_no_whole_accumulation_makes_up_is_refused_in_one_line():
+    with pytest.raises(ValueError) as caught:
+        keep_global_batch(_position(3), _engine(), 2, 2, "latest")  # 6 samples over 2 x 2
+    said = str(caught.value)
+    assert "\n" not in said
+    assert said.startswith(
+        "RunnerConfig.resume='latest': the checkpoint's global batch is 6 samples (3 "
+        "data-parallel rank(s) x 2 x 1 accumulated), and 2 rank(s) x batch_size 2 cannot make "
+        "it up with whole accumulation steps. Run at a data-parallel world in [1, 3]"
+    )
+    with pytest.raises(ValueError, match=r"global batch is 4 samples"):
+        keep_global_batch(_position(2), _engine(), 2, 4, "latest")  # 4 over 4 x 2: below 1
