@@ -1450,6 +1450,22 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_resume_at_another_world_size_trains_each_sample_of_the_epoch_once",
         ),
     ),
+    Mutant(
+        "sigusr1_left_to_its_default",
+        "src/shardwise/train/resume.py",
+        "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)",
+        "STOP_SIGNALS = (signal.SIGTERM,)",
+        ("tests/unit/train/test_runner.py::test_slurms_sigusr1_saves_and_exits_75_like_sigterm",),
+    ),
+    Mutant(
+        "launcher_dies_on_sigusr1",
+        "src/shardwise/cli/launch.py",
+        '"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",',
+        '"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",',
+        (
+            "tests/distributed/test_preemption.py::test_sigterm_to_shardwise_run_ends_with_75_and_no_traceback",
+        ),
+    ),
 )
 
 

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 STEPS = 10
@@ -167,20 +168,22 @@ def test_sigterm_to_torchrun_saves_at_the_step_and_the_next_start_resumes_exactl
     assert got["equal"]  # final parameters bitwise equal to the uninterrupted run
 
 
-def test_sigterm_to_shardwise_run_ends_with_75_and_no_traceback(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_sigterm_to_shardwise_run_ends_with_75_and_no_traceback(tmp_path, sig):
     # Before: the workers exited 75, but the launcher exited 1 with torchrun's
-    # SignalException traceback, though the README promised 75.
+    # SignalException traceback, though the README promised 75. SIGUSR1 (SLURM's warning
+    # before a time limit) ended the launcher at once, and its workers unsaved.
     run = tmp_path / "cut"
     proc = _launch(run, launcher="shardwise")
     deadline = time.monotonic() + 120
     while _logged_step(run) < SIGNAL_AFTER_STEP and proc.poll() is None:
         assert time.monotonic() < deadline, "the run never reached step 2"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     code, err = _finish(proc)
     assert code == 75, err[-3000:]
     assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
-    assert "shardwise run: SIGTERM: the workers were stopped" in err
+    assert f"shardwise run: {sig.name}: the workers were stopped" in err
     assert re.search(r"stopped after optimizer step \d+ and saved \S+;", err), err[-3000:]
 
 

@@ -162,7 +162,16 @@ def launcher_args(args: argparse.Namespace) -> list[str]:
 # SIGKILLed at a random step, torch 2.13, 2 CPU ranks): with sharing 8 of 12 trials
 # resumed (3 died in connectFullMesh, 1 hung); without it 8 of 8, each with one restart.
 # See pytorch#135712. An explicit value set by the user is kept.
-_LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+#
+# SIGUSR1 joins the signals torch's agent turns into a shutdown (SIGTERM, SIGINT, SIGHUP,
+# SIGQUIT by default; torchrun's --signals-to-handle, read from this variable): SLURM
+# sends it before a time limit or a preemption (`--signal`), and
+# its default action would end the launcher at once and its workers with it, unsaved. The
+# agent passes it on to the workers, whose Runner saves and exits 75 as on SIGTERM.
+_LAUNCH_ENV = {
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",  # --signals-to-handle
+}
 
 
 def launch_torchrun(
@@ -207,9 +216,10 @@ def launch_torchrun(
         except SignalException as exc:
             # A scheduler reclaiming the node: torchrun forwarded the signal to the workers
             # and waited for them; under the Runner they saved a checkpoint and exited 75.
-            if exc.sigval == signal.SIGTERM:
+            if exc.sigval in (signal.SIGTERM, signal.SIGUSR1):
                 print(
-                    f"shardwise run: SIGTERM: the workers were stopped; a Runner saves a "
+                    f"shardwise run: {signal.Signals(exc.sigval).name}: the workers were "
+                    "stopped; a Runner saves a "
                     f"checkpoint and exits with {PREEMPTED_EXIT_CODE} (start again with "
                     "resume='latest').",
                     file=sys.stderr,

@@ -119,8 +119,9 @@ class RunnerConfig:
     while the files are written; each becomes complete (manifest, `latest`) when the next
     save starts or fit ends. Costs one CPU copy of this rank's state, kept between saves."""
     stop_on_sigterm: bool = True
-    """On SIGTERM, finish the current optimizer step, save a checkpoint and exit with code
-    75 (all ranks at the same step); False leaves SIGTERM's handling as it was."""
+    """On SIGTERM or SIGUSR1 (SLURM's warning before a time limit or preemption), finish the
+    current optimizer step, save a checkpoint and exit with code 75 (all ranks at the same
+    step); False leaves both signals' handling as it was."""
 
     def __post_init__(self) -> None:
         for name in (

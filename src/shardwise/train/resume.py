@@ -58,18 +58,26 @@ restarts any non-zero exit within --max-restarts; a scheduler can match this cod
 requeue (e.g. a Kubernetes podFailurePolicy rule)."""
 
 
-class Preempted(SystemExit):
-    """Raised by `Runner.fit` on every rank after SIGTERM: a checkpoint was saved after
-    `step`. Uncaught, the process exits with PREEMPTED_EXIT_CODE (no traceback)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""What asks a Runner to save and stop: SIGTERM (a scheduler reclaiming the node, torchrun
+passing it on) and SIGUSR1 (SLURM's warning before a time limit or preemption, with
+`--signal=USR1@SECONDS`)."""
 
-    def __init__(self, step: int, checkpoint: Path) -> None:
+
+class Preempted(SystemExit):
+    """Raised by `Runner.fit` on every rank after SIGTERM or SIGUSR1: a checkpoint was saved
+    after `step`. Uncaught, the process exits with PREEMPTED_EXIT_CODE (no traceback)."""
+
+    def __init__(self, step: int, checkpoint: Path, signum: int | None = signal.SIGTERM) -> None:
         super().__init__(PREEMPTED_EXIT_CODE)
         self.step = step
         self.checkpoint = checkpoint
+        self.signum = signum
 
     def __str__(self) -> str:
+        name = signal.Signals(self.signum).name if self.signum else "a stop signal to a peer"
         return (
-            f"SIGTERM: stopped after optimizer step {self.step} and saved {self.checkpoint}; "
+            f"{name}: stopped after optimizer step {self.step} and saved {self.checkpoint}; "
             f"exiting with code {PREEMPTED_EXIT_CODE}. Start the job again with "
             "RunnerConfig.resume='latest' to continue from it."
         )
@@ -79,6 +87,8 @@ class Preempted(SystemExit):
 class SigtermState:
     installed: bool = False
     received: bool = False
+    signum: int | None = None
+    """The stop signal this process received (None: none, or only a peer did)."""
 
 
 def _probe(directory: Path, setting: str) -> list[str]:
@@ -100,9 +110,10 @@ def checkpoint_dir(config: RunnerConfig) -> Path:
 
 @contextlib.contextmanager
 def sigterm_requests_stop(engine: Engine, enabled: bool) -> Iterator[SigtermState]:
-    """While fitting, SIGTERM asks the engine to stop at the next update (a flag only:
-    nothing else is safe in a handler). The previous handler is restored afterwards; a
-    SIGTERM that came too late for fit to act on is then delivered to it."""
+    """While fitting, SIGTERM or SIGUSR1 (`STOP_SIGNALS`) asks the engine to stop at the
+    next update (a flag only: nothing else is safe in a handler). The previous handlers are
+    restored afterwards; a signal that came too late for fit to act on is then delivered to
+    its own."""
     state = SigtermState()
     if not enabled:
         yield state
@@ -118,10 +129,10 @@ def sigterm_requests_stop(engine: Engine, enabled: bool) -> Iterator[SigtermStat
         return
 
     def request_stop(signum: int, frame: Any) -> None:
-        state.received = True
+        state.received, state.signum = True, state.signum or signum
         engine.request_stop()
 
-    previous = signal.signal(signal.SIGTERM, request_stop)
+    previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
     state.installed = True
     acted = False
     try:
@@ -130,10 +141,11 @@ def sigterm_requests_stop(engine: Engine, enabled: bool) -> Iterator[SigtermStat
         acted = True
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         engine._stop_requested = False
-        if state.received and not acted:
-            signal.raise_signal(signal.SIGTERM)
+        if state.signum is not None and not acted:
+            signal.raise_signal(state.signum)
 
 
 def any_rank(flag: bool, world: int, device: torch.device) -> bool:

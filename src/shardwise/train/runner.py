@@ -270,7 +270,7 @@ class Runner:
                     if saved_at != engine.step:
                         path = self.save(position)
                     wait_for_checkpoint()  # an async save of this very step completes first
-                    preempted = Preempted(engine.step, path)
+                    preempted = Preempted(engine.step, path, sigterm.signum)
                     say(str(preempted))
                     raise preempted
             if cfg.save_at_end and position is not None and saved_at != engine.step:

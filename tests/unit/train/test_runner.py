@@ -259,20 +259,21 @@ def test_unwritable_checkpoint_dir_is_found_before_the_first_step(tmp_path):
 
 
 class SignalAt(TensorDataset):
-    """Sends this process SIGTERM when the `at`-th sample is read (as a scheduler would)."""
+    """Sends this process SIGTERM (or `sig`) when the `at`-th sample is read (as a
+    scheduler would)."""
 
-    def __init__(self, at: int | None, *tensors):
+    def __init__(self, at: int | None, *tensors, sig: int = signal.SIGTERM):
         super().__init__(*tensors)
-        self.at, self.reads = at, 0
+        self.at, self.reads, self.sig = at, 0, sig
 
     def __getitem__(self, i):
         self.reads += 1
         if self.reads == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.sig)
         return super().__getitem__(i)
 
 
-def preemptible(tmp_path, at, *, resume=None, k=1):
+def preemptible(tmp_path, at, *, resume=None, k=1, sig=signal.SIGTERM):
     torch.manual_seed(0)
     engine = Engine(
         GPT(CFG), lambda p: torch.optim.AdamW(p, lr=3e-3), train=TrainConfig(accumulate_steps=k)
@@ -281,7 +282,7 @@ def preemptible(tmp_path, at, *, resume=None, k=1):
         run_dir=str(tmp_path), progress=False, batch_size=2, max_steps=6, max_epochs=None,
         resume=resume,
     )  # fmt: skip
-    return Runner(engine, SignalAt(at, *lm_dataset(24).tensors), config=config)
+    return Runner(engine, SignalAt(at, *lm_dataset(24).tensors, sig=sig), config=config)
 
 
 def params(runner):
@@ -313,6 +314,24 @@ def test_sigterm_finishes_the_window_saves_and_exits_75_then_resumes_exactly(tmp
         assert len(calls) == 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_slurms_sigusr1_saves_and_exits_75_like_sigterm(tmp_path):
+    # SLURM's warning signal (--signal=USR1@60, scancel --signal=USR1): its default action
+    # would end the process unsaved.
+    calls = []
+    previous = signal.signal(signal.SIGUSR1, lambda *a: calls.append(a))
+    try:
+        cut = preemptible(tmp_path / "cut", 7, k=2, sig=signal.SIGUSR1)
+        with pytest.raises(Preempted) as stopped:
+            cut.fit()
+        assert stopped.value.code == 75 and stopped.value.step == 2
+        assert str(stopped.value).startswith("SIGUSR1: stopped after optimizer step 2 and saved")
+        assert calls == []
+        os.kill(os.getpid(), signal.SIGUSR1)  # the previous handler is back
+        assert len(calls) == 1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_stop_on_sigterm_false_leaves_the_handler_alone(tmp_path):
