@@ -1466,6 +1466,13 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_preemption.py::test_sigterm_to_shardwise_run_ends_with_75_and_no_traceback",
         ),
     ),
+    Mutant(
+        "a_refused_setting_is_restarted",
+        "src/shardwise/cli/grace.py",
+        "                agent._remaining_restarts = 0\n",
+        "                pass\n",
+        ("tests/e2e/test_launch_robust.py::test_a_refused_layout_is_not_restarted",),
+    ),
 )
 
 

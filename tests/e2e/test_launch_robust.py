@@ -391,6 +391,22 @@ def test_a_layout_refused_in_every_rank_is_one_line_and_the_summary():
     assert out.stderr.splitlines() == shown, out.stderr[-3000:]
 
 
+def test_a_refused_layout_is_not_restarted():
+    """Before: refused again on each of --max-restarts' attempts (and, after an elastic world
+    change, a restart must not train something else). Every rank refused its setting: the
+    launcher leaves its restarts unused, once, and says so."""
+    cmd = [*SHARDWISE, "run", "--nproc", "2", "--max-restarts", "2", "examples/train_lm.py",
+           "parallel.dp_shard=3"]  # fmt: skip
+    out = run_in_session(cmd, timeout_s=240)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.count("ValueError: ParallelConfig.dp_shard=3") == 1, out.stderr[-3000:]
+    assert "restarting the workers" not in out.stderr
+    assert out.stderr.rstrip().endswith(
+        "shardwise run: not restarted: every rank refused its setting, and a restart would "
+        "refuse it again."
+    ), out.stderr[-3000:]
+
+
 KILLED_PEER = """
 import signal
 from shardwise.distributed import PeerExitedError

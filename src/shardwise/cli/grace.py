@@ -20,6 +20,10 @@ the rest. Once every worker has ended, or the grace is over, torch's own poll ru
 what it always does: SIGTERM to the rest (SIGKILL 30 s later), or a restart under
 `--max-restarts`. The exit codes are read with `Popen.poll`, which torch's poll reads again.
 
+It also leaves torch's remaining restarts unused when every failed rank refused the user's
+setting (a ConfigError, or a layout that cannot exist at this world): a restart would refuse
+it again, and after an elastic world change must not train something else.
+
 Must not: start, signal or wait for processes itself (torch's agent does all three), or
 change anything while no worker has failed.
 """
@@ -59,6 +63,18 @@ def _exit_codes(agent: Any) -> dict[int, int | None] | None:
     return {local: handler.proc.poll() for local, handler in handlers.items()}
 
 
+def _all_refusals(failures: dict[int, Any]) -> bool:
+    """Whether every failure is a worker's refusal of the user's setting (its error file
+    says so: distributed/worker_errors.py)."""
+
+    def refusal(failure: Any) -> bool:
+        message = getattr(failure, "error_file_data", {}).get("message")
+        extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        return bool(extra.get("refusal"))
+
+    return bool(failures) and all(refusal(f) for f in failures.values())
+
+
 class FailureGrace:
     """`with FailureGrace(10.0) as grace:` around torch's `run()`; `grace.attempts` after."""
 
@@ -67,6 +83,8 @@ class FailureGrace:
         self.attempts: list[Attempt] = []
         self._since: float | None = None  # when this attempt's first failure was seen
         self._original: Any = None
+        self.refused_restart = False
+        """Restarts were left unused: every failed rank refused its setting."""
 
     def __enter__(self) -> FailureGrace:
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -104,4 +122,10 @@ class FailureGrace:
         if result.is_failed():
             self.attempts.append(Attempt(dict(result.failures), stopped))
             self._since = None
+            if _all_refusals(result.failures) and getattr(agent, "_remaining_restarts", 0) > 0:
+                # Every failed rank refused the user's setting (a layout that cannot exist
+                # at this world, say): a restart would refuse it again, or, after a world
+                # change, train something else. torch's agent restarts while this is above 0.
+                agent._remaining_restarts = 0
+                self.refused_restart = True
         return result

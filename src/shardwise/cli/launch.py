@@ -212,6 +212,13 @@ def launch_torchrun(
             stopped = grace.attempts[-1].stopped if grace.attempts else None
             report = summary(failures_from_torch(exc.failures), stopped=stopped)
             print(report, file=sys.stderr, flush=True)
+            if grace.refused_restart:
+                print(
+                    "shardwise run: not restarted: every rank refused its setting, and a "
+                    "restart would refuse it again.",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return 1
         except SignalException as exc:
             # A scheduler reclaiming the node: torchrun forwarded the signal to the workers

@@ -34,6 +34,7 @@ from typing import TypeVar
 __all__ = [
     "install_if_launched",
     "is_one_line",
+    "is_refusal",
     "printed_by_worker",
     "record_error",
     "refused",
@@ -73,6 +74,14 @@ def refused(exc: E) -> E:
     return exc
 
 
+def is_refusal(exc: BaseException) -> bool:
+    """Whether `exc` refuses the user's setting (a ConfigError, or marked with `refused`):
+    the same input is refused again, so a restart cannot help."""
+    return bool(getattr(exc, _REFUSED, False)) or any(
+        cls.__name__ == "ConfigError" for cls in type(exc).__mro__
+    )
+
+
 def short_error(exc: BaseException) -> bool:
     """Whether `exc` is shown as its message alone (input errors, stalls, lost peers)."""
     if getattr(exc, _REFUSED, False):
@@ -89,6 +98,7 @@ def record_error(exc: BaseException, path: str) -> None:
                 "py_callstack": "".join(traceback.format_exception(exc)),
                 "timestamp": str(int(time.time())),
                 "one_line": short_error(exc),  # read by cli/report.py; torch ignores it
+                "refusal": is_refusal(exc),  # read by cli/grace.py: no restart repeats it
             },
         }
     }

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from shardwise.config.training import RunnerConfig
+from shardwise.distributed.worker_errors import refused
 from shardwise.train.progress import say
 
 
@@ -142,14 +143,16 @@ def map_position(
         return epoch, consumed // saved
     if consumed % world:
         fits = [d for d in range(1, min(consumed, 64) + 1) if consumed % d == 0]
-        raise ValueError(
-            f"RunnerConfig.resume={resume!r}: the checkpoint was saved by "
-            f"{saved} rank(s) {consumed} samples into epoch {epoch} ({done} batch(es) of "
-            f"{saved_batch} per rank). {consumed} does not split evenly over this world "
-            f"size {world}, so the ranks cannot continue exactly where it stopped "
-            "(an uneven split would train a sample twice, skip one, or give ranks unequal "
-            f"batch counts). Resume at a world size dividing {consumed} (e.g. {fits}), "
-            "or from a checkpoint saved at the end of an epoch."
+        raise refused(  # the same on every rank; one line from `shardwise run`
+            ValueError(
+                f"RunnerConfig.resume={resume!r}: the checkpoint was saved by "
+                f"{saved} rank(s) {consumed} samples into epoch {epoch} ({done} batch(es) of "
+                f"{saved_batch} per rank). {consumed} does not split evenly over this world "
+                f"size {world}, so the ranks cannot continue exactly where it stopped "
+                "(an uneven split would train a sample twice, skip one, or give ranks unequal "
+                f"batch counts). Resume at a world size dividing {consumed} (e.g. {fits}), "
+                "or from a checkpoint saved at the end of an epoch."
+            )
         )
     skip = consumed // world
     sampler = loader.sampler if loader else None

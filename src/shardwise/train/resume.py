@@ -47,6 +47,7 @@ from shardwise.checkpoint.load import load_checkpoint
 from shardwise.checkpoint.trust import CheckpointError
 from shardwise.config.training import RunnerConfig
 from shardwise.distributed.process_group import rank_and_world
+from shardwise.distributed.worker_errors import refused
 from shardwise.train.data import map_position
 from shardwise.train.engine import Engine, set_accumulation
 from shardwise.train.metrics import METRICS_FILE, free_name
@@ -335,12 +336,14 @@ def keep_global_batch(
     steps, rest = divmod(total, batch * world)
     if rest or steps < 1:
         fits = [w for w in range(1, 257) if total % (batch * w) == 0]
-        raise ValueError(
-            f"RunnerConfig.resume={resume!r}: the checkpoint's global batch is {total} samples "
-            f"({saved_world} data-parallel rank(s) x {saved_batch} x {saved_steps} "
-            f"accumulated), and {world} rank(s) x batch_size {batch} cannot make it up with "
-            f"whole accumulation steps. Run at a data-parallel world in {fits}, or set "
-            "batch_size (a changed batch_size trains with this world's global batch)."
+        raise refused(  # the same on every rank; shown as one line by `shardwise run`
+            ValueError(
+                f"RunnerConfig.resume={resume!r}: the checkpoint's global batch is {total} samples "
+                f"({saved_world} data-parallel rank(s) x {saved_batch} x {saved_steps} "
+                f"accumulated), and {world} rank(s) x batch_size {batch} cannot make it up with "
+                f"whole accumulation steps. Run at a data-parallel world in {fits}, or set "
+                "batch_size (a changed batch_size trains with this world's global batch)."
+            )
         )
     set_accumulation(engine, steps)
     say(
