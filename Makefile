@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-reshard test-launcher test-foreign lint typecheck unit layout bench gpu-check soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-reshard test-launcher test-foreign test-elastic lint typecheck unit layout bench gpu-check soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +92,12 @@ test-launcher: $(STAMP)
 # --nproc 2`, against one process; .ci/run runs it.
 test-foreign: $(STAMP)
 	$(VENV)/bin/pytest -q -m foreign tests/e2e/test_foreign_configs.py tests/e2e/test_port.py
+
+# Nodes lost and gained: two launchers under --nnodes 1:2 on one host form world 4, one is
+# killed and another joins, and the run equals an uninterrupted one (about 4 minutes);
+# .ci/run runs it.
+test-elastic: $(STAMP)
+	$(VENV)/bin/pytest -q -s -m elastic tests/e2e/test_elastic.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

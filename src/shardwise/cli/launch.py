@@ -342,3 +342,40 @@ def demo_command(args: argparse.Namespace) -> int:
         return demo_main([*passthrough, *args.overrides])
     torchrun = ["--nproc_per_node", str(nproc), "--standalone"]
     return launch_torchrun([*torchrun, "-m", "shardwise.cli.demo", *passthrough, *args.overrides])
+
+
+def host_rendezvous(host: str, port: int) -> int:
+    """Host torch's TCPStore for an elastic job's c10d rendezvous until stopped (SIGINT or
+    SIGTERM). By default the first launcher on the endpoint's machine hosts it, and the job
+    is lost with that launcher; a store of its own, on a machine that outlives the nodes,
+    lets any node leave. A launcher on this machine finds the port taken and joins as a
+    client (torch's c10d backend tries that next)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore(
+            host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+            timeout=timedelta(seconds=60),
+        )  # fmt: skip
+    except (RuntimeError, ValueError) as exc:
+        raise RuntimeError(f"cannot host the rendezvous on {host}:{port}: {exc}") from None
+    stop = {"signal": 0}
+
+    def request_stop(signum: int, frame: object) -> None:
+        stop["signal"] = signum
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, request_stop)
+    print(
+        f"shardwise rendezvous: hosting the store on {host}:{port}; give every node "
+        f"`shardwise run --nnodes MIN:MAX --rdzv-endpoint {host}:{port}`. One job per store: "
+        "start it with the job, stop it (Ctrl-C) after.",
+        file=sys.stderr,
+        flush=True,
+    )
+    while not stop["signal"]:
+        signal.pause()
+    del store
+    return 0

@@ -314,6 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config.set_defaults(func=_config)
 
+    rdzv = sub.add_parser(
+        "rendezvous",
+        help="host an elastic job's rendezvous store, so that any node may leave the job",
+    )
+    rdzv.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    rdzv.add_argument("--port", type=int, required=True, help="the port of --rdzv-endpoint")
+    rdzv.set_defaults(func=_rendezvous)
+
     plot = sub.add_parser("plot", help="render a run's loss, lr and throughput curves to PNG")
     plot.add_argument("run_dir", help="a run directory written by shardwise.Runner")
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/metrics.png)")
@@ -351,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(kind="auto")
     ckpt.set_defaults(func=_checkpoint)
     return parser
+
+
+def _rendezvous(args: argparse.Namespace) -> int:
+    from shardwise.cli.launch import host_rendezvous
+
+    return host_rendezvous(args.host, args.port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -98,8 +98,11 @@ class MetricsLogger:
             self._tb = None
 
 
+_INTEGERS = ("step", "epoch", "dp_world")  # written as read: 4, not 4.0, after a rewrite
+
+
 def _int_step(key: str, value: Any) -> Any:
-    return int(value) if key in ("step", "epoch") and isinstance(value, float) else value
+    return int(value) if key in _INTEGERS and isinstance(value, float) else value
 
 
 def _tensorboard_writer(run_dir: Path, *, required: bool, probe_only: bool = False) -> Any:
