@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-reshard test-launcher test-foreign test-elastic lint typecheck unit layout bench gpu-check soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-reshard test-launcher test-foreign test-elastic test-slurm lint typecheck unit layout bench gpu-check soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -98,6 +98,12 @@ test-foreign: $(STAMP)
 # .ci/run runs it.
 test-elastic: $(STAMP)
 	$(VENV)/bin/pytest -q -s -m elastic tests/e2e/test_elastic.py
+
+# A real SLURM on this host (installed with apt-get when missing; root): srun, salloc and
+# sbatch launches equal to one process, the documented CPU job, and a job preempted with
+# SIGUSR1, requeued and resumed exactly (about 5 minutes); .ci/run runs it.
+test-slurm: $(STAMP)
+	$(VENV)/bin/pytest -q -s -m slurm tests/e2e/test_slurm.py
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)

@@ -80,13 +80,18 @@ COVERED: dict[str, RunBy] = {
         "tests/e2e/test_quickstart.py::test_torchrun_two_processes",
         ('"--nproc_per_node", "2"', "str(EXAMPLE)"),
     ),
+    # docs/examples.md: the CPU SLURM job, submitted to a real SLURM by the slurm tier
+    "sbatch examples/slurm/train_cpu.sbatch": RunBy(
+        "tests/e2e/test_slurm.py::test_the_documented_sbatch_job_runs_as_written",
+        ('"sbatch", "examples/slurm/train_cpu.sbatch"',),
+    ),
     # docs/gpu.md: an elastic job, run by the elastic tier
     "shardwise rendezvous --host 127.0.0.1 --port 29400": RunBy(
         "tests/e2e/test_elastic.py::test_losing_the_node_that_would_host_the_rendezvous",
         ('"rendezvous", "--host", "127.0.0.1", "--port"',),
     ),
     "shardwise run --nproc 2 --nnodes 1:2 --rdzv-endpoint 127.0.0.1:29400 --max-restarts 3 "
-    "tests/e2e/_elastic_worker.py runs/elastic": RunBy(
+    "tests/e2e/_resumable_worker.py runs/elastic": RunBy(
         "tests/e2e/test_elastic.py",
         (
             'flags = ["--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--max-restarts", "3"]',

@@ -1,6 +1,6 @@
 """Elastic world size: nodes lost and gained under `shardwise run --nnodes 1:2`, on one host.
 
-Two launchers of 2 processes each form world 4 and train `_elastic_worker.py` (a Runner that
+Two launchers of 2 processes each form world 4 and train `_resumable_worker.py` (a Runner that
 saves after every step and resumes from the latest checkpoint). One launcher is killed at a
 random step: the survivor's agent restarts its workers at world 2, and the Runner resumes
 from the last checkpoint with twice the accumulation, so every step keeps the global batch.
@@ -34,7 +34,7 @@ from shardwise.testing import free_port
 
 pytestmark = pytest.mark.elastic
 
-WORKER = Path(__file__).with_name("_elastic_worker.py")
+WORKER = Path(__file__).with_name("_resumable_worker.py")
 SHARDWISE = [sys.executable, "-m", "shardwise.cli"]
 TRIALS = int(os.environ.get("ELASTIC_TRIALS", "1"))
 

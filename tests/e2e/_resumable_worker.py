@@ -1,8 +1,9 @@
-"""The worker of tests/e2e/test_elastic.py: a Runner that resumes from its latest checkpoint,
-saves after every step, and logs the ids of the samples each step trains on.
+"""The worker of tests/e2e/test_elastic.py and test_slurm.py: a Runner that resumes from
+its latest checkpoint, saves after every step, and logs the ids of the samples each step
+trains on.
 
-`python _elastic_worker.py RUN_DIR`: under `shardwise run`, at whatever world the launchers
-form. Each rank appends `{"step", "ids", "world", "start"}` lines to
+`python _resumable_worker.py RUN_DIR`: under `shardwise run` or `srun`, at whatever world
+the launchers form. Each rank appends `{"step", "ids", "world", "start"}` lines to
 RUN_DIR/ids/rank<R>-<pid>.jsonl (`start`: when its process started).
 """
 
@@ -35,7 +36,7 @@ class Recorder(torch.nn.Module):
     def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         time.sleep(STEP_SECONDS)
         record = {"step": self.engine.step + 1, "ids": ids.tolist(),
-                  "world": int(os.environ["WORLD_SIZE"]),
+                  "world": shardwise.get_dist_info().world_size,
                   "start": START}  # fmt: skip
         with self.log.open("a") as f:
             f.write(json.dumps(record) + "\n")
