@@ -1473,6 +1473,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "                pass\n",
         ("tests/e2e/test_launch_robust.py::test_a_refused_layout_is_not_restarted",),
     ),
+    Mutant(
+        "the_minutes_timer_never_fires",
+        "src/shardwise/train/runner.py",
+        "    due = time.monotonic() - since >= 60 * config.save_every_minutes\n",
+        "    due = time.monotonic() - since >= 3600 * config.save_every_minutes\n",
+        ("tests/unit/train/test_runner.py::test_a_checkpoint_interval_in_minutes",),
+    ),
 )
 
 

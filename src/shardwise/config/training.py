@@ -100,6 +100,10 @@ class RunnerConfig:
     """Where checkpoints go (None: RUN_DIR/checkpoints)."""
     save_every: int | None = None
     """Save a checkpoint every N optimizer steps (None: never during training)."""
+    save_every_minutes: float | None = None
+    """Also save at the first optimizer step once this many minutes have passed since the
+    last save (or the start): steps lost to a lost node stay bounded in time whatever a
+    step takes. The ranks agree through one scalar all-reduce per step (None: no timer)."""
     save_at_end: bool = False
     """Save a checkpoint when training ends."""
     keep_last: int | None = None
@@ -137,6 +141,16 @@ class RunnerConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"RunnerConfig.{name}={value!r} must be a positive int or None.")
+        minutes = self.save_every_minutes
+        if minutes is not None and (
+            isinstance(minutes, bool)
+            or not isinstance(minutes, (int, float))
+            or not 0 < minutes < float("inf")
+        ):
+            raise ValueError(
+                f"RunnerConfig.save_every_minutes={minutes!r} must be a positive number of "
+                "minutes (e.g. 30) or None."
+            )
         for name in ("batch_size", "log_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -119,6 +119,20 @@ def _total_steps(config: RunnerConfig, batches_per_epoch: int, accumulate_steps:
     return total
 
 
+def _save_due(
+    config: RunnerConfig, step: int, since: float, world: int, device: torch.device
+) -> bool:
+    """Whether the update that made `step` is followed by a save: every `save_every` steps,
+    or once `save_every_minutes` have passed since the last save. Clocks differ between
+    ranks, so they agree on the timer through one all-reduce (any rank due: all save)."""
+    if config.save_every and step % config.save_every == 0:
+        return True
+    if config.save_every_minutes is None:
+        return False
+    due = time.monotonic() - since >= 60 * config.save_every_minutes
+    return any_rank(due, world, device)
+
+
 def _launched_runner() -> RunnerConfig:
     """The runner values of the file `shardwise run --from` launched the script with (its
     micro-batch, a torchtitan file's steps), else the defaults."""
@@ -194,7 +208,7 @@ class Runner:
         window = Window()
         saved_at = engine.step if cfg.resume else -1
         position: dict[str, Any] | None = None
-        start = time.perf_counter()
+        start, last_save = time.perf_counter(), time.monotonic()
         last_train: dict[str, Any] = {}
         last_val: dict[str, float] = {}
         stop = False
@@ -250,9 +264,9 @@ class Runner:
                         ):
                             last_val = self.validate()
                             window.restart()  # validation time is not training throughput
-                        if cfg.save_every and done % cfg.save_every == 0:
+                        if _save_due(cfg, done, last_save, self.world, engine.device):
                             self.save(position, async_=cfg.async_save)
-                            saved_at = engine.step
+                            saved_at, last_save = engine.step, time.monotonic()
                             window.restart()
                         if done >= step_limit and i < n - 1:
                             break  # max_steps reached inside the epoch

@@ -493,3 +493,22 @@ def test_validation_reads_val_batches_batches_and_weights_each_by_its_samples(
     assert [n for n, _ in losses] == sizes  # 8 samples in batches of 3: 3, 3, 2
     want = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
     assert result["loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_checkpoint_interval_in_minutes(tmp_path, monkeypatch):
+    import shardwise.train.runner as runner_module
+
+    clock = [1000.0]  # the Runner's monotonic clock, advanced 40 s by every update
+    real = runner_module._save_due
+
+    def due(config, step, since, world, device):
+        clock[0] += 40.0
+        return real(config, step, since, world, device)
+
+    monkeypatch.setattr(runner_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(runner_module, "_save_due", due)
+    make_runner(tmp_path, batch_size=4, max_steps=6, max_epochs=None, save_every_minutes=1.5).fit()
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == ["step_00000003", "step_00000006"]  # 120 s >= 90 s, then again
+    with pytest.raises(ValueError, match=r"save_every_minutes=0 must be a positive number"):
+        RunnerConfig(save_every_minutes=0)
