@@ -1407,8 +1407,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fabric_clip_counts_one_rank",
         "src/shardwise/integrations/fabric.py",
-        "        norm = clip_grad_norm_(_trainable(optimizer), float(max_norm))",
-        "        norm = torch.nn.utils.clip_grad_norm_(_trainable(optimizer), float(max_norm))",
+        "        norm = clip_grad_norm_(trainable_params(optimizer), float(max_norm))",
+        "        norm = torch.nn.utils.clip_grad_norm_(trainable_params(optimizer), float(max_norm))",
         ("tests/integrations/test_fabric.py::test_world_2_matches_fabric_ddp",),
     ),
     Mutant(
@@ -1479,6 +1479,36 @@ MUTANTS: tuple[Mutant, ...] = (
         "    due = time.monotonic() - since >= 60 * config.save_every_minutes\n",
         "    due = time.monotonic() - since >= 3600 * config.save_every_minutes\n",
         ("tests/unit/train/test_runner.py::test_a_checkpoint_interval_in_minutes",),
+    ),
+    Mutant(
+        "fabric_save_keeps_what_json_changes",
+        "src/shardwise/integrations/fabric.py",
+        "        same = json.loads(json.dumps(value)) == value\n",
+        "        same = True\n",
+        (
+            "tests/unit/integrations/test_fabric_contract.py::"
+            "test_a_state_a_checkpoint_cannot_hold_is_refused_by_key",
+        ),
+    ),
+    Mutant(
+        "world_change_trains_a_global_batch_it_cannot_keep",
+        "src/shardwise/train/resume.py",
+        "    if rest or steps < 1:\n",
+        "    if False:\n",
+        (
+            "tests/unit/train/test_keep_global_batch.py::"
+            "test_a_global_batch_no_whole_accumulation_makes_up_is_refused_in_one_line",
+        ),
+    ),
+    Mutant(
+        "dp_world_rewritten_as_a_float",
+        "src/shardwise/train/metrics.py",
+        '_INTEGERS = ("step", "epoch", "dp_world")',
+        '_INTEGERS = ("step", "epoch")',
+        (
+            "tests/unit/train/test_keep_global_batch.py::"
+            "test_metrics_rows_keep_the_data_parallel_ranks_an_integer_through_a_rewrite",
+        ),
     ),
 )
 

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from shardwise.testing import free_port
+from shardwise.testing.parity import Trajectory, compare_trajectories
 
 pytestmark = pytest.mark.elastic
 
@@ -96,15 +96,10 @@ def _steps(run_dir: Path) -> dict[int, list[int]]:
     return out
 
 
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+def _params(run_dir: Path) -> Trajectory:
     from safetensors.torch import load_file
 
-    return load_file(str(run_dir / "export" / "model.safetensors"))
-
-
-def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
+    return Trajectory([], load_file(str(run_dir / "export" / "model.safetensors")))
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +114,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _same_training(run: Path, full: Path) -> None:
-    rel = _rel(_weights(run), _weights(full))
-    print(f"final parameters: rel {rel:.1e}")
-    assert rel <= 1e-5
+    report = compare_trajectories(_params(full), _params(run), rtol=1e-5)
+    print(f"final parameters: rel {report.max_param_rel:.1e}")
     ours, ref = _steps(run), _steps(full)
     assert ours.keys() == ref.keys() and all(ours[s] == ref[s] for s in ref)
 

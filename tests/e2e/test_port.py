@@ -8,13 +8,15 @@ caught. docs/comparison.md's line counts are the ones bench/port_lines.py measur
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from shardwise.testing.parity import ParityError, Trajectory, compare_trajectories
 
 pytestmark = pytest.mark.foreign  # `make test-foreign` (and .ci/run), not `make test`
 
@@ -27,31 +29,22 @@ FILES = {
 }
 
 
-def _train(tmp: Path, cmd: list[str]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train(tmp: Path, cmd: list[str]) -> Trajectory:
     from safetensors.torch import load_file
 
     out = tmp / f"out{len(list(tmp.glob('out*')))}"
     done = subprocess.run(
         [*cmd, str(out)], capture_output=True, text=True, timeout=300, cwd=tmp,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^loss (\S+)$", done.stdout, re.MULTILINE)]
     assert len(losses) == 4, done.stdout
-    return losses, load_file(str(out / "model.safetensors"))
-
-
-def _rel(ours: tuple[list[float], dict], ref: tuple[list[float], dict]) -> float:  # type: ignore[type-arg]
-    a, b = torch.tensor(ours[0]), torch.tensor(ref[0])
-    worst = float((a - b).norm() / b.norm())
-    assert ours[1].keys() == ref[1].keys()
-    for k, v in ref[1].items():
-        worst = max(worst, float((ours[1][k] - v).norm() / v.norm().clamp_min(1e-12)))
-    return worst
+    return Trajectory(losses, load_file(str(out / "model.safetensors")))
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], dict]:  # type: ignore[type-arg]
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Trajectory:
     return _train(tmp_path_factory.mktemp("plain"), [sys.executable, str(PORT / "train_plain.py")])
 
 
@@ -64,9 +57,7 @@ def _shardwise(flag: str, config: Path) -> list[str]:
 def test_the_ported_script_under_each_file_equals_the_plain_one(tmp_path, plain, tool) -> None:  # type: ignore[no-untyped-def]
     flag, name = FILES[tool]
     got = _train(tmp_path, _shardwise(flag, PORT / name))
-    worst = _rel(got, plain)
-    print(f"{tool}: rel {worst:.2e}")
-    assert worst <= 1e-5
+    print(f"{tool}:", compare_trajectories(plain, got, rtol=1e-5, label=tool))
 
 
 def test_a_file_that_changes_the_training_is_caught(tmp_path, plain) -> None:  # type: ignore[no-untyped-def]
@@ -74,7 +65,9 @@ def test_a_file_that_changes_the_training_is_caught(tmp_path, plain) -> None:  #
     config["gradient_clipping"] = 0.01
     path = tmp_path / "ds_clipped.json"
     path.write_text(json.dumps(config))
-    assert _rel(_train(tmp_path, _shardwise("--deepspeed", path)), plain) > 1e-3
+    clipped = _train(tmp_path, _shardwise("--deepspeed", path))
+    with pytest.raises(ParityError):
+        compare_trajectories(plain, clipped, rtol=1e-3)
 
 
 def test_comparison_page_states_the_measured_line_counts() -> None:

@@ -25,6 +25,8 @@ import pytest
 import torch
 from _slurm_cluster import SlurmCluster, install
 
+from shardwise.testing.parity import Trajectory, compare_trajectories
+
 pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,15 +45,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
     slurm.stop()
 
 
-def _weights(out: Path) -> dict[str, torch.Tensor]:
+def _trajectory(stdout: str, out: Path) -> Trajectory:
     from safetensors.torch import load_file
 
-    return load_file(str(out / "model.safetensors"))
-
-
-def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
+    return Trajectory(_losses(stdout), load_file(str(out / "model.safetensors")))
 
 
 def _losses(text: str) -> list[float]:
@@ -59,18 +56,16 @@ def _losses(text: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def plain(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> tuple:  # type: ignore[type-arg]
+def plain(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Trajectory:
     out = tmp_path_factory.mktemp("plain") / "out"
     done = cluster.run(PY, str(PORT / "train_plain.py"), str(out), timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return _losses(done.stdout), _weights(out)
+    return _trajectory(done.stdout, out)
 
 
-def _equal_to_plain(stdout: str, out: Path, plain: tuple) -> None:  # type: ignore[type-arg]
-    losses = _losses(stdout)
-    assert len(losses) == 4, stdout[-2000:]
-    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, plain[0], strict=True))
-    assert loss_rel <= 1e-5 and _rel(_weights(out), plain[1]) <= 1e-5
+def _equal_to_plain(stdout: str, out: Path, plain: Trajectory) -> None:
+    assert len(_losses(stdout)) == 4, stdout[-2000:]
+    compare_trajectories(plain, _trajectory(stdout, out), rtol=1e-5)
 
 
 def test_srun_tasks_train_equal_to_one_process(cluster, plain, tmp_path):  # type: ignore[no-untyped-def]

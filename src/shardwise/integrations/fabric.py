@@ -45,7 +45,7 @@ from shardwise.integrations.layouts import host_config
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.materialize import init_empty
 from shardwise.parallelize.wrapped import stale_parameters, unwrap, wrap_info
-from shardwise.train.engine import clip_grad_norm_
+from shardwise.train.engine import clip_grad_norm_, trainable_params
 
 __all__ = ["ShardwiseFabricStrategy"]
 
@@ -180,7 +180,7 @@ class ShardwiseFabricStrategy(ModelParallelStrategy):
                 "to clip each value."
             )
         self.precision.unscale_gradients(optimizer)
-        norm = clip_grad_norm_(_trainable(optimizer), float(max_norm))
+        norm = clip_grad_norm_(trainable_params(optimizer), float(max_norm))
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(
                 f"The total norm of the gradients is {float(norm)}, so they cannot be clipped "
@@ -195,7 +195,7 @@ class ShardwiseFabricStrategy(ModelParallelStrategy):
         """Clamp each gradient value: on each rank's shard, which is the same as clamping
         the whole gradient."""
         self.precision.unscale_gradients(optimizer)
-        for p in _trainable(optimizer):
+        for p in trainable_params(optimizer):
             if p.grad is not None:
                 g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
                 g.clamp_(-float(clip_val), float(clip_val))
@@ -273,11 +273,6 @@ class ShardwiseFabricStrategy(ModelParallelStrategy):
 
 def _not_called(module: Module, mesh: Any) -> Module:
     raise AssertionError("ShardwiseFabricStrategy wraps through shardwise.wrap")
-
-
-def _trainable(optimizer: Optimizer) -> list[torch.nn.Parameter]:
-    """The optimizer's parameters that train (a frozen one never counts in a norm)."""
-    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
 
 
 def rebind_optimizers(optimizers: list[Optimizer], names: dict[int, str], model: Module) -> None:

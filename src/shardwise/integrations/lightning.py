@@ -57,7 +57,7 @@ from shardwise.integrations.layouts import host_config
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.materialize import init_empty
 from shardwise.parallelize.wrapped import stale_parameters, wrap_info
-from shardwise.train.engine import clip_grad_norm_
+from shardwise.train.engine import clip_grad_norm_, trainable_params
 
 __all__ = ["ShardwiseStrategy"]
 
@@ -128,9 +128,7 @@ def _clip_trainable(optimizer: Any, max_norm: float) -> None:
     optimizer's parameters that train (a frozen one never counts)."""
     if isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer._optimizer
-    clip_grad_norm_(
-        [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad], max_norm
-    )
+    clip_grad_norm_(trainable_params(optimizer), max_norm)
 
 
 class ShardwiseStrategy(ModelParallelStrategy):

@@ -50,3 +50,20 @@ def test_a_global_batch_no_whole_accumulation_makes_up_is_refused_in_one_line():
     )
     with pytest.raises(ValueError, match=r"global batch is 4 samples"):
         keep_global_batch(_position(2), _engine(), 2, 4, "latest")  # 4 over 4 x 2: below 1
+
+
+def test_the_accumulation_changes_only_between_steps():
+    from shardwise.train.engine import set_accumulation
+
+    engine = _engine()
+    set_accumulation(engine, 3)
+    assert engine.train_config.accumulate_steps == 3
+    engine.micro_step = 1  # one micro-batch into a window
+    with pytest.raises(RuntimeError, match=r"1 micro-batch\(es\) into an accumulation window"):
+        set_accumulation(engine, 2)
+
+
+def test_metrics_rows_keep_the_data_parallel_ranks_an_integer_through_a_rewrite():
+    from shardwise.train.metrics import _int_step
+
+    assert [type(_int_step(k, 4.0)) for k in ("dp_world", "step", "loss")] == [int, int, float]
