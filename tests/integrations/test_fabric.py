@@ -7,10 +7,6 @@ world-2 checkpoint.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,25 +16,14 @@ pytestmark = pytest.mark.integrations
 pytest.importorskip("lightning")
 
 import torch  # noqa: E402
+from _host_runs import TOL, assert_same, launch, params, rel_losses, rel_params  # noqa: E402
 
 WORKER = Path(__file__).with_name("_fabric_worker.py")
-TOL = 1e-5
+PHASES = ("w2", "w4")
 
 
 def _launch(out: Path, phase: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out), phase],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    result = out / f"{phase}.json"
-    if proc.returncode != 0 or not result.is_file():
-        raise AssertionError(f"worker {phase} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return dict(json.loads(result.read_text()))
+    return launch(WORKER, out, phase, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -50,27 +35,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]
 
 
 def _params(out: Path, name: str) -> dict[str, torch.Tensor]:
-    for phase in ("w2", "w4"):
-        path = out / f"{phase}-{name}.pt"
-        if path.is_file():
-            return dict(torch.load(path))
-    raise FileNotFoundError(name)
-
-
-def _rel_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
-
-
-def _rel_losses(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a, (a, b)
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+    return params(out, name, PHASES)
 
 
 def _assert_same(runs: tuple[Path, dict[str, Any]], name: str, ref: str, skip: int = 0) -> None:
-    out, r = runs
-    assert _rel_losses(r[name]["losses"], r[ref]["losses"][skip:]) <= TOL
-    assert _rel_params(_params(out, name), _params(out, ref)) <= TOL
+    assert_same(runs, name, ref, PHASES, skip)
 
 
 def test_fabric_ddp_is_one_process(runs: tuple[Path, dict[str, Any]]) -> None:
@@ -93,13 +62,13 @@ def test_hybrid_at_world_4_matches_fabric_ddp(runs: tuple[Path, dict[str, Any]])
 
 def test_clip_by_value_matches_fabric_ddp(runs: tuple[Path, dict[str, Any]]) -> None:
     _assert_same(runs, "clip_value", "fabric_ddp_clip_value")
-    assert _rel_losses(runs[1]["clip_value"]["losses"], runs[1]["fabric_ddp"]["losses"]) > 0.01
+    assert rel_losses(runs[1]["clip_value"]["losses"], runs[1]["fabric_ddp"]["losses"]) > 0.01
 
 
 def test_negative_control_other_seed_differs(runs: tuple[Path, dict[str, Any]]) -> None:
     out, r = runs
-    assert _rel_losses(r["other_seed"]["losses"], r["fabric_ddp"]["losses"]) > 100 * TOL
-    assert _rel_params(_params(out, "other_seed"), _params(out, "fabric_ddp")) > 100 * TOL
+    assert rel_losses(r["other_seed"]["losses"], r["fabric_ddp"]["losses"]) > 100 * TOL
+    assert rel_params(_params(out, "other_seed"), _params(out, "fabric_ddp")) > 100 * TOL
 
 
 def test_fabric_save_and_load_resume_exactly(runs: tuple[Path, dict[str, Any]]) -> None:
@@ -121,7 +90,7 @@ def test_checkpoints_resume_into_hybrid_at_world_4(
 def test_tensor_parallel_matches_fabric_ddp(runs: tuple[Path, dict[str, Any]]) -> None:
     # dp 2 x tp 2 at world 4 against Fabric's DDP at world 2: the same rows a step.
     _, r = runs
-    print("tp: losses", _rel_losses(r["tp"]["losses"], r["fabric_ddp"]["losses"]))
+    print("tp: losses", rel_losses(r["tp"]["losses"], r["fabric_ddp"]["losses"]))
     _assert_same(runs, "tp", "fabric_ddp")  # measured: 3.2e-7
     assert r["tp"]["sampler"] == {"num_replicas": 2, "rank": 0}
     # 32 rows split over tp 2, then over dp_shard 2: the split is real.

@@ -6,8 +6,6 @@ one process group; a second, one-process launch resumes its checkpoint at world 
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,25 +17,14 @@ pytestmark = pytest.mark.integrations
 pytest.importorskip("lightning")
 
 import torch  # noqa: E402
+from _host_runs import TOL, assert_same, launch, params, rel_losses, rel_params  # noqa: E402
 
 WORKER = Path(__file__).with_name("_lt_worker.py")
-TOL = 1e-5
+PHASES = ("main", "world1", "tp")
 
 
 def _launch(out: Path, phase: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out), phase],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    result = out / f"{phase}.json"
-    if proc.returncode != 0 or not result.is_file():
-        raise AssertionError(f"worker {phase} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return dict(json.loads(result.read_text()))
+    return launch(WORKER, out, phase, timeout_s=240)
 
 
 @pytest.fixture(scope="module")
@@ -50,27 +37,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]
 
 
 def _params(out: Path, name: str) -> dict[str, torch.Tensor]:
-    for phase in ("main", "world1", "tp"):
-        path = out / f"{phase}-{name}.pt"
-        if path.is_file():
-            return dict(torch.load(path))
-    raise FileNotFoundError(name)
-
-
-def _rel_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
-
-
-def _rel_losses(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a, (a, b)
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+    return params(out, name, PHASES)
 
 
 def _assert_same(runs: tuple[Path, dict[str, Any]], name: str, ref: str, skip: int = 0) -> None:
-    out, r = runs
-    assert _rel_losses(r[name]["losses"], r[ref]["losses"][skip:]) <= TOL
-    assert _rel_params(_params(out, name), _params(out, ref)) <= TOL
+    assert_same(runs, name, ref, PHASES, skip)
 
 
 @pytest.mark.parametrize("name", ["full_shard", "shardwise_ddp", "fairscale_words"])
@@ -97,8 +68,8 @@ def test_step_calling_self_gathers_as_often_as_a_plain_step(
 
 def test_negative_control_other_seed_differs(runs: tuple[Path, dict[str, Any]]) -> None:
     out, r = runs
-    assert _rel_losses(r["other_seed"]["losses"], r["lightning_ddp"]["losses"]) > 100 * TOL
-    assert _rel_params(_params(out, "other_seed"), _params(out, "lightning_ddp")) > 100 * TOL
+    assert rel_losses(r["other_seed"]["losses"], r["lightning_ddp"]["losses"]) > 100 * TOL
+    assert rel_params(_params(out, "other_seed"), _params(out, "lightning_ddp")) > 100 * TOL
 
 
 def test_resume_from_last_checkpoint_is_exact(runs: tuple[Path, dict[str, Any]]) -> None:
@@ -127,8 +98,8 @@ def test_a_peft_model_trains_equal_to_lightning_ddp(runs: tuple[Path, dict[str, 
     out, r = runs
     ours, ref = _params(out, "peft_full_shard"), _params(out, "peft_lightning_ddp")
     print(
-        "peft: losses", _rel_losses(r["peft_full_shard"]["losses"], r["peft_lightning_ddp"]["losses"]),
-        "parameters", _rel_params(ours, ref),
+        "peft: losses", rel_losses(r["peft_full_shard"]["losses"], r["peft_lightning_ddp"]["losses"]),
+        "parameters", rel_params(ours, ref),
     )  # fmt: skip
     _assert_same(runs, "peft_full_shard", "peft_lightning_ddp")  # measured: 1.9e-7, 6.4e-8
     assert r["peft_full_shard"]["sharded"] and len(r["peft_full_shard"]["losses"]) == 8
@@ -145,7 +116,7 @@ def test_tensor_parallel_matches_lightning_ddp(
     # A transformers Llama inside the LightningModule at dp 2 x tp 2 (world 4), its own plan
     # found under `model.`, against Lightning's DDP at world 2 over the same rows a step.
     _, r = runs
-    print(name, "losses", _rel_losses(r[name]["losses"], r["llama_lightning_ddp"]["losses"]))
+    print(name, "losses", rel_losses(r[name]["losses"], r["llama_lightning_ddp"]["losses"]))
     _assert_same(runs, name, "llama_lightning_ddp")  # measured: 1.1e-7
     assert r[name]["sampler"] == {"num_replicas": 2, "rank": 0}  # Lightning's sampler's split
     # q_proj's 32 rows over tp 2, then over dp_shard 2: the split is real.
