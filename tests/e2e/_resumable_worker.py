@@ -2,8 +2,9 @@
 its latest checkpoint, saves after every step, and logs the ids of the samples each step
 trains on.
 
-`python _resumable_worker.py RUN_DIR`: under `shardwise run` or `srun`, at whatever world
-the launchers form. Each rank appends `{"step", "ids", "world", "start"}` lines to
+`python _resumable_worker.py RUN_DIR [STRATEGY]`: under `shardwise run` or `srun`, at
+whatever world the launchers form; STRATEGY is ParallelConfig.strategy (full_shard).
+Each rank appends `{"step", "ids", "world", "start"}` lines to
 RUN_DIR/ids/rank<R>-<pid>.jsonl (`start`: when its process started).
 """
 
@@ -44,13 +45,13 @@ class Recorder(torch.nn.Module):
 
 
 def main() -> None:
-    run_dir = Path(sys.argv[1])
+    run_dir, strategy = Path(sys.argv[1]), (sys.argv[2:] or ["full_shard"])[0]
     info = shardwise.init_distributed()
     (run_dir / "ids").mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = Recorder(run_dir / "ids" / f"rank{info.rank}-{os.getpid()}.jsonl")
     engine = Engine(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-                    ParallelConfig(strategy="full_shard"))  # fmt: skip
+                    ParallelConfig(strategy=strategy))  # fmt: skip
     model.engine = engine
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.arange(N), torch.randn(N, 4, generator=g))

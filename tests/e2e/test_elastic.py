@@ -9,7 +9,8 @@ parameters of an uninterrupted world-4 run (rel 1e-5), and each step must have t
 samples it trains there: none skipped, none twice (from the ids the workers log).
 
 With `shardwise rendezvous` hosting the store, losing the launcher that would have hosted
-it does not lose the run.
+it does not lose the run. A hybrid layout, which cannot exist at world 2, stops the survivor
+with one line, its restarts left unused, and nothing trained at world 2.
 
 `make test-elastic` (and .ci/run); about 4 minutes. ELASTIC_TRIALS=5 repeats the first test.
 """
@@ -47,9 +48,9 @@ def _start(cmd: list[str], log: Path) -> subprocess.Popen[str]:
         )  # fmt: skip
 
 
-def _node(run_dir: Path, endpoint: str, log: Path) -> subprocess.Popen[str]:
+def _node(run_dir: Path, endpoint: str, log: Path, *worker_args: str) -> subprocess.Popen[str]:
     flags = ["--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--max-restarts", "3"]
-    return _start([*SHARDWISE, "run", *flags, str(WORKER), str(run_dir)], log)
+    return _start([*SHARDWISE, "run", *flags, str(WORKER), str(run_dir), *worker_args], log)
 
 
 def _kill(*procs: subprocess.Popen[str]) -> None:
@@ -186,3 +187,28 @@ def test_losing_the_node_that_would_host_the_rendezvous(tmp_path: Path, uninterr
         _same_training(run, uninterrupted)
     finally:
         _kill(*nodes, store)
+
+
+def test_a_layout_impossible_at_the_new_world_stops_with_one_line(tmp_path: Path):
+    """hybrid_shard is 2x2 at world 4 and has no 2-D split at world 2. Before, each of the
+    survivor's restarts refused it again with a traceback; it must not train something else."""
+    run, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
+    log0 = tmp_path / "node0.log"
+    node0 = _node(run, endpoint, log0, "hybrid_shard")
+    time.sleep(2)
+    node1 = _node(run, endpoint, tmp_path / "node1.log", "hybrid_shard")
+    try:
+        _until("step 3", lambda: len(_worlds(run)) >= 3, 240, node0, node1)
+        _kill(node1)
+        assert node0.wait(timeout=300) == 1, log0.read_text()[-3000:]
+        log = log0.read_text()
+        refusal = "ValueError: ParallelConfig.strategy='hybrid_shard' needs a 2-D mesh"
+        assert log.count(refusal) == 1, log[-3000:]
+        assert "but world size 2 has no such split" in log
+        assert log.rstrip().endswith(
+            "shardwise run: not restarted: every rank refused its setting, and a restart "
+            "would refuse it again."
+        ), log[-3000:]
+        assert set(_worlds(run)) == {4}  # nothing trained at world 2
+    finally:
+        _kill(node0, node1)

@@ -7,8 +7,9 @@ the three launch forms, and a job preempted with SIGUSR1, requeued and resumed.
   per node: equal to it too;
 - `sbatch` of `srun python _resumable_worker.py`, sent `scancel --signal=USR1` after a few
   steps: every rank saves and exits 75, the cluster requeues the job (`RequeueExit=75`),
-  and the requeued job resumes and ends with the parameters of an uninterrupted job, each
-  step having trained the same samples.
+  and the requeued job resumes and ends with the parameters of an uninterrupted job, bit
+  for bit. Also with the signal sent to the batch shell alone (`scancel --batch`, as
+  `#SBATCH --signal=B:USR1@60`), in a script that ran `exec srun ... shardwise run`.
 
 `make test-slurm` (and .ci/run); installs slurm-wlm and munge with apt-get if missing.
 """
@@ -122,34 +123,70 @@ def _steps_done(run: Path) -> int:
         return 0
 
 
-def test_a_job_preempted_with_usr1_is_requeued_and_resumes_exactly(cluster, tmp_path):  # type: ignore[no-untyped-def]
-    runs = {}
-    for name in ("full", "cut"):
-        run = tmp_path / name
-        body = f"srun {PY} {WORKER} {run}\n"
-        job = _sbatch(cluster, tmp_path, body, "--ntasks=2", "--requeue")
-        if name == "cut":
-            deadline = time.monotonic() + 240
-            while _steps_done(run) < 4:
-                assert time.monotonic() < deadline, cluster.job(job)
-                time.sleep(0.2)
-            signalled = cluster.run("scancel", "--signal=USR1", job)
-            assert signalled.returncode == 0, signalled.stderr
-        info = _wait_state(cluster, job, {"COMPLETED", "FAILED", "CANCELLED"}, 400)
-        log = (tmp_path / f"slurm-{job}.out").read_text()
-        assert info["JobState"] == "COMPLETED", log[-3000:]
-        runs[name] = (info, log, run)
-    info, log, run = runs["cut"]
-    print(f"preempted job: Restarts={info['Restarts']}")
+def _finished(cluster: SlurmCluster, tmp: Path, job: str) -> tuple[dict, str]:  # type: ignore[type-arg]
+    info = _wait_state(cluster, job, {"COMPLETED", "FAILED", "CANCELLED"}, 400)
+    log = (tmp / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    return info, log
+
+
+def _export(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "export" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    job = _sbatch(cluster, tmp, f"srun {PY} {WORKER} {tmp / 'run'}\n", "--ntasks=2", "--requeue")
+    info, _ = _finished(cluster, tmp, job)
+    assert int(info["Restarts"]) == 0
+    return tmp / "run"
+
+
+# How the signal reaches the workers:
+# - "tasks": `scancel --signal=USR1` (as `#SBATCH --signal=USR1@60`) signals every process
+#   of the job's steps: the srun tasks are the ranks themselves;
+# - "batch": `scancel --batch --signal=USR1` (as `#SBATCH --signal=B:USR1@60`) signals only
+#   the batch shell. With `exec srun`, that shell is srun, which forwards USR1 to its tasks,
+#   here `shardwise run` launchers; each one forwards it to its workers.
+PREEMPTED = {
+    "tasks": ("srun {py} {worker} {run}\n", ["--signal=USR1"]),
+    "batch": (
+        "exec srun --ntasks-per-node=1 {py} -m shardwise.cli run --nproc 2 {worker} {run}\n",
+        ["--batch", "--signal=USR1"],
+    ),
+}
+
+
+@pytest.mark.parametrize("form", PREEMPTED)
+def test_a_job_preempted_with_usr1_is_requeued_and_resumes_exactly(  # type: ignore[no-untyped-def]
+    cluster, uninterrupted, tmp_path, form
+):
+    body, scancel = PREEMPTED[form]
+    run = tmp_path / "run"
+    options = [
+        "--requeue",
+        *(
+            ["--ntasks=2"]
+            if form == "tasks"
+            else ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=2"]
+        ),
+    ]
+    job = _sbatch(cluster, tmp_path, body.format(py=PY, worker=WORKER, run=run), *options)
+    deadline = time.monotonic() + 240
+    while _steps_done(run) < 4:
+        assert time.monotonic() < deadline, cluster.job(job)
+        time.sleep(0.2)
+    signalled = cluster.run("scancel", *scancel, job)
+    assert signalled.returncode == 0, signalled.stderr
+    info, log = _finished(cluster, tmp_path, job)
+    print(f"preempted job ({form}): Restarts={info['Restarts']}")
     assert int(info["Restarts"]) == 1, log[-3000:]  # requeued once, by RequeueExit=75
     assert re.search(r"SIGUSR1: stopped after optimizer step \d+ and saved", log), log[-3000:]
     assert "resumed from step" in log
-    full = runs["full"][2]
-    assert int(runs["full"][0]["Restarts"]) == 0
-    from safetensors.torch import load_file
-
-    ours = load_file(str(run / "export" / "model.safetensors"))
-    ref = load_file(str(full / "export" / "model.safetensors"))
+    ours, ref = _export(run), _export(uninterrupted)
     assert all(torch.equal(ours[k], ref[k]) for k in ref)  # bit for bit: the same world
 
 
