@@ -314,6 +314,16 @@ def main() -> None:
         llama: dict[str, Any] = {"module": LlamaLit, "use_distributed_sampler": True}
         record("llama_lightning_ddp", fit("ddp", **llama)[0])
 
+        # Lightning's precision plugins: autocast (bf16-mixed) and a bf16 model (bf16-true).
+        for precision in ("bf16-mixed", "bf16-true"):
+            key = precision.replace("-", "_")
+            record(f"{key}_lightning_ddp", fit("ddp", precision=precision)[0])
+            lit, _ = fit(ShardwiseStrategy(strategy="full_shard"), precision=precision)
+            record(f"{key}_full_shard", lit)
+            results[f"{key}_full_shard"]["dtypes"] = sorted(
+                {str(p.dtype) for p in lit.parameters()}
+            )
+
         lit, _ = fit(ShardwiseStrategy(strategy="full_shard"), module=MetaLit)
         record("meta", lit)
         results["meta"]["built_on_meta"] = lit.built_on_meta

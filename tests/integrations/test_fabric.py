@@ -111,3 +111,23 @@ def test_optimizer_built_before_setup_module_is_refused(
     message = runs[1]["stale"]
     assert "built from the model before fabric.setup_module wrapped it" in message
     assert "fabric.setup(model, optimizer)" in message
+
+
+@pytest.mark.parametrize("precision", ["bf16_mixed", "bf16_true"])
+def test_precision_plugins_match_fabric_ddp(
+    runs: tuple[Path, dict[str, Any]], precision: str
+) -> None:
+    """Fabric(precision=...) autocasts the forward (bf16-mixed) or converts the module
+    before the strategy shards it (bf16-true), as under Fabric's DDP: bit for bit, but for
+    bf16-mixed's clipping coefficient (fp32 rounding)."""
+    _assert_same(runs, f"{precision}_full_shard", f"{precision}_fabric_ddp")
+    dtype = "torch.float32" if precision == "bf16_mixed" else "torch.bfloat16"
+    assert runs[1][f"{precision}_full_shard"]["dtypes"] == [dtype]
+    ref = runs[1]["fabric_ddp"]["losses"]
+    assert rel_losses(runs[1][f"{precision}_full_shard"]["losses"], ref) > 1e-4  # bf16 ran
+
+
+def test_a_model_holding_fsdp1_modules_is_refused(runs: tuple[Path, dict[str, Any]]) -> None:
+    message = runs[1]["fsdp1"]
+    assert message.startswith("ShardwiseFabricStrategy: the model holds FSDP1")
+    assert "Leave the" in message

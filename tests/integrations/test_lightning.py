@@ -51,6 +51,19 @@ def test_fit_matches_lightning_ddp(runs: tuple[Path, dict[str, Any]], name: str)
     assert len(runs[1][name]["losses"]) == 8
 
 
+@pytest.mark.parametrize("precision", ["bf16_mixed", "bf16_true"])
+def test_precision_plugins_match_lightning_ddp(
+    runs: tuple[Path, dict[str, Any]], precision: str
+) -> None:
+    """Trainer(precision=...) autocasts the step (bf16-mixed) or converts the module before
+    the strategy shards it (bf16-true), as under Lightning's DDP (measured: bit for bit)."""
+    _assert_same(runs, f"{precision}_full_shard", f"{precision}_lightning_ddp")
+    dtype = "torch.float32" if precision == "bf16_mixed" else "torch.bfloat16"
+    assert runs[1][f"{precision}_full_shard"]["dtypes"] == [dtype]
+    ref = runs[1]["lightning_ddp"]["losses"]
+    assert rel_losses(runs[1][f"{precision}_full_shard"]["losses"], ref) > 1e-4  # bf16 ran
+
+
 def test_step_calling_self_matches_lightning_ddp(runs: tuple[Path, dict[str, Any]]) -> None:
     _assert_same(runs, "forward_full_shard", "forward_lightning_ddp")
 
