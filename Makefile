@@ -35,9 +35,10 @@ typecheck: $(STAMP)
 test: lint typecheck
 	$(VENV)/bin/pytest -q
 
-# The inner loop: no processes, about a minute (includes the layout and public-API checks).
+# The inner loop: under a minute (includes the layout and public-API checks). Tests marked
+# `heavy` (memory simulations, subprocesses: a second or more each) run in `make test`.
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q tests/unit
+	$(VENV)/bin/pytest -q -m "not heavy" tests/unit
 
 # Import cycles, layers, host imports, file and class sizes (also run by the unit tier).
 layout: $(STAMP)

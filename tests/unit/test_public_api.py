@@ -364,6 +364,7 @@ def test_old_module_paths_still_give_their_names(old):
     assert missing == [], f"{old} lost {missing}"
 
 
+@pytest.mark.heavy
 def test_an_old_path_warns_once_naming_the_new_one():
     code = (
         "import warnings; warnings.simplefilter('always');"
@@ -377,6 +378,7 @@ def test_an_old_path_warns_once_naming_the_new_one():
     assert "shardwise.strategies moved to shardwise.parallelize" in lines[1]
 
 
+@pytest.mark.heavy
 def test_the_console_script_and_module_entry_points():
     from shardwise.cli import build_parser, launcher_args, main
 

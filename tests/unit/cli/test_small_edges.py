@@ -8,6 +8,7 @@ import subprocess
 import sys
 import warnings
 
+import pytest
 import torch
 
 import shardwise
@@ -23,6 +24,7 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip().startswith("shardwise ")
 
 
+@pytest.mark.heavy
 def test_a_closed_pipe_ends_quietly():
     # `shardwise checkpoint inspect ... | head` ended in a BrokenPipeError traceback.
     code = (
@@ -175,6 +177,7 @@ def test_run_refuses_a_layout_the_world_cannot_hold_before_spawning(tmp_path, ca
     check_layout(["--config", str(tmp_path / "other.yaml"), "parallel.strategy=hybrid_shard"], 3)
 
 
+@pytest.mark.heavy
 def test_plan_shows_the_2d_layout_and_refuses_what_it_cannot_model(tmp_path, monkeypatch, capsys):
     (tmp_path / "llm.py").write_text(
         "import transformers as tf\n"

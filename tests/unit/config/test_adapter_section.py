@@ -156,6 +156,7 @@ def test_without_peft_the_error_names_the_extra(monkeypatch):
         apply_adapter(gpt(), AdapterConfig(target_modules=["qkv"]))
 
 
+@pytest.mark.heavy
 def test_reading_a_run_file_does_not_import_peft(tmp_path):
     (tmp_path / "run.yaml").write_text(SECTION)
     code = (

@@ -157,6 +157,7 @@ print("alive", os.environ.get("SHARDWISE_LAUNCHER_PID"))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("launcher", ["parent", "gone"])
+@pytest.mark.heavy
 def test_a_worker_whose_launcher_already_died_kills_itself(launcher):
     pid = os.getpid() if launcher == "parent" else 2**22 + 1  # above any pid_max: not our parent
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "x", "SHARDWISE_LAUNCHER_PID": str(pid)}

@@ -41,6 +41,7 @@ def test_wrap_refuses_an_unresolved_auto_config_with_the_fix() -> None:
 
 @pytest.mark.parametrize("strategy", ["ddp", "shard_grad_op", "full_shard"])
 @pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.heavy
 def test_instant_estimate_within_ten_percent_of_the_simulation(strategy: str, ac: str) -> None:
     cfg = ParallelConfig(strategy=strategy, activation_checkpointing=ac)
     with torch.device("meta"):
@@ -55,6 +56,7 @@ def _choose(budget: str, **kw: object) -> object:
     return choose_plan(MODEL, config, world=4, batch=2, seq_len=256)
 
 
+@pytest.mark.heavy
 def test_auto_picks_ddp_when_it_fits() -> None:
     plan = _choose("1GiB")
     assert plan.chosen is not None and plan.chosen.strategy == "ddp"
@@ -63,6 +65,7 @@ def test_auto_picks_ddp_when_it_fits() -> None:
     assert "cheapest candidate" in plan.reason and "ddp" in str(plan)
 
 
+@pytest.mark.heavy
 def test_auto_picks_a_sharded_plan_when_ddp_does_not_fit() -> None:
     ddp = simulate_step(MODEL, ParallelConfig(strategy="ddp"), world=4, batch=2, seq_len=256)
     full = simulate_step(
@@ -79,6 +82,7 @@ def test_auto_picks_a_sharded_plan_when_ddp_does_not_fit() -> None:
     assert all(r.fits is False for r in plan.rows[: plan.rows.index(plan.chosen)])
 
 
+@pytest.mark.heavy
 def test_auto_checkpointing_comes_after_every_strategy_without_it() -> None:
     no_ac = simulate_step(
         MODEL, ParallelConfig(strategy="full_shard"), world=4, batch=2, seq_len=256
@@ -152,6 +156,7 @@ def _llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+@pytest.mark.heavy
 def test_tp_auto_comes_after_every_layout_without_tp_and_resolves_to_a_real_config() -> None:
     """A budget between the best layout without tp and tp 2 with sequence parallel: the
     planner walks every layout without tp first, then picks tp 2 (tp 4 would need 4 KV

@@ -55,6 +55,7 @@ def _simulate(ep: int, load: float | str = 2.0) -> shardwise.SimReport:
     )  # fmt: skip
 
 
+@pytest.mark.heavy
 def test_a_simulated_step_under_ep_states_its_routing_and_keeps_the_model_states() -> None:
     balanced, worst = _simulate(2, 1.0), _simulate(2, "worst")
     assert (balanced.ep, str(balanced).split(" at ")[0]) == (2, "full_shard x ep 2")
@@ -88,6 +89,7 @@ def moe_factory(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     return "moe_factory:build"
 
 
+@pytest.mark.heavy
 def test_plan_with_ep_shows_where_the_experts_go_and_simulates_the_busiest_rank(
     moe_factory, capsys
 ) -> None:  # type: ignore[no-untyped-def]
@@ -107,6 +109,7 @@ def test_plan_with_ep_shows_where_the_experts_go_and_simulates_the_busiest_rank(
     assert "GPT has no experts module to spread over ranks" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_a_mixture_of_experts_is_traced_and_simulated_in_fp32(moe_factory, capsys) -> None:  # type: ignore[no-untyped-def]
     # torch's meta kernel for the grouped matrix product takes bf16 only; the CPU and CUDA
     # kernels take fp32 too, and so do the activation trace and the simulation.
@@ -117,6 +120,7 @@ def test_a_mixture_of_experts_is_traced_and_simulated_in_fp32(moe_factory, capsy
     assert re.search(r"\n  full_shard +none +[\d.]+ KiB +- +yes", capsys.readouterr().out)
 
 
+@pytest.mark.heavy
 def test_no_rank_is_charged_a_whole_experts_parameter_it_never_holds() -> None:
     # DTensor learns an op's global output shape by running it on global-shaped fake
     # arguments. A real run's tracker never sees them; the simulation's must not either:

@@ -35,6 +35,7 @@ def _analytic(strategy: str):
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "ddp"])
+@pytest.mark.heavy
 def test_model_states_match_the_analytic_plan(strategy):
     report = simulate_step(
         functools.partial(GPT, CFG),
@@ -54,6 +55,7 @@ def test_model_states_match_the_analytic_plan(strategy):
     assert not dist.is_initialized()
 
 
+@pytest.mark.heavy
 def test_activations_grow_with_the_batch():
     def run(batch: int):
         return simulate_step(
@@ -70,6 +72,7 @@ def test_activations_grow_with_the_batch():
     assert large.at_peak["params"] == small.at_peak["params"]
 
 
+@pytest.mark.heavy
 def test_activation_checkpointing_lowers_the_peak():
     def run(ac: str):
         return simulate_step(
@@ -84,6 +87,7 @@ def test_activation_checkpointing_lowers_the_peak():
     assert run("full").category_peaks["activations"] < run("none").category_peaks["activations"]
 
 
+@pytest.mark.heavy
 def test_example_input_overrides_the_default():
     import torch
 
@@ -176,6 +180,7 @@ def test_ddp_buckets_hold_the_trainable_gradients_only():
     assert _ddp_bucket_bytes(model) == 0  # no DDP, no buckets
 
 
+@pytest.mark.heavy
 def test_a_model_with_frozen_parameters_simulates_under_ddp():
     """torch's MemTracker used to refuse a frozen parameter's gradient hook (the error read
     as if the input were wrong). Frozen parameters hold no gradient and no optimizer state."""

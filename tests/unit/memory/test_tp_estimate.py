@@ -45,6 +45,7 @@ def _split_by_name(name: str) -> bool:
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+@pytest.mark.heavy
 def test_each_term_of_the_tp_estimate_equals_the_simulation(strategy):
     config = ParallelConfig(strategy=strategy, tp=TP, tp_plan=PLAN)
     model = _llama()

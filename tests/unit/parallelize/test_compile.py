@@ -20,6 +20,7 @@ def _no_group():
     shutdown()
 
 
+@pytest.mark.heavy
 def test_inductor_compiled_blocks_match_eager():
     batch = random_lm_batches(CFG, 1, 4)[0]
     torch.manual_seed(0)

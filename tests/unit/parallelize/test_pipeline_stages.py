@@ -366,6 +366,7 @@ def test_tied_ends_on_two_stages_must_be_split_alike_by_the_tp_plan() -> None:
     check_split_ties(llama(), checked("auto"), ())  # nothing tied: nothing to check
 
 
+@pytest.mark.heavy
 def test_plan_shows_each_stage_and_its_model_states(capsys) -> None:  # type: ignore[no-untyped-def]
     from shardwise.cli.main import main
 
@@ -467,6 +468,7 @@ def test_each_stage_runs_its_micro_batches_in_its_schedules_order() -> None:
         assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
 
 
+@pytest.mark.heavy
 def test_the_simulation_steps_each_stage_with_its_micro_batches_in_flight() -> None:
     def run(schedule: str) -> shardwise.SimReport:
         config = shardwise.ParallelConfig(pp=2, pp_schedule=schedule, pp_microbatches=4)

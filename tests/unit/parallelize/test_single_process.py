@@ -105,6 +105,7 @@ def test_activation_checkpointing_at_world_one_changes_memory_not_math():
         torch.testing.assert_close(grads["full"][name], g, rtol=0, atol=0)
 
 
+@pytest.mark.heavy
 def test_wrap_frees_each_units_originals_as_soon_as_it_is_sharded(monkeypatch):
     """Issue 26: wrap kept every original parameter alive until it returned, so each rank
     held the full model and all its shards at once (1.53x the model; bench/wrap_memory.py)."""

@@ -216,6 +216,7 @@ def test_context_parallel_is_refused_with_the_reason():
     assert ParallelConfig(cp=1).cp == 1
 
 
+@pytest.mark.heavy
 def test_the_simulation_models_tp_and_sequence_parallel():
     """Per rank at world 4: full_shard alone holds 1/4 of every parameter; with tp 2 the
     split layers are cut in 4 (2 tp parts, each sharded over 2) and the norms, whole on tp,
