@@ -1026,6 +1026,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "a_rank_without_tokens_skips_the_backward_all_to_all",
+        "src/shardwise/parallelize/experts.py",
+        "                out = out + received.sum() * 0\n",
+        "                pass\n",
+        (
+            "tests/distributed/test_expert_parallel.py::test_experts_that_receive_no_token_still_step_as_in_one_process",
+        ),
+    ),
+    Mutant(
+        "experts_without_tokens_left_without_a_gradient",
+        "src/shardwise/parallelize/experts.py",
+        "                    out = out + param.sum() * 0\n",
+        "                    pass\n",
+        (
+            "tests/distributed/test_expert_parallel.py::test_experts_that_receive_no_token_still_step_as_in_one_process",
+        ),
+    ),
+    Mutant(
         "experts_gradient_divided_by_the_ranks_that_shard_them",
         "src/shardwise/parallelize/fsdp.py",
         "        unit.set_gradient_divide_factor(float(spec.dp_size))\n",

@@ -250,10 +250,13 @@ def _dispatcher(
             module.__dict__["num_experts"] = local  # the module's own one-hot counts these
             try:
                 out = own(received, ids[:, None], ones)
-                # Every local expert joins the backward, reached by a token or not.
-                # transformers' own implementations already touch every expert; a forward
-                # that loops over the experts it was given would leave the others without
-                # a gradient on this rank while another rank of their shard group has one.
+                # The received rows and every local expert join the backward, reached by a
+                # token or not. A forward that loops over the experts its tokens reach
+                # (transformers' eager experts) computes nothing on a rank that received no
+                # token: without the first term its backward would skip the all-to-all
+                # the other ranks wait in (a hang), and without the others its experts
+                # would have no gradient while another rank of their shard group has one.
+                out = out + received.sum() * 0
                 for n in names:
                     param = module._parameters[n]
                     assert param is not None
