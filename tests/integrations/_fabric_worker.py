@@ -59,9 +59,10 @@ class Net(nn.Module):
 class WideNet(nn.Module):
     """Net with every parameter a multiple of 64 elements (but the last bias): each rank's
     shard a multiple of 32. torch's CPU kernels run bf16 elementwise ops (the optimizer's)
-    in vectors of 32 with a fused multiply-add, and a tail shorter than that without one:
-    on Net, the update of a half-length shard rounds differently from the whole tensor's
-    under DDP (measured: 1 bf16 ulp in 2 elements after one SGD step, 1e-2 after 8)."""
+    in whole vectors and the rest of a tensor by another path, which can round otherwise:
+    on Net, the update of a half-length shard differed from the whole tensor's under DDP
+    (measured with plain torch: 1 bf16 ulp in 2 elements after one SGD step, 1e-2 after
+    8; with every dimension 64, bit for bit)."""
 
     def __init__(self) -> None:
         super().__init__()
