@@ -1026,6 +1026,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "pp_or_ep_taken_with_a_device_mesh_of_ones_own",
+        "src/shardwise/parallelize/apply.py",
+        "            if getattr(config, name) > 1:\n",
+        "            if False:\n",
+        (
+            "tests/unit/config/test_vocabulary.py::test_pp_or_ep_with_a_mesh_of_ones_own_is_refused_with_the_fix",
+        ),
+    ),
+    Mutant(
         "a_rank_without_tokens_skips_the_backward_all_to_all",
         "src/shardwise/parallelize/experts.py",
         "                out = out + received.sum() * 0\n",

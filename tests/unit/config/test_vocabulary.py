@@ -397,3 +397,21 @@ def test_dp_shard_contradicting_a_user_mesh():
         match=r"ParallelConfig\.dp_shard=2 contradicts the device_mesh, whose shard dimension has 1 rank\(s\)\. Leave dp_shard=-1",
     ):
         from_user_mesh("full_shard", 2, mesh, "cpu")
+
+
+@pytest.mark.parametrize("dim", ["pp", "ep"])
+def test_pp_or_ep_with_a_mesh_of_ones_own_is_refused_with_the_fix(dim: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardwise
+    from shardwise.parallelize.apply import _resolve_layout
+
+    shardwise.init_distributed()
+    mesh = init_device_mesh("cpu", (1,))
+    config = ParallelConfig(strategy="full_shard", device_mesh=mesh, **{dim: 2})
+    with pytest.raises(
+        NotImplementedError,
+        match=rf"ParallelConfig\.{dim}=2 with a device_mesh of your own is not built yet: "
+        r"shardwise lays out .* Leave device_mesh unset\.",
+    ):
+        _resolve_layout(config, shardwise.get_dist_info())
