@@ -1037,8 +1037,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "a_rank_without_tokens_skips_the_backward_all_to_all",
         "src/shardwise/parallelize/experts.py",
-        "                out = out + received.sum() * 0\n",
-        "                pass\n",
+        "                zero = received.sum() * 0\n",
+        "                zero = out.new_zeros(())\n",
         (
             "tests/distributed/test_expert_parallel.py::test_experts_that_receive_no_token_still_step_as_in_one_process",
         ),
@@ -1046,7 +1046,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "experts_without_tokens_left_without_a_gradient",
         "src/shardwise/parallelize/experts.py",
-        "                    out = out + param.sum() * 0\n",
+        "                    zero = zero + param.sum() * 0\n",
         "                    pass\n",
         (
             "tests/distributed/test_expert_parallel.py::test_experts_that_receive_no_token_still_step_as_in_one_process",

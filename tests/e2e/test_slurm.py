@@ -46,10 +46,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
     slurm.stop()
 
 
-def _trajectory(stdout: str, out: Path) -> Trajectory:
+def _weights(out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return Trajectory(_losses(stdout), load_file(str(out / "model.safetensors")))
+    return load_file(str(out / "model.safetensors"))
+
+
+def _trajectory(stdout: str, out: Path) -> Trajectory:
+    return Trajectory(_losses(stdout), _weights(out))
 
 
 def _losses(text: str) -> list[float]:
@@ -130,12 +134,6 @@ def _finished(cluster: SlurmCluster, tmp: Path, job: str) -> tuple[dict, str]:  
     return info, log
 
 
-def _export(run: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(run / "export" / "model.safetensors"))
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("uninterrupted")
@@ -151,10 +149,12 @@ def uninterrupted(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactor
 # - "batch": `scancel --batch --signal=USR1` (as `#SBATCH --signal=B:USR1@60`) signals only
 #   the batch shell. With `exec srun`, that shell is srun, which forwards USR1 to its tasks,
 #   here `shardwise run` launchers; each one forwards it to its workers.
+# Each form: the batch script, its #SBATCH options and scancel's arguments.
 PREEMPTED = {
-    "tasks": ("srun {py} {worker} {run}\n", ["--signal=USR1"]),
+    "tasks": ("srun {py} {worker} {run}\n", ["--ntasks=2"], ["--signal=USR1"]),
     "batch": (
         "exec srun --ntasks-per-node=1 {py} -m shardwise.cli run --nproc 2 {worker} {run}\n",
+        ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=2"],
         ["--batch", "--signal=USR1"],
     ),
 }
@@ -164,17 +164,11 @@ PREEMPTED = {
 def test_a_job_preempted_with_usr1_is_requeued_and_resumes_exactly(  # type: ignore[no-untyped-def]
     cluster, uninterrupted, tmp_path, form
 ):
-    body, scancel = PREEMPTED[form]
+    body, options, scancel = PREEMPTED[form]
     run = tmp_path / "run"
-    options = [
-        "--requeue",
-        *(
-            ["--ntasks=2"]
-            if form == "tasks"
-            else ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=2"]
-        ),
-    ]
-    job = _sbatch(cluster, tmp_path, body.format(py=PY, worker=WORKER, run=run), *options)
+    job = _sbatch(
+        cluster, tmp_path, body.format(py=PY, worker=WORKER, run=run), "--requeue", *options
+    )
     deadline = time.monotonic() + 240
     while _steps_done(run) < 4:
         assert time.monotonic() < deadline, cluster.job(job)
@@ -186,7 +180,7 @@ def test_a_job_preempted_with_usr1_is_requeued_and_resumes_exactly(  # type: ign
     assert int(info["Restarts"]) == 1, log[-3000:]  # requeued once, by RequeueExit=75
     assert re.search(r"SIGUSR1: stopped after optimizer step \d+ and saved", log), log[-3000:]
     assert "resumed from step" in log
-    ours, ref = _export(run), _export(uninterrupted)
+    ours, ref = _weights(run / "export"), _weights(uninterrupted / "export")
     assert all(torch.equal(ours[k], ref[k]) for k in ref)  # bit for bit: the same world
 
 

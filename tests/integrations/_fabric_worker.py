@@ -22,6 +22,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from _host_runs import param_dtypes
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
@@ -237,8 +238,7 @@ def main() -> None:
             kw = {"precision": precision, "clip": clip, "net": WideNet}
             record(f"{key}_fabric_ddp", *joint("ddp", 2, 2, **kw)[1:])
             _, model, losses = joint(ShardwiseFabricStrategy(strategy="full_shard"), 2, 2, **kw)
-            dtypes = sorted({str(p.dtype) for p in model.parameters()})
-            record(f"{key}_full_shard", model, losses, dtypes=dtypes)
+            record(f"{key}_full_shard", model, losses, dtypes=param_dtypes(model))
 
         # A model already holding FSDP1 modules.
         fabric = make_fabric(ShardwiseFabricStrategy(strategy="full_shard"), 2)

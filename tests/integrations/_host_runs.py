@@ -1,5 +1,6 @@
-"""What test_lightning.py and test_fabric.py share: launching a worker script that Lightning
-starts the other ranks of, reading back its scenarios, and comparing two of them.
+"""What test_lightning.py and test_fabric.py (and their workers) share: launching a worker
+script that Lightning starts the other ranks of, reading back its scenarios, and comparing
+two of them.
 
 A worker writes OUT/<phase>.json (each scenario's losses and facts) and OUT/<phase>-<name>.pt
 (its final parameters, gathered on rank 0).
@@ -17,6 +18,11 @@ from typing import Any
 import torch
 
 TOL = 1e-5
+
+
+def param_dtypes(module: torch.nn.Module) -> list[str]:
+    """The dtypes a module's parameters have (a worker records them)."""
+    return sorted({str(p.dtype) for p in module.parameters()})
 
 
 def launch(worker: Path, out: Path, phase: str, timeout_s: float) -> dict[str, Any]:
@@ -63,3 +69,15 @@ def assert_same(
     out, r = runs
     assert rel_losses(r[name]["losses"], r[ref]["losses"][skip:]) <= TOL
     assert rel_params(params(out, name, phases), params(out, ref, phases)) <= TOL
+
+
+def assert_precision_same(
+    runs: tuple[Path, dict[str, Any]], precision: str, host_ddp: str, phases: tuple[str, ...]
+) -> None:
+    """Scenario `<precision>_full_shard` trained as `<precision>_<host_ddp>` did, in the
+    precision's parameter dtype, and not as the fp32 `host_ddp` run did (bf16 ran)."""
+    name = f"{precision}_full_shard"
+    assert_same(runs, name, f"{precision}_{host_ddp}", phases)
+    dtype = "torch.float32" if precision == "bf16_mixed" else "torch.bfloat16"
+    assert runs[1][name]["dtypes"] == [dtype]
+    assert rel_losses(runs[1][name]["losses"], runs[1][host_ddp]["losses"]) > 1e-4

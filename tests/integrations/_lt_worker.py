@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from _host_runs import param_dtypes
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -320,9 +321,7 @@ def main() -> None:
             record(f"{key}_lightning_ddp", fit("ddp", precision=precision)[0])
             lit, _ = fit(ShardwiseStrategy(strategy="full_shard"), precision=precision)
             record(f"{key}_full_shard", lit)
-            results[f"{key}_full_shard"]["dtypes"] = sorted(
-                {str(p.dtype) for p in lit.parameters()}
-            )
+            results[f"{key}_full_shard"]["dtypes"] = param_dtypes(lit)
 
         lit, _ = fit(ShardwiseStrategy(strategy="full_shard"), module=MetaLit)
         record("meta", lit)

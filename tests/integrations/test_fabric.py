@@ -16,7 +16,15 @@ pytestmark = pytest.mark.integrations
 pytest.importorskip("lightning")
 
 import torch  # noqa: E402
-from _host_runs import TOL, assert_same, launch, params, rel_losses, rel_params  # noqa: E402
+from _host_runs import (  # noqa: E402
+    TOL,
+    assert_precision_same,
+    assert_same,
+    launch,
+    params,
+    rel_losses,
+    rel_params,
+)
 
 WORKER = Path(__file__).with_name("_fabric_worker.py")
 PHASES = ("w2", "w4")
@@ -120,14 +128,12 @@ def test_precision_plugins_match_fabric_ddp(
     """Fabric(precision=...) autocasts the forward (bf16-mixed) or converts the module
     before the strategy shards it (bf16-true), as under Fabric's DDP: bit for bit, but for
     bf16-mixed's clipping coefficient (fp32 rounding)."""
-    _assert_same(runs, f"{precision}_full_shard", f"{precision}_fabric_ddp")
-    dtype = "torch.float32" if precision == "bf16_mixed" else "torch.bfloat16"
-    assert runs[1][f"{precision}_full_shard"]["dtypes"] == [dtype]
-    ref = runs[1]["fabric_ddp"]["losses"]
-    assert rel_losses(runs[1][f"{precision}_full_shard"]["losses"], ref) > 1e-4  # bf16 ran
+    assert_precision_same(runs, precision, "fabric_ddp", PHASES)
 
 
 def test_a_model_holding_fsdp1_modules_is_refused(runs: tuple[Path, dict[str, Any]]) -> None:
     message = runs[1]["fsdp1"]
-    assert message.startswith("ShardwiseFabricStrategy: the model holds FSDP1")
-    assert "Leave the" in message
+    assert message == (
+        "ShardwiseFabricStrategy: the model holds FSDP1 FullyShardedDataParallel modules. "
+        "Leave the wrapping to the strategy: pass plain modules to fabric.setup."
+    )

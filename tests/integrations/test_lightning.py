@@ -17,7 +17,15 @@ pytestmark = pytest.mark.integrations
 pytest.importorskip("lightning")
 
 import torch  # noqa: E402
-from _host_runs import TOL, assert_same, launch, params, rel_losses, rel_params  # noqa: E402
+from _host_runs import (  # noqa: E402
+    TOL,
+    assert_precision_same,
+    assert_same,
+    launch,
+    params,
+    rel_losses,
+    rel_params,
+)
 
 WORKER = Path(__file__).with_name("_lt_worker.py")
 PHASES = ("main", "world1", "tp")
@@ -57,11 +65,7 @@ def test_precision_plugins_match_lightning_ddp(
 ) -> None:
     """Trainer(precision=...) autocasts the step (bf16-mixed) or converts the module before
     the strategy shards it (bf16-true), as under Lightning's DDP (measured: bit for bit)."""
-    _assert_same(runs, f"{precision}_full_shard", f"{precision}_lightning_ddp")
-    dtype = "torch.float32" if precision == "bf16_mixed" else "torch.bfloat16"
-    assert runs[1][f"{precision}_full_shard"]["dtypes"] == [dtype]
-    ref = runs[1]["lightning_ddp"]["losses"]
-    assert rel_losses(runs[1][f"{precision}_full_shard"]["losses"], ref) > 1e-4  # bf16 ran
+    assert_precision_same(runs, precision, "lightning_ddp", PHASES)
 
 
 def test_step_calling_self_matches_lightning_ddp(runs: tuple[Path, dict[str, Any]]) -> None:

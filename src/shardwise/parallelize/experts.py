@@ -256,11 +256,13 @@ def _dispatcher(
                 # token: without the first term its backward would skip the all-to-all
                 # the other ranks wait in (a hang), and without the others its experts
                 # would have no gradient while another rank of their shard group has one.
-                out = out + received.sum() * 0
+                # One scalar holds every term: `out` is added to once.
+                zero = received.sum() * 0
                 for n in names:
                     param = module._parameters[n]
                     assert param is not None
-                    out = out + param.sum() * 0
+                    zero = zero + param.sum() * 0
+                out = out + zero
             finally:
                 module.__dict__["num_experts"] = whole
         back = all_to_all_single_autograd(out, sent, got, group)
