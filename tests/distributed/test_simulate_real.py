@@ -3,8 +3,14 @@ gloo/CPU, measured by the same tracker over the same step (`shardwise.simulate.t
 
 Guarantee tested: simulating gloo (the backend these real runs use), the simulated per-rank
 peak is within 5% of the real one (full_shard and ddp, fp32, AC off; and a Hugging Face
-Llama whose untied embedding and head make the root unit's reduce-scatter the peak), and
-every rank of the real run sees the same peak (ranks are symmetric).
+Llama whose untied embedding and head make the root unit's reduce-scatter the peak), on
+every rank of the real run.
+
+The ranks of a real run are symmetric but not always equal to the byte: gloo's worker
+thread drops its references to a collective's tensors after `wait()` has returned, and
+how late depends on the scheduler. No wait in the step can order it, so the checks here
+hold each rank to the simulation, and hold the ranks to each other within 1% (one CI run
+on a loaded machine: 4.5 KiB apart in 15.5 MiB).
 """
 
 from __future__ import annotations
@@ -48,9 +54,11 @@ def simulated(strategy: str, ac: str = "none", precision: str = "fp32"):
 @pytest.mark.parametrize("strategy", ["full_shard", "ddp"])
 def test_simulated_peak_is_within_5_percent_of_the_real_run(strategy):
     real = run_distributed(real_step, WORLD, args=(strategy, "none", "fp32"), timeout_s=120)
-    assert real[0]["peak"] == real[1]["peak"]  # symmetric ranks
+    peaks = [rank["peak"] for rank in real]
+    assert max(peaks) - min(peaks) <= 0.01 * max(peaks), peaks  # symmetric ranks
     sim = simulated(strategy)
-    assert sim.peak == pytest.approx(real[0]["peak"], rel=0.05), (sim, real[0])
+    for rank in real:
+        assert sim.peak == pytest.approx(rank["peak"], rel=0.05), (sim, rank)
 
 
 def untied_llama() -> torch.nn.Module:
