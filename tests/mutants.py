@@ -1537,6 +1537,45 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_metrics_rows_keep_the_data_parallel_ranks_an_integer_through_a_rewrite",
         ),
     ),
+    # A trajectory that went NaN passes parity: NaN fails no `>` and Python's max skips it.
+    Mutant(
+        "parity_passes_a_loss_that_is_not_finite",
+        "src/shardwise/testing/parity.py",
+        "        if not (math.isfinite(a) and math.isfinite(b)):",
+        "        if not (math.isfinite(a) or math.isfinite(b)):",
+        (
+            "tests/unit/testing/test_compare_trajectories.py::"
+            "test_a_loss_that_is_not_finite_after_the_first_step_is_refused",
+        ),
+    ),
+    Mutant(
+        "parity_passes_a_parameter_that_is_not_finite",
+        "src/shardwise/testing/parity.py",
+        "                if not bool(torch.isfinite(tensor).all()):",
+        "                if not bool(torch.isfinite(tensor).any()):",
+        (
+            "tests/unit/testing/test_compare_trajectories.py::test_a_parameter_that_is_not_finite_is_refused_by_name",
+        ),
+    ),
+    Mutant(
+        "worst_of_skips_a_nan_as_max_does",
+        "src/shardwise/testing/parity.py",
+        "    bad = [v for v in values if not math.isfinite(v)]",
+        "    bad = [v for v in values if math.isinf(v)]",
+        (
+            "tests/unit/testing/test_compare_trajectories.py::test_worst_of_is_max_over_finite_differences_and_refuses_a_late_nan",
+        ),
+    ),
+    Mutant(
+        "same_distribution_passes_an_uninitialised_nan",
+        "src/shardwise/testing/spawn.py",
+        "        g_finite, w_finite = g[torch.isfinite(g)].float(), w[torch.isfinite(w)].float()",
+        "        g_finite, w_finite = g[~torch.isinf(g)].float(), w[torch.isfinite(w)].float()",
+        (
+            "tests/unit/testing/test_compare_trajectories.py::"
+            "test_a_draw_holding_a_nan_its_namesake_lacks_is_not_the_same_distribution",
+        ),
+    ),
 )
 
 

@@ -39,7 +39,7 @@ from shardwise.checkpoint import read_dcp_metadata, read_manifest
 from shardwise.config.run_file import Config, load_config
 from shardwise.testing import run_distributed
 from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
-from shardwise.testing.parity import full_parameters
+from shardwise.testing.parity import full_parameters, worst_of
 from shardwise.train import read_metrics
 
 pytestmark = pytest.mark.adapters
@@ -130,12 +130,14 @@ def rel(a: float, b: float) -> float:
 
 def max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     assert got.keys() == want.keys() and want
-    return max(float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)) for k in want)
+    return worst_of(
+        float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)) for k in want
+    )
 
 
 def rows_rel(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> float:
     assert [r["step"] for r in got] == [r["step"] for r in want]
-    return max(
+    return worst_of(
         rel(g[k], w[k]) for g, w in zip(got, want, strict=True) for k in ("loss", "grad_norm")
     )
 

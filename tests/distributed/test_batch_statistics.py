@@ -34,7 +34,7 @@ import shardwise
 from shardwise.parallelize import global_batch, router_loss
 from shardwise.testing import run_distributed
 from shardwise.testing.models import ConvNet
-from shardwise.testing.parity import split_batch
+from shardwise.testing.parity import split_batch, worst_of
 
 pytestmark = pytest.mark.batch_stats
 
@@ -310,14 +310,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _worst(ref: dict, got: dict, only: str = "") -> tuple[float, str]:  # type: ignore[type-arg]
-    worst = (0.0, "")
+    seen: list[tuple[float, str]] = []
     for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
-        worst = max(worst, (abs(a - b) / abs(b), f"loss at step {i}"))
+        seen.append((abs(a - b) / abs(b), f"loss at step {i}"))
     for kind in ("grads", "params"):
         for n, b in ref[kind].items():
             if only in n:
-                worst = max(worst, (_rel(got[kind][n], b), f"{kind[:-1]} {n}"))
-    return worst
+                seen.append((_rel(got[kind][n], b), f"{kind[:-1]} {n}"))
+    worst_of(value for value, _ in seen)  # a NaN anywhere fails here, not silently
+    return max(seen, default=(0.0, ""))
 
 
 def _router(name: str) -> str:

@@ -44,6 +44,7 @@ import shardwise
 from shardwise.parallelize import experts as ep_module
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMoE
+from shardwise.testing.parity import worst_of
 
 pytestmark = [pytest.mark.experts, pytest.mark.timeout(1500)]
 
@@ -224,11 +225,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(got: dict[str, Any], ref: dict[str, Any]) -> float:
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    diffs = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True)]
     for name in ref["params"]:
-        worst = max(worst, _rel(got["grads"][name], ref["grads"][name]))
-        worst = max(worst, _rel(got["params"][name], ref["params"][name]))
-    return worst
+        diffs.append(_rel(got["grads"][name], ref["grads"][name]))
+        diffs.append(_rel(got["params"][name], ref["params"][name]))
+    return worst_of(diffs)
 
 
 def _scrambled(family: str) -> dict[str, Any]:

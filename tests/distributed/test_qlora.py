@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 import shardwise
 from shardwise.testing import run_distributed
-from shardwise.testing.parity import split_batch
+from shardwise.testing.parity import split_batch, worst_of
 
 pytestmark = pytest.mark.adapters
 
@@ -251,13 +251,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _worst(ref: dict, got: dict, loss_rtol: float, rtol: float = RTOL) -> tuple[float, str]:  # type: ignore[type-arg]
     """The largest difference relative to its bar (above 1 fails) and where it is."""
-    worst = (0.0, "")
+    seen: list[tuple[float, str]] = []
     for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
-        worst = max(worst, (abs(a - b) / abs(b) / loss_rtol, f"loss at step {i}"))
+        seen.append((abs(a - b) / abs(b) / loss_rtol, f"loss at step {i}"))
     for kind in ("grads", "adapters"):
         for n, b in ref[kind].items():
-            worst = max(worst, (_rel(got[kind][n], b) / rtol, f"{kind} {n}"))
-    return worst
+            seen.append((_rel(got[kind][n], b) / rtol, f"{kind} {n}"))
+    worst_of(value for value, _ in seen)  # a NaN anywhere fails here, not silently
+    return max(seen, default=(0.0, ""))
 
 
 @pytest.fixture(scope="module")

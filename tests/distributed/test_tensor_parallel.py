@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 import shardwise
 from shardwise.parallelize.tensor import SplitGradientError, check_tp_gradients
 from shardwise.testing import run_distributed
-from shardwise.testing.parity import split_batch
+from shardwise.testing.parity import split_batch, worst_of
 
 pytestmark = pytest.mark.tensor_parallel  # `make test-tp` (and .ci/run), not `make test`
 
@@ -408,13 +408,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _worst(ref: dict, got: dict) -> tuple[float, str]:  # type: ignore[type-arg]
-    worst = (0.0, "")
+    seen: list[tuple[float, str]] = []
     for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
-        worst = max(worst, (abs(a - b) / abs(b), f"loss at step {i}"))
+        seen.append((abs(a - b) / abs(b), f"loss at step {i}"))
     for kind in ("grads", "params"):
         for n, b in ref[kind].items():
-            worst = max(worst, (_rel(got[kind][n], b), f"{kind[:-1]} {n}"))
-    return worst
+            seen.append((_rel(got[kind][n], b), f"{kind[:-1]} {n}"))
+    worst_of(value for value, _ in seen)  # a NaN anywhere fails here, not silently
+    return max(seen, default=(0.0, ""))
 
 
 @pytest.fixture(scope="module")
@@ -645,7 +646,7 @@ def test_adamw_losses_equal_one_process(results, case):
     torch.manual_seed(0)
     ref = train(TinyLM(), lambda b: b, adamw=True)
     got = ranks[0][case]
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    worst = worst_of(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
     print(f"adamw: the largest loss difference is rel {worst:.2e}")
     assert worst < 1e-4, f"AdamW loss differs by {worst:.2e}"
 
@@ -701,7 +702,7 @@ def test_hugging_face_families_under_adamw_hybrid_and_sequence_parallel(hf_resul
     assert got["mesh"].startswith("hybrid_shard: 2 replica group(s) x 1 shard rank(s) x tp 2")
     torch.manual_seed(0)
     ref = train(build_family(family), lambda b: b, _hf_loss, adamw=True)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    worst = worst_of(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
     print(f"{family} hybrid + sp + AdamW: the largest loss difference is rel {worst:.2e}")
     assert worst < 1e-4, f"{family}: AdamW loss differs by {worst:.2e}"
 

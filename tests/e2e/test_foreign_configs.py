@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardwise.testing.parity import worst_of
+
 pytestmark = pytest.mark.foreign  # `make test-foreign` (and .ci/run), not `make test`
 
 SCRIPT = """
@@ -110,9 +112,10 @@ def test_the_unchanged_script_on_two_processes_equals_one(
     assert (got["size"], got["strategy"], got["source"]) == (2, strategy, source)
     assert f"shardwise run: {source} config" in got["stderr"]
     assert one_process["size"] == 1 and one_process["source"] is None
-    worst = _rel(got["losses"], one_process["losses"])
-    for name, value in one_process["params"].items():
-        worst = max(worst, _rel(got["params"][name], value))
+    worst = worst_of(
+        [_rel(got["losses"], one_process["losses"])]
+        + [_rel(got["params"][name], value) for name, value in one_process["params"].items()]
+    )
     print(f"{tool}: rel {worst:.2e}")
     assert worst < 1e-5
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from shardwise.testing.parity import worst_of
+
 TOL = 1e-5
 
 
@@ -53,12 +55,12 @@ def params(out: Path, name: str, phases: tuple[str, ...]) -> dict[str, torch.Ten
 
 def rel_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
+    return worst_of(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
 
 
 def rel_losses(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a, (a, b)
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+    return worst_of(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
 def assert_same(

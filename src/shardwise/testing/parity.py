@@ -12,6 +12,7 @@ raises `ParityError` naming the first step or parameter that diverged.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -126,6 +127,31 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+_DIVERGED = (
+    "a run that diverged shows nothing about parity (NaN compares unequal to everything, "
+    "so a check that is not told would pass it). Find the step where it first diverges: "
+    "a lower learning rate, or a dtype whose range holds the update (AdamW's eps=1e-8 is "
+    "0 in float16)."
+)
+
+
+def worst_of(differences: Iterable[float]) -> float:
+    """The largest of `differences`, refusing one that is not finite.
+
+    Python's `max` keeps its first value against a NaN (every comparison with NaN is
+    False), so a trajectory that went NaN after its first step reads as a difference of 0.
+    Raises `ParityError` on a NaN or an infinity instead.
+    """
+    values = list(differences)
+    bad = [v for v in values if not math.isfinite(v)]
+    if bad:
+        raise ParityError(
+            f"{len(bad)} of {len(values)} differences are not finite (first: {bad[0]}): "
+            + _DIVERGED
+        )
+    return max(values, default=0.0)
+
+
 @dataclass(frozen=True)
 class ParityReport:
     max_loss_rel: float
@@ -155,7 +181,12 @@ def compare_trajectories(
         raise ParityError(
             f"{label}: {len(candidate.losses)} steps, reference has {len(reference.losses)}"
         )
-    pairs = zip(candidate.losses, reference.losses, strict=True)
+    pairs = list(zip(candidate.losses, reference.losses, strict=True))
+    for step, (a, b) in enumerate(pairs):
+        if not (math.isfinite(a) and math.isfinite(b)):
+            raise ParityError(
+                f"{label}: loss at step {step} is not finite: {a} vs reference {b}; " + _DIVERGED
+            )
     loss_rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in pairs]
     for step, r in enumerate(loss_rel):
         if r > rtol:
@@ -173,6 +204,12 @@ def compare_trajectories(
             got = candidate.params[name]
             if got.shape != ref.shape:
                 raise ParityError(f"{label}: {name} shape {tuple(got.shape)} != {tuple(ref.shape)}")
+            for side, tensor in (("candidate", got), ("reference", ref)):
+                if not bool(torch.isfinite(tensor).all()):
+                    raise ParityError(
+                        f"{label}: final parameter {name!r} of the {side} is not finite; "
+                        + _DIVERGED
+                    )
             r = _rel(got, ref)
             if r > worst_rel:
                 worst, worst_rel = name, r

@@ -370,11 +370,16 @@ def assert_same_distribution(
 ) -> None:
     """Check that each tensor in `got` looks drawn like its namesake in `want`.
 
-    Per tensor of more than one element: the standard deviations agree within `std_rtol`,
-    and the means within `mean_sigmas` standard errors. This is how a meta-device build is
-    compared with an eager build, since values drawn on other ranks cannot be identical.
+    Per tensor of more than one element: as many values that are not finite as its
+    namesake has (a mask's -inf on both sides; a NaN on one side only is memory left
+    uninitialised, and would make the mean and std NaN, which no `>` check fails), then
+    over the finite values the standard deviations agree within `std_rtol`, and the means
+    within `mean_sigmas` standard errors. This is how a meta-device build is compared with
+    an eager build, since values drawn on other ranks cannot be identical.
     """
     import math
+
+    import torch
 
     missing = sorted(set(want) - set(got))
     if missing:
@@ -383,8 +388,17 @@ def assert_same_distribution(
         g = got[name]
         if w.numel() <= 1:
             continue
-        w_mean, w_std = float(w.float().mean()), float(w.float().std())
-        g_mean, g_std = float(g.float().mean()), float(g.float().std())
+        g_finite, w_finite = g[torch.isfinite(g)].float(), w[torch.isfinite(w)].float()
+        if g.numel() - g_finite.numel() != w.numel() - w_finite.numel():
+            raise AssertionError(
+                f"{label}: {name} holds {g.numel() - g_finite.numel()} values that are not "
+                f"finite (NaN or inf), expected {w.numel() - w_finite.numel()}: left "
+                "uninitialised, or initialised by another rule?"
+            )
+        if w_finite.numel() <= 1:
+            continue
+        w_mean, w_std = float(w_finite.mean()), float(w_finite.std())
+        g_mean, g_std = float(g_finite.mean()), float(g_finite.std())
         if abs(g_std - w_std) > std_rtol * w_std + 1e-6:
             raise AssertionError(f"{label}: {name} std {g_std:.5f}, expected {w_std:.5f}")
         if abs(g_mean - w_mean) > mean_sigmas * w_std / math.sqrt(g.numel()) + 1e-6:

@@ -1,0 +1,67 @@
+"""`compare_trajectories` and `worst_of`: a difference within the bound passes, one above it
+is named, and a trajectory that is not finite on either side is refused, wherever its NaN
+sits (Python's `max` and every `>` let a NaN through). `assert_same_distribution` refuses a
+NaN its namesake lacks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardwise.testing.parity import ParityError, Trajectory, compare_trajectories, worst_of
+
+
+def trajectory(losses: list[float], weight: float = 1.0) -> Trajectory:
+    return Trajectory(losses, {"w": torch.full((3,), weight), "b": torch.ones(2)})
+
+
+def test_equal_trajectories_pass_and_report_zero() -> None:
+    report = compare_trajectories(trajectory([2.0, 1.5, 1.0]), trajectory([2.0, 1.5, 1.0]))
+    assert (report.max_loss_rel, report.max_param_rel) == (0.0, 0.0)
+
+
+def test_a_loss_above_the_bound_is_named_by_step() -> None:
+    with pytest.raises(ParityError, match="loss diverges at step 1"):
+        compare_trajectories(trajectory([2.0, 1.5]), trajectory([2.0, 1.6]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("side", ["candidate", "reference", "both"])
+def test_a_loss_that_is_not_finite_after_the_first_step_is_refused(bad: float, side: str) -> None:
+    good, diverged = [2.0, 1.5, 1.0], [2.0, 1.5, bad]
+    ref = diverged if side in ("reference", "both") else good
+    got = diverged if side in ("candidate", "both") else good
+    with pytest.raises(ParityError, match="loss at step 2 is not finite"):
+        compare_trajectories(trajectory(ref), trajectory(got))
+
+
+@pytest.mark.parametrize("side", ["candidate", "reference"])
+def test_a_parameter_that_is_not_finite_is_refused_by_name(side: str) -> None:
+    ref, got = trajectory([1.0]), trajectory([1.0])
+    (got if side == "candidate" else ref).params["w"][1] = math.nan
+    with pytest.raises(ParityError, match=f"parameter 'w' of the {side} is not finite"):
+        compare_trajectories(ref, got)
+
+
+def test_worst_of_is_max_over_finite_differences_and_refuses_a_late_nan() -> None:
+    assert worst_of([0.0, 3e-7, 1e-7]) == 3e-7
+    assert worst_of([]) == 0.0
+    assert max([0.0, math.nan]) == 0.0  # what worst_of guards against
+    with pytest.raises(ParityError, match="1 of 2 differences are not finite"):
+        worst_of([0.0, math.nan])
+    with pytest.raises(ParityError, match="not finite"):
+        worst_of(iter([1e-9, math.inf, 0.0]))
+
+
+def test_a_draw_holding_a_nan_its_namesake_lacks_is_not_the_same_distribution() -> None:
+    from shardwise.testing import assert_same_distribution
+
+    torch.manual_seed(0)
+    want = {"w": torch.randn(64, 64), "mask": torch.full((4, 4), -math.inf).triu(1)}
+    got = {"w": torch.randn(64, 64), "mask": want["mask"].clone()}
+    assert_same_distribution(got, want, label="eager")  # the mask's -inf on both sides
+    got["w"][3, 5] = math.nan  # one value left uninitialised
+    with pytest.raises(AssertionError, match="w holds 1 values that are not finite"):
+        assert_same_distribution(got, want, label="meta")
