@@ -228,12 +228,13 @@ def main() -> None:
         except RuntimeError as exc:
             results["stale"] = str(exc)
 
-        # Lightning's precision plugins: autocast (bf16-mixed) and a bf16 model (bf16-true).
-        # bf16-true unclipped: shardwise sums the shards' gradient norms in fp32, where
-        # torch's clip_grad_norm_ under Fabric's DDP rounds them in bf16 (measured on
-        # WideNet: 3.3e-3 in the parameters after 8 clipped steps, bf16's rounding of the
-        # coefficient, and none unclipped).
-        for precision, clip in (("bf16-mixed", CLIP), ("bf16-true", None)):
+        # Lightning's precision plugins: autocast (bf16-mixed), a bf16 model (bf16-true) and
+        # an fp16 model (16-true). The true ones unclipped: shardwise sums the shards'
+        # gradient norms in fp32, where torch's clip_grad_norm_ under Fabric's DDP rounds
+        # them in the parameters' dtype (measured on WideNet under bf16-true: 3.3e-3 in the
+        # parameters after 8 clipped steps, bf16's rounding of the coefficient, and none
+        # unclipped).
+        for precision, clip in (("bf16-mixed", CLIP), ("bf16-true", None), ("16-true", None)):
             key = precision.replace("-", "_")
             kw = {"precision": precision, "clip": clip, "net": WideNet}
             record(f"{key}_fabric_ddp", *joint("ddp", 2, 2, **kw)[1:])

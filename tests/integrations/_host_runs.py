@@ -73,13 +73,21 @@ def assert_same(
     assert rel_params(params(out, name, phases), params(out, ref, phases)) <= TOL
 
 
+PARAM_DTYPES = {
+    "bf16_mixed": "torch.float32",
+    "bf16_true": "torch.bfloat16",
+    "16_true": "torch.float16",
+}
+"""The parameters' dtype under each of Lightning's precision flags (the flag's `-` as `_`)."""
+
+
 def assert_precision_same(
     runs: tuple[Path, dict[str, Any]], precision: str, host_ddp: str, phases: tuple[str, ...]
 ) -> None:
     """Scenario `<precision>_full_shard` trained as `<precision>_<host_ddp>` did, in the
-    precision's parameter dtype, and not as the fp32 `host_ddp` run did (bf16 ran)."""
+    precision's parameter dtype, and not as the fp32 `host_ddp` run did (the precision
+    ran)."""
     name = f"{precision}_full_shard"
     assert_same(runs, name, f"{precision}_{host_ddp}", phases)
-    dtype = "torch.float32" if precision == "bf16_mixed" else "torch.bfloat16"
-    assert runs[1][name]["dtypes"] == [dtype]
+    assert runs[1][name]["dtypes"] == [PARAM_DTYPES[precision]]
     assert rel_losses(runs[1][name]["losses"], runs[1][host_ddp]["losses"]) > 1e-4

@@ -70,6 +70,18 @@ class Lit(L.LightningModule):
         return DataLoader(dataset(), batch_size=self.batch, sampler=sampler)
 
 
+class WideLit(Lit):
+    """Lit on a net whose parameters are each a multiple of 64 elements (but the last bias).
+    Under float16, torch's CPU kernels round an update of a shard that is no whole number
+    of vectors apart from the whole tensor's (measured with plain torch, DDP against
+    fully_shard at world 2: gradients equal, then 2 of make_net's first bias's 32 elements
+    one ulp apart after one SGD step)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Linear(DIM, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 1))
+
+
 class ForwardLit(Lit):
     """training_step calls self(...): a nested call of the root's forward under FSDP2."""
 
@@ -315,11 +327,15 @@ def main() -> None:
         llama: dict[str, Any] = {"module": LlamaLit, "use_distributed_sampler": True}
         record("llama_lightning_ddp", fit("ddp", **llama)[0])
 
-        # Lightning's precision plugins: autocast (bf16-mixed) and a bf16 model (bf16-true).
-        for precision in ("bf16-mixed", "bf16-true"):
+        # Lightning's precision plugins: autocast (bf16-mixed), a bf16 model (bf16-true) and
+        # an fp16 model (16-true), on WideLit under SGD: AdamW's eps=1e-8 is 0 in float16,
+        # so a gradient whose square underflows divides by zero (NaN from the second step,
+        # under Lightning's DDP too).
+        fp16 = {"mkw": {"opt": "sgd", "lr": 0.1}, "module": WideLit}
+        for precision, kw in (("bf16-mixed", {}), ("bf16-true", {}), ("16-true", fp16)):
             key = precision.replace("-", "_")
-            record(f"{key}_lightning_ddp", fit("ddp", precision=precision)[0])
-            lit, _ = fit(ShardwiseStrategy(strategy="full_shard"), precision=precision)
+            record(f"{key}_lightning_ddp", fit("ddp", precision=precision, **kw)[0])
+            lit, _ = fit(ShardwiseStrategy(strategy="full_shard"), precision=precision, **kw)
             record(f"{key}_full_shard", lit)
             results[f"{key}_full_shard"]["dtypes"] = param_dtypes(lit)
 

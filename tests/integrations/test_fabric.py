@@ -121,13 +121,13 @@ def test_optimizer_built_before_setup_module_is_refused(
     assert "fabric.setup(model, optimizer)" in message
 
 
-@pytest.mark.parametrize("precision", ["bf16_mixed", "bf16_true"])
+@pytest.mark.parametrize("precision", ["bf16_mixed", "bf16_true", "16_true"])
 def test_precision_plugins_match_fabric_ddp(
     runs: tuple[Path, dict[str, Any]], precision: str
 ) -> None:
     """Fabric(precision=...) autocasts the forward (bf16-mixed) or converts the module
-    before the strategy shards it (bf16-true), as under Fabric's DDP: bit for bit, but for
-    bf16-mixed's clipping coefficient (fp32 rounding)."""
+    before the strategy shards it (bf16-true, 16-true), as under Fabric's DDP: bit for
+    bit, but for bf16-mixed's clipping coefficient (fp32 rounding)."""
     assert_precision_same(runs, precision, "fabric_ddp", PHASES)
 
 

@@ -59,12 +59,13 @@ def test_fit_matches_lightning_ddp(runs: tuple[Path, dict[str, Any]], name: str)
     assert len(runs[1][name]["losses"]) == 8
 
 
-@pytest.mark.parametrize("precision", ["bf16_mixed", "bf16_true"])
+@pytest.mark.parametrize("precision", ["bf16_mixed", "bf16_true", "16_true"])
 def test_precision_plugins_match_lightning_ddp(
     runs: tuple[Path, dict[str, Any]], precision: str
 ) -> None:
     """Trainer(precision=...) autocasts the step (bf16-mixed) or converts the module before
-    the strategy shards it (bf16-true), as under Lightning's DDP (measured: bit for bit)."""
+    the strategy shards it (bf16-true, 16-true), as under Lightning's DDP (measured: bit for
+    bit)."""
     assert_precision_same(runs, precision, "lightning_ddp", PHASES)
 
 
