@@ -1537,6 +1537,28 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_metrics_rows_keep_the_data_parallel_ranks_an_integer_through_a_rewrite",
         ),
     ),
+    # Workers that all exited 75 (stopped and saved, the launcher not signalled) reported
+    # as a failure: the launcher exits 1, which no scheduler requeues.
+    Mutant(
+        "preempted_workers_exit_the_launcher_with_1",
+        "src/shardwise/cli/launch.py",
+        "            if preempted(failures):",
+        "            if False:",
+        (
+            "tests/e2e/test_launch_robust.py::"
+            "test_workers_stopped_by_a_signal_the_launcher_missed[0-75]",
+        ),
+    ),
+    Mutant(
+        "a_75_with_an_error_of_its_own_read_as_preempted",
+        "src/shardwise/cli/report.py",
+        "        f.exitcode == PREEMPTED_EXIT_CODE and not f.message for f in failures",
+        "        f.exitcode == PREEMPTED_EXIT_CODE for f in failures",
+        (
+            "tests/unit/cli/test_report.py::"
+            "test_ranks_that_all_exited_75_read_as_stopped_and_saved_not_failed",
+        ),
+    ),
     # A trajectory that went NaN passes parity: NaN fails no `>` and Python's max skips it.
     Mutant(
         "parity_passes_a_loss_that_is_not_finite",

@@ -8,11 +8,12 @@ A launcher that joins later brings the run back to world 4. The run must end wit
 parameters of an uninterrupted world-4 run (rel 1e-5), and each step must have trained the
 samples it trains there: none skipped, none twice (from the ids the workers log).
 
-With `shardwise rendezvous` hosting the store, losing the launcher that would have hosted
-it does not lose the run. A hybrid layout, which cannot exist at world 2, stops the survivor
+A launcher stopped by SIGTERM (a node preempted) stops every rank at one step, saved; the
+other node goes on at world 2 from that step. With `shardwise rendezvous` hosting the
+store, losing the launcher that would have hosted it does not lose the run. A hybrid layout, which cannot exist at world 2, stops the survivor
 with one line, its restarts left unused, and nothing trained at world 2.
 
-`make test-elastic` (and .ci/run); about 4 minutes. ELASTIC_TRIALS=5 repeats the first test.
+`make test-elastic` (and .ci/run); about 5 minutes. ELASTIC_TRIALS=5 repeats the first test.
 """
 
 from __future__ import annotations
@@ -164,6 +165,35 @@ def test_a_lost_node_and_a_new_one_keep_the_run(tmp_path: Path, uninterrupted: P
         _same_training(run, uninterrupted)
     finally:
         _kill(node0, node1, *([node2] if node2 else []))
+
+
+def test_a_preempted_node_stops_every_rank_at_one_step_and_the_other_goes_on(
+    tmp_path: Path, uninterrupted: Path
+):
+    """SIGTERM to one launcher, as a scheduler reclaiming its node: the Runner stops every
+    rank of the job after the same step and saves it; that launcher exits 75; the other
+    one's workers exited 75 without its launcher being signalled, so its agent restarts
+    them at world 2 from that very step: no step lost, none trained twice."""
+    run, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    node0 = _node(run, endpoint, log0)
+    time.sleep(2)
+    node1 = _node(run, endpoint, log1)
+    try:
+        _until("step 4", lambda: len(_worlds(run)) >= 4, 240, node0, node1)
+        node1.send_signal(signal.SIGTERM)
+        assert node1.wait(timeout=120) == 75, log1.read_text()[-3000:]
+        assert "shardwise run: SIGTERM: the workers were stopped" in log1.read_text()
+        assert node0.wait(timeout=300) == 0, log0.read_text()[-3000:]
+        text = log0.read_text()
+        saved = int(text.split("stopped after optimizer step ")[1].split()[0])
+        assert "shardwise run: 2 rank(s) stopped and saved:" in text
+        assert f"restart 1: resumed from step {saved} of" in text, text[-3000:]
+        assert f"data-parallel ranks 4 -> 2: resuming after step {saved}" in text
+        assert _worlds(run) == [4] * saved + [2] * (24 - saved)
+        _same_training(run, uninterrupted)
+    finally:
+        _kill(node0, node1)
 
 
 def test_losing_the_node_that_would_host_the_rendezvous(tmp_path: Path, uninterrupted: Path):

@@ -469,6 +469,58 @@ def test_a_restart_says_its_attempt_after_the_same_report(tmp_path):
     assert "finished after restart 1" in out.stdout
 
 
+# A stop signal that reaches a worker and not the launcher (a scheduler signalling every
+# process of a node, or another node's preemption that the Runner spreads to every rank).
+PREEMPTED_WORKER = """
+import signal
+from shardwise import Engine, ParallelConfig, Runner, RunnerConfig
+shardwise.init_distributed()
+first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+    def forward(self, x):
+        if engine.step == 2 and os.environ["RANK"] == "1" and first_attempt:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.lin(x).pow(2).mean()
+torch.manual_seed(0)
+engine = Engine(Net(), lambda p: torch.optim.SGD(p, lr=0.1), ParallelConfig(strategy="ddp"))
+config = RunnerConfig(run_dir=str(OUT / "run"), batch_size=2, max_steps=6, max_epochs=None,
+                      save_every=100, progress=False, resume="latest")
+Runner(engine, torch.utils.data.TensorDataset(torch.randn(64, 4)), config=config).fit()
+print("finished at step", engine.step, flush=True)
+"""
+
+
+@pytest.mark.parametrize(("restarts", "code"), [("0", 75), ("1", 0)])
+def test_workers_stopped_by_a_signal_the_launcher_missed(tmp_path, restarts, code):
+    """Every rank saves at one step and exits 75. That is no failure: with no restart left
+    the launcher exits 75 too (what a scheduler requeues on; it was 1), and with one the
+    workers resume from that step."""
+    script = _script(tmp_path, PREEMPTED_WORKER)
+    cmd = [*SHARDWISE, "run", "--nproc", "2", "--max-restarts", restarts, str(script),
+           str(tmp_path)]  # fmt: skip
+    out = run_in_session(cmd, 240)
+    assert out.returncode == code, out.stderr[-3000:]
+    report = (
+        "shardwise run: 2 rank(s) stopped and saved:\n"
+        "  ranks 0, 1: exited with code 75: stopped on a stop signal, after saving a checkpoint\n"
+    )
+    assert report in out.stderr, out.stderr[-3000:]
+    assert "stopped after optimizer step 3 and saved" in out.stderr
+    if code:
+        assert out.stderr.endswith(
+            report + "shardwise run: exiting with 75, as the workers did (no restart left "
+            "here): start again with resume='latest'.\n"
+        ), out.stderr[-3000:]
+        assert "finished" not in out.stdout
+    else:
+        assert report + "shardwise run: restarting the workers: restart 1 of 1" in out.stderr
+        assert "restart 1: resumed from step 3" in out.stderr, out.stderr[-3000:]
+        assert out.stdout.count("finished at step 6") == 2
+
+
 EXIT_PATHS = """
 import atexit
 def _after_shardwise():  # registered first, so it runs after shardwise's own exit hook

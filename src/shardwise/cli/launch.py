@@ -191,7 +191,7 @@ def launch_torchrun(
     from torch.distributed.run import get_args_parser, run
 
     from shardwise.cli.grace import FailureGrace
-    from shardwise.cli.report import AgentLogReader, failures_from_torch, summary
+    from shardwise.cli.report import AgentLogReader, failures_from_torch, preempted, summary
     from shardwise.distributed.process_group import LAUNCHER_PID_ENV, TIMEOUT_ENV
     from shardwise.train.resume import PREEMPTED_EXIT_CODE
 
@@ -210,8 +210,19 @@ def launch_torchrun(
                 run(args)
         except ChildFailedError as exc:
             stopped = grace.attempts[-1].stopped if grace.attempts else None
-            report = summary(failures_from_torch(exc.failures), stopped=stopped)
-            print(report, file=sys.stderr, flush=True)
+            failures = failures_from_torch(exc.failures)
+            print(summary(failures, stopped=stopped), file=sys.stderr, flush=True)
+            if preempted(failures):
+                # A stop signal reached the workers (here or on another node) and not this
+                # launcher: the job is preempted, not failed. Say so in the exit code a
+                # scheduler requeues on (SLURM's RequeueExit).
+                print(
+                    f"shardwise run: exiting with {PREEMPTED_EXIT_CODE}, as the workers did "
+                    "(no restart left here): start again with resume='latest'.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return PREEMPTED_EXIT_CODE
             if grace.refused_restart:
                 print(
                     "shardwise run: not restarted: every rank refused its setting, and a "

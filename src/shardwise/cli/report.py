@@ -31,14 +31,26 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from shardwise.cli.grace import Attempt
 
-__all__ = ["AgentLogReader", "Failure", "describe_exit", "failures_from_torch", "summary"]
+__all__ = [
+    "AgentLogReader",
+    "Failure",
+    "describe_exit",
+    "failures_from_torch",
+    "preempted",
+    "summary",
+]
 
 _MP_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 _AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
 
 
 def describe_exit(exitcode: int) -> str:
-    """'exited with code 1' or 'was killed by signal 9 (SIGKILL)'."""
+    """'exited with code 1' or 'was killed by signal 9 (SIGKILL)'; code 75 says what a
+    Runner means by it."""
+    from shardwise.train.resume import PREEMPTED_EXIT_CODE
+
+    if exitcode == PREEMPTED_EXIT_CODE:
+        return f"exited with code {exitcode}: stopped on a stop signal, after saving a checkpoint"
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -139,7 +151,8 @@ def summary(
     for f in causes:
         groups.setdefault(f.message or f"\0{f.exitcode}", []).append(f)
     of = f" of {world}" if world else ""
-    lines = [f"shardwise run: {len(failures)}{of} rank(s) failed:"]
+    ended = "stopped and saved" if preempted(failures) else "failed"
+    lines = [f"shardwise run: {len(failures)}{of} rank(s) {ended}:"]
     for group in groups.values():
         ranks = [f.rank for f in group]
         first = group[0]
@@ -158,6 +171,18 @@ def summary(
     if after:
         lines.append(f"  {_ranks(after)}: stopped because {_ranks(sorted(cause_ranks))} ended")
     return "\n".join(lines)
+
+
+def preempted(failures: Iterable[Failure]) -> bool:
+    """Whether every rank that ended exited with PREEMPTED_EXIT_CODE and wrote no error:
+    a Runner stopped them all at one step, after its checkpoint (a stop signal to this node
+    or to another), which is no failure."""
+    from shardwise.train.resume import PREEMPTED_EXIT_CODE
+
+    failures = list(failures)
+    return bool(failures) and all(
+        f.exitcode == PREEMPTED_EXIT_CODE and not f.message for f in failures
+    )
 
 
 def _shown_live(message: str) -> bool:

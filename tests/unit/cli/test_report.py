@@ -12,6 +12,7 @@ from shardwise.cli.report import (
     Failure,
     describe_exit,
     failures_from_torch,
+    preempted,
     summary,
 )
 from shardwise.distributed.worker_errors import record_error, refused
@@ -20,6 +21,23 @@ from shardwise.distributed.worker_errors import record_error, refused
 def test_describe_exit():
     assert describe_exit(3) == "exited with code 3"
     assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)"
+    assert describe_exit(75) == (
+        "exited with code 75: stopped on a stop signal, after saving a checkpoint"
+    )
+
+
+def test_ranks_that_all_exited_75_read_as_stopped_and_saved_not_failed():
+    saved = [Failure(0, 0, 75), Failure(1, 1, 75)]
+    assert preempted(saved)
+    assert summary(saved).splitlines() == [
+        "shardwise run: 2 rank(s) stopped and saved:",
+        "  ranks 0, 1: exited with code 75: stopped on a stop signal, after saving a checkpoint",
+    ]
+    # One rank that failed otherwise, or a 75 with an error of its own: a failure.
+    assert not preempted([*saved, Failure(2, 0, 1)])
+    assert not preempted([Failure(0, 0, 75, "SystemExit: 75")])
+    assert not preempted([])
+    assert summary([*saved, Failure(2, 0, 1)]).startswith("shardwise run: 3 rank(s) failed:")
 
 
 def test_the_same_error_in_every_rank_is_one_line_naming_them():
