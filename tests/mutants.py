@@ -1559,6 +1559,27 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_ranks_that_all_exited_75_read_as_stopped_and_saved_not_failed",
         ),
     ),
+    # A host's loop computing in fp16 with no loss scale: small gradients round to zero.
+    Mutant(
+        "lightning_strategies_take_fp16_with_no_loss_scale",
+        "src/shardwise/integrations/layouts.py",
+        "    if computes_in_fp16(config):",
+        "    if False:",
+        (
+            "tests/unit/integrations/test_fabric_contract.py::"
+            "test_fp16_compute_is_refused_by_both_lightning_strategies",
+        ),
+    ),
+    Mutant(
+        "mmengine_checks_the_loss_scaler_only_when_sharded",
+        "src/shardwise/integrations/mmengine.py",
+        "    if computes_in_fp16(model.config):",
+        "    if model.sharded and computes_in_fp16(model.config):",
+        (
+            "tests/unit/integrations/test_mmengine_contract.py::"
+            "test_fp16_compute_with_no_loss_scaler_is_refused_and_an_amp_wrapper_taken",
+        ),
+    ),
     # A trajectory that went NaN passes parity: NaN fails no `>` and Python's max skips it.
     Mutant(
         "parity_passes_a_loss_that_is_not_finite",

@@ -1,7 +1,7 @@
 """What every host adapter does alike: reading its strategy's arguments into a
 `ParallelConfig`, and refusing the layouts a host cannot drive, named for the host.
 
-Owns: `host_config` and `refuse_unbuilt_layouts`.
+Owns: `host_config`, `refuse_unbuilt_layouts` and `computes_in_fp16`.
 Must not: import a host (each adapter imports this with the host's name).
 """
 
@@ -11,7 +11,15 @@ from typing import Any
 
 from shardwise.config.parallel import ParallelConfig
 
-__all__ = ["host_config", "refuse_unbuilt_layouts"]
+__all__ = ["computes_in_fp16", "host_config", "refuse_unbuilt_layouts"]
+
+
+def computes_in_fp16(config: ParallelConfig) -> bool:
+    """Whether `config` computes in float16: its gradients then need a loss scale, which
+    shardwise's Engine adds by itself (a ShardedGradScaler) and a host's loop does not."""
+    import torch
+
+    return config.precision.param_dtype == torch.float16
 
 
 def host_config(
@@ -30,6 +38,14 @@ def host_config(
             f"{owner}(config=...) expects a shardwise.ParallelConfig, got {type(config).__name__}."
         )
     refuse_unbuilt_layouts(config, host, takes_tp=True)
+    if computes_in_fp16(config):
+        raise ValueError(
+            f"{owner}(mixed_precision={config.mixed_precision!r}) computes in float16, whose "
+            f"gradients need a loss scale, and {host} scales the loss only under "
+            "precision='16-mixed', which it refuses with this kind of strategy: small "
+            "gradients would round to zero unseen. Use mixed_precision='bf16' (no scale "
+            "needed), or shardwise's Engine and Runner, which scale the loss for fp16."
+        )
     return config
 
 

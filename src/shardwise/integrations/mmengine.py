@@ -58,7 +58,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config.parallel import ParallelConfig
-from shardwise.integrations.layouts import refuse_unbuilt_layouts
+from shardwise.integrations.layouts import computes_in_fp16, refuse_unbuilt_layouts
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.wrapped import unwrap
 from shardwise.train.engine import clip_grad_norm_
@@ -237,11 +237,22 @@ def _global_norm_clip(
 
 
 def adopt_optim_wrapper(model: ShardwiseDataParallel, optim_wrapper: Any) -> None:
-    """Make an mmengine OptimWrapper right for a sharded model (once per wrapper):
+    """Make an mmengine OptimWrapper right for a sharded model (once per wrapper), after
+    refusing one with no loss scaler for a model computing in fp16 (any strategy):
     'norm' clipping by the global norm, an AmpOptimWrapper's GradScaler as a
     ShardedGradScaler with the same settings (so every rank skips the same steps), and
     `load_state_dict` accepting the full, name-keyed optimizer states that checkpoints of
     sharded models hold."""
+    if computes_in_fp16(model.config):
+        for wrapper in _sub_wrappers(optim_wrapper):
+            if getattr(wrapper, "loss_scaler", None) is None:
+                raise ValueError(
+                    f"ShardwiseDataParallel(mixed_precision={model.config.mixed_precision!r}) "
+                    f"computes in float16, whose gradients need a loss scale, and "
+                    f"{type(wrapper).__name__} scales nothing: small gradients would round "
+                    "to zero unseen. Use optim_wrapper=dict(type='AmpOptimWrapper', ...) "
+                    "(shardwise shards its GradScaler), or mixed_precision='bf16'."
+                )
     if not model.sharded:
         return
     for wrapper in _sub_wrappers(optim_wrapper):

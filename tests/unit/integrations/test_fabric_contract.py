@@ -127,3 +127,21 @@ def test_clipping_one_process_equals_torch_and_refuses_a_non_finite_norm():
     ours.weight.grad[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match=r"total norm of the gradients is nan"):
         strategy.clip_gradients_norm(ours, torch.optim.SGD(ours.parameters(), lr=1), 0.1)
+
+
+@pytest.mark.parametrize("owner", ["ShardwiseStrategy", "ShardwiseFabricStrategy"])
+def test_fp16_compute_is_refused_by_both_lightning_strategies(owner: str) -> None:
+    # Lightning scales the loss only under precision='16-mixed', which it refuses with
+    # this kind of strategy: fp16 compute would train with no loss scale.
+    import shardwise.integrations.fabric as fabric
+    import shardwise.integrations.lightning as lightning
+
+    cls = getattr(lightning if owner == "ShardwiseStrategy" else fabric, owner)
+    host = "Lightning's Trainer" if owner == "ShardwiseStrategy" else "Lightning Fabric"
+    with pytest.raises(
+        ValueError,
+        match=rf"{owner}\(mixed_precision='fp16'\) computes in float16, whose gradients need "
+        rf"a loss scale, and {host} scales the loss only under precision='16-mixed'",
+    ):
+        cls(strategy="full_shard", mixed_precision="fp16")
+    assert cls(strategy="full_shard", mixed_precision="bf16").config.mixed_precision == "bf16"

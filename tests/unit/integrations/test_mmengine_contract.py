@@ -407,3 +407,22 @@ def test_sharded_wrapper_keeps_sync_off_through_an_accumulating_backward_and_cli
         assert wrapper.clip_func is _global_norm_clip
     finally:
         dist.destroy_process_group()
+
+
+def test_fp16_compute_with_no_loss_scaler_is_refused_and_an_amp_wrapper_taken(monkeypatch):
+    # Before: the model computed in float16 with no loss scale, and small gradients rounded
+    # to zero with no error.
+    from shardwise.integrations.mmengine import ShardwiseDataParallel, adopt_optim_wrapper
+
+    model = ShardwiseDataParallel(MMToy(), strategy="ddp", mixed_precision="fp16")
+    with pytest.raises(
+        ValueError,
+        match=r"ShardwiseDataParallel\(mixed_precision='fp16'\) computes in float16, whose "
+        r"gradients need a loss scale, and OptimWrapper scales nothing: .* "
+        r"optim_wrapper=dict\(type='AmpOptimWrapper', \.\.\.\)",
+    ):
+        adopt_optim_wrapper(model, OptimWrapper(sgd(model.parameters())))
+    amp = real_amp_wrapper(sgd(model.parameters()), monkeypatch, dtype="float16")
+    adopt_optim_wrapper(model, amp)  # scaled: taken
+    bf16 = ShardwiseDataParallel(MMToy(), strategy="ddp", mixed_precision="bf16")
+    adopt_optim_wrapper(bf16, OptimWrapper(sgd(bf16.parameters())))  # no scale needed
