@@ -1580,6 +1580,17 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_fp16_compute_with_no_loss_scaler_is_refused_and_an_amp_wrapper_taken",
         ),
     ),
+    # Two SLURM jobs sharing a rendezvous store both named 'none': they join one job.
+    Mutant(
+        "rdzv_id_not_taken_from_slurm",
+        "src/shardwise/cli/launch.py",
+        '        rdzv_id = getattr(args, "rdzv_id", None) or os.environ.get("SLURM_JOB_ID")',
+        '        rdzv_id = getattr(args, "rdzv_id", None)',
+        (
+            "tests/unit/config/test_run_file.py::"
+            "test_a_multi_node_job_is_named_at_the_rendezvous_by_its_id_or_slurms",
+        ),
+    ),
     # A trajectory that went NaN passes parity: NaN fails no `>` and Python's max skips it.
     Mutant(
         "parity_passes_a_loss_that_is_not_finite",

@@ -147,6 +147,11 @@ def launcher_args(args: argparse.Namespace) -> list[str]:
             "--rdzv_endpoint",
             args.rdzv_endpoint,
         ]
+        # torch keys a rendezvous by this id: two jobs on one store with the same id (its
+        # default is 'none') would join one job. Every node of a SLURM job shares its id.
+        rdzv_id = getattr(args, "rdzv_id", None) or os.environ.get("SLURM_JOB_ID")
+        if rdzv_id:
+            out += ["--rdzv_id", str(rdzv_id)]
     out += ["--max_restarts", str(args.max_restarts)]
     return out
 
@@ -381,8 +386,8 @@ def host_rendezvous(host: str, port: int) -> int:
         signal.signal(sig, request_stop)
     print(
         f"shardwise rendezvous: hosting the store on {host}:{port}; give every node "
-        f"`shardwise run --nnodes MIN:MAX --rdzv-endpoint {host}:{port}`. One job per store: "
-        "start it with the job, stop it (Ctrl-C) after.",
+        f"`shardwise run --nnodes MIN:MAX --rdzv-endpoint {host}:{port}`. One job per store "
+        "(or jobs with different --rdzv-id): start it with the job, stop it (Ctrl-C) after.",
         file=sys.stderr,
         flush=True,
     )

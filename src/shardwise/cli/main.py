@@ -162,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--rdzv-endpoint", default=None, help="HOST:PORT every node can reach (multi-node)"
     )
     run.add_argument(
+        "--rdzv-id",
+        default=None,
+        help="the job's name at the rendezvous, the same on every node: jobs sharing one "
+        "store (`shardwise rendezvous`) stay apart when their ids differ (default: "
+        "$SLURM_JOB_ID under SLURM, else torchrun's 'none'; multi-node)",
+    )
+    run.add_argument(
         "--max-restarts",
         type=non_negative_arg("--max-restarts"),
         default=0,

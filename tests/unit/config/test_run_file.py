@@ -313,6 +313,27 @@ def test_overrides_keep_the_sections_own_defaults():
     assert demo.runner.run_dir == DemoConfig().runner.run_dir
 
 
+def test_a_multi_node_job_is_named_at_the_rendezvous_by_its_id_or_slurms(monkeypatch):
+    # torch keys a rendezvous by its id ('none' by default): two jobs on one store with the
+    # same id would join one job.
+    from torch.distributed.run import get_args_parser
+
+    from shardwise.cli import build_parser, launcher_args
+
+    def torchrun(*flags: str):
+        args = build_parser().parse_args(["run", *flags, "train.py"])
+        return get_args_parser().parse_args([*launcher_args(args), "train.py"])
+
+    multi = ("--nnodes", "1:2", "--rdzv-endpoint", "head:29400")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert torchrun(*multi).rdzv_id == "none"  # torchrun's default
+    assert torchrun(*multi, "--rdzv-id", "lm-7").rdzv_id == "lm-7"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert torchrun(*multi).rdzv_id == "4242"
+    assert torchrun(*multi, "--rdzv-id", "lm-7").rdzv_id == "lm-7"
+    assert "--rdzv_id" not in launcher_args(build_parser().parse_args(["run", "train.py"]))
+
+
 def test_run_flags_map_onto_torchrun():
     from argparse import Namespace
 
