@@ -128,10 +128,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 _DIVERGED = (
-    "a run that diverged shows nothing about parity (NaN compares unequal to everything, "
-    "so a check that is not told would pass it). Find the step where it first diverges: "
-    "a lower learning rate, or a dtype whose range holds the update (AdamW's eps=1e-8 is "
-    "0 in float16)."
+    "a run that diverged shows nothing about parity (a NaN fails no '>' check, so a "
+    "comparison that did not look for it would pass it). Find the step where it first "
+    "diverges: a lower learning rate, or a dtype whose range holds the update (AdamW's "
+    "eps=1e-8 is 0 in float16)."
 )
 
 
