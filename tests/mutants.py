@@ -1550,6 +1550,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "preempted_ranks_reported_as_failed",
+        "src/shardwise/cli/report.py",
+        '    ended = "stopped and saved" if preempted(failures) else "failed"',
+        '    ended = "failed"',
+        (
+            "tests/unit/cli/test_report.py::"
+            "test_ranks_that_all_exited_75_read_as_stopped_and_saved_not_failed",
+        ),
+    ),
+    Mutant(
         "a_75_with_an_error_of_its_own_read_as_preempted",
         "src/shardwise/cli/report.py",
         "        f.exitcode == PREEMPTED_EXIT_CODE and not f.message for f in failures",
@@ -1573,8 +1583,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mmengine_checks_the_loss_scaler_only_when_sharded",
         "src/shardwise/integrations/mmengine.py",
-        "    if computes_in_fp16(model.config):",
-        "    if model.sharded and computes_in_fp16(model.config):",
+        '        if computes_in_fp16(model.config) and getattr(wrapper, "loss_scaler", None) is None:',
+        "        if model.sharded and computes_in_fp16(model.config)"
+        ' and getattr(wrapper, "loss_scaler", None) is None:',
         (
             "tests/unit/integrations/test_mmengine_contract.py::"
             "test_fp16_compute_with_no_loss_scaler_is_refused_and_an_amp_wrapper_taken",

@@ -237,35 +237,32 @@ def _global_norm_clip(
 
 
 def adopt_optim_wrapper(model: ShardwiseDataParallel, optim_wrapper: Any) -> None:
-    """Make an mmengine OptimWrapper right for a sharded model (once per wrapper), after
-    refusing one with no loss scaler for a model computing in fp16 (any strategy):
+    """Make an mmengine OptimWrapper right for the model, once per wrapper: refuse one with
+    no loss scaler for a model computing in fp16 (any strategy); for a sharded model,
     'norm' clipping by the global norm, an AmpOptimWrapper's GradScaler as a
     ShardedGradScaler with the same settings (so every rank skips the same steps), and
     `load_state_dict` accepting the full, name-keyed optimizer states that checkpoints of
     sharded models hold."""
-    if computes_in_fp16(model.config):
-        for wrapper in _sub_wrappers(optim_wrapper):
-            if getattr(wrapper, "loss_scaler", None) is None:
-                raise ValueError(
-                    f"ShardwiseDataParallel(mixed_precision={model.config.mixed_precision!r}) "
-                    f"computes in float16, whose gradients need a loss scale, and "
-                    f"{type(wrapper).__name__} scales nothing: small gradients would round "
-                    "to zero unseen. Use optim_wrapper=dict(type='AmpOptimWrapper', ...) "
-                    "(shardwise shards its GradScaler), or mixed_precision='bf16'."
-                )
-    if not model.sharded:
-        return
     for wrapper in _sub_wrappers(optim_wrapper):
         if getattr(wrapper, _ADOPTED, False):
             continue
-        if wrapper.clip_grad_kwargs and wrapper.clip_func is torch.nn.utils.clip_grad_norm_:
-            wrapper.clip_func = _global_norm_clip
-        if getattr(wrapper, "loss_scaler", None) is not None:  # AmpOptimWrapper
-            wrapper.loss_scaler = sharded_scaler_like(wrapper.loss_scaler)
-        optimizer = wrapper.optimizer
-        optimizer.load_state_dict = functools.partial(
-            _load_optimizer_state, model.module, optimizer
-        )
+        if computes_in_fp16(model.config) and getattr(wrapper, "loss_scaler", None) is None:
+            raise ValueError(
+                f"ShardwiseDataParallel(mixed_precision={model.config.mixed_precision!r}) "
+                f"computes in float16, whose gradients need a loss scale, and "
+                f"{type(wrapper).__name__} scales nothing: small gradients would round "
+                "to zero unseen. Use optim_wrapper=dict(type='AmpOptimWrapper', ...) "
+                "(shardwise shards its GradScaler), or mixed_precision='bf16'."
+            )
+        if model.sharded:
+            if wrapper.clip_grad_kwargs and wrapper.clip_func is torch.nn.utils.clip_grad_norm_:
+                wrapper.clip_func = _global_norm_clip
+            if getattr(wrapper, "loss_scaler", None) is not None:  # AmpOptimWrapper
+                wrapper.loss_scaler = sharded_scaler_like(wrapper.loss_scaler)
+            optimizer = wrapper.optimizer
+            optimizer.load_state_dict = functools.partial(
+                _load_optimizer_state, model.module, optimizer
+            )
         setattr(wrapper, _ADOPTED, True)
 
 

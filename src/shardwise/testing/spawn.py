@@ -401,5 +401,5 @@ def assert_same_distribution(
         g_mean, g_std = float(g_finite.mean()), float(g_finite.std())
         if abs(g_std - w_std) > std_rtol * w_std + 1e-6:
             raise AssertionError(f"{label}: {name} std {g_std:.5f}, expected {w_std:.5f}")
-        if abs(g_mean - w_mean) > mean_sigmas * w_std / math.sqrt(g.numel()) + 1e-6:
+        if abs(g_mean - w_mean) > mean_sigmas * w_std / math.sqrt(g_finite.numel()) + 1e-6:
             raise AssertionError(f"{label}: {name} mean {g_mean:.5f}, expected {w_mean:.5f}")
