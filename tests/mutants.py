@@ -150,6 +150,19 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_batch_statistics.py::test_global_batch_sum_makes_a_models_own_statistics_whole",
         ),
     ),
+    # Issue 47: on CUDA the recompute runs on autograd's device thread, which sees none of
+    # the caller's context variables or thread-locals.
+    Mutant(
+        "recompute_groups_per_thread",
+        "src/shardwise/parallelize/global_batch.py",
+        "        return _LAST[0]  # inside backward: a checkpointed block recomputing\n",
+        "        return _LAST[0] if __import__('threading').current_thread() is "
+        "__import__('threading').main_thread() else None\n",
+        (
+            "tests/unit/parallelize/test_batch_stats.py::test_a_recomputed_block_sums_over_the_batch_as_its_forward_did",
+            "tests/distributed/test_batch_statistics.py::test_global_batch_sum_makes_a_models_own_statistics_whole",
+        ),
+    ),
     # A ratio of sums (the load-balancing loss, a masked mean) is the same summed over the
     # tp replicas too, so the numbers cannot see this one: the count of ranks summed over does.
     Mutant(

@@ -21,6 +21,7 @@ rank's statistics (measured, and stated once). All cases run in one spawned grou
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from unittest import mock
 
@@ -82,7 +83,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
 
 
-def train(model: nn.Module, rank_batch, loss_of, data=batches) -> dict:  # type: ignore[no-untyped-def]
+def _backward_on_another_thread(loss: torch.Tensor) -> None:
+    """As CUDA runs a checkpointed block's recompute: on a thread that does not see the
+    caller's context variables (pytorch#186583)."""
+    worker = threading.Thread(target=loss.backward)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "backward on another thread did not finish within 120 s"
+
+
+def train(
+    model: nn.Module, rank_batch, loss_of, data=batches, backward=torch.Tensor.backward
+) -> dict:  # type: ignore[no-untyped-def]
     """3 SGD steps: each step's loss (averaged over the ranks), the first step's
     gradients and the final parameters, all whole."""
     user = shardwise.unwrap(model)
@@ -91,7 +103,7 @@ def train(model: nn.Module, rank_batch, loss_of, data=batches) -> dict:  # type:
     for step, batch in enumerate(data()):
         opt.zero_grad(set_to_none=True)
         loss = loss_of(model, rank_batch(batch))
-        loss.backward()
+        backward(loss)
         if step == 0:
             first_grads = {n: _full(p.grad) for n, p in user.named_parameters()}
         opt.step()
@@ -296,6 +308,9 @@ def _cases() -> dict:  # type: ignore[type-arg]
     per_layer = functools.partial(OwnMoE, True, per_layer=True)
     out["own_per_layer/hook"] = _wrapped(per_layer, full, _own_loss)
     out["own_per_layer/hook_recomputed"] = _wrapped(per_layer, recompute, _own_loss)
+    out["own_per_layer/hook_recomputed_other_thread"] = _wrapped(
+        per_layer, recompute, _own_loss, backward=_backward_on_another_thread
+    )
     out["own/no_hook"] = _wrapped(functools.partial(OwnMoE, False), full, _own_loss)
     out["masked/hook"] = _wrapped(functools.partial(MaskedLM, True), full, _own_loss)
     out["masked/no_hook"] = _wrapped(functools.partial(MaskedLM, False), full, _own_loss)
@@ -357,11 +372,19 @@ def test_the_comparison_catches_each_rank_using_its_own_statistics(results):
 
 
 @pytest.mark.parametrize(
-    "case", ["own/hook", "own_per_layer/hook", "own_per_layer/hook_recomputed", "masked/hook"]
+    "case",
+    [
+        "own/hook",
+        "own_per_layer/hook",
+        "own_per_layer/hook_recomputed",
+        "own_per_layer/hook_recomputed_other_thread",
+        "masked/hook",
+    ],
 )
 def test_global_batch_sum_makes_a_models_own_statistics_whole(results, case):
     """Also where the loss is formed inside a block that activation checkpointing recomputes
-    in backward: the recomputed statistics are summed again, as in the forward."""
+    in backward: the recomputed statistics are summed again, as in the forward, also when
+    the backward runs on a thread of its own (CUDA's autograd device thread)."""
     refs, ranks = results
     rel, where = _worst(refs[case.split("/")[0]], ranks[0][case])
     print(f"{case}: the largest difference is {where}, rel {rel:.2e}")

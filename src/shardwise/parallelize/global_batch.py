@@ -57,12 +57,13 @@ class BatchGroups:
 _ACTIVE: contextvars.ContextVar[BatchGroups | None] = contextvars.ContextVar(
     "shardwise_batch_groups", default=None
 )
-# The groups of the last training forward per thread: activation checkpointing recomputes a
-# block inside backward, after the forward hooks have run, and the recomputed statistic
-# must be reduced exactly as in the forward (every rank recomputes in the same order).
-_LAST: contextvars.ContextVar[BatchGroups | None] = contextvars.ContextVar(
-    "shardwise_last_batch_groups", default=None
-)
+# The groups of the last training forward, in the process, not in a context variable:
+# activation checkpointing recomputes a block inside backward, after the forward hooks have
+# run, and the recomputed statistic must be reduced exactly as in the forward (every rank
+# recomputes in the same order). On CUDA, autograd runs that recompute on its device
+# thread, which does not see the caller's context variables (pytorch#186583): a ContextVar
+# read there is empty, and the statistic would come back each rank's own, with no error.
+_LAST: list[BatchGroups | None] = [None]
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, BatchGroups] = weakref.WeakKeyDictionary()
 
 
@@ -92,7 +93,7 @@ def attach(model: nn.Module, batch: BatchGroups) -> None:
     def enter(module: nn.Module, args: Any, kwargs: Any) -> None:
         current = batch if module.training else None
         if current is not None:
-            _LAST.set(current)
+            _LAST[0] = current
         tokens.append(_ACTIVE.set(current))
 
     def leave(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -113,7 +114,7 @@ def current() -> BatchGroups | None:
     autograd is recomputing), None outside one."""
     active = _ACTIVE.get()
     if active is None and torch._C._current_graph_task_id() != -1:
-        return _LAST.get()  # inside backward: a checkpointed block recomputing
+        return _LAST[0]  # inside backward: a checkpointed block recomputing
     return active
 
 

@@ -5,6 +5,8 @@ BatchNorm layers normalising in training mode, each stated once on rank 0."""
 
 from __future__ import annotations
 
+import contextvars
+import threading
 import warnings
 from unittest import mock
 
@@ -152,3 +154,51 @@ def test_eval_forwards_leave_statistics_per_rank():
         model.train()
         model(torch.ones(2, 4))
         assert batch.used == 1
+
+
+class _Recomputed(nn.Module):
+    """A block that activation checkpointing recomputes in backward, whose forward sums a
+    statistic over the batch: the recompute must sum it again, over the same ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
+        # tanh saves its output: the recompute (which stops at the last saved tensor it
+        # needs) runs through the sum
+        return torch.tanh(shardwise.global_batch_sum(self.inner(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self._block, x, use_reentrant=False).sum()
+
+
+def _backward_in_a_fresh_context(loss: torch.Tensor) -> None:
+    contextvars.Context().run(loss.backward)
+
+
+def _backward_on_another_thread(loss: torch.Tensor) -> None:
+    worker = threading.Thread(target=loss.backward)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "backward did not finish within 60 s"
+
+
+@pytest.mark.parametrize(
+    "backward",
+    [torch.Tensor.backward, _backward_in_a_fresh_context, _backward_on_another_thread],
+    ids=["same_context", "fresh_context", "another_thread"],
+)
+def test_a_recomputed_block_sums_over_the_batch_as_its_forward_did(backward):
+    """On CUDA, autograd recomputes a checkpointed block on its device thread, which does not
+    see the caller's context variables (pytorch#186583): the recompute must still find the
+    forward's groups, or its statistic comes back each rank's own, with no error."""
+    model = _Recomputed()
+    batch = BatchGroups((), 2)
+    with mock.patch.object(batch_stats.dist, "get_rank", return_value=0):
+        batch_stats.prepare(model, model, batch)
+        loss = model(torch.ones(2, 4))
+        assert batch.used == 1
+        backward(loss)
+    assert batch.used == 2  # the recompute summed too
+    assert model.inner.weight.grad is not None
