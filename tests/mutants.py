@@ -163,6 +163,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_batch_statistics.py::test_global_batch_sum_makes_a_models_own_statistics_whole",
         ),
     ),
+    Mutant(
+        "experts_fp16_divided_twice",
+        "src/shardwise/parallelize/fsdp.py",
+        "    if ranks > 1 or (policy.reduce_dtype or grads) in (torch.float32, torch.bfloat16):\n",
+        "    if True:\n",
+        (
+            "tests/distributed/test_expert_parallel.py::test_fp16_gradients_with_one_expert_shard_rank_equal_one_process",
+        ),
+    ),
     # A ratio of sums (the load-balancing loss, a masked mean) is the same summed over the
     # tp replicas too, so the numbers cannot see this one: the count of ranks summed over does.
     Mutant(

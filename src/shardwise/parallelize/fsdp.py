@@ -11,6 +11,7 @@ hand-write sharding: torch's fully_shard does it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, cast
@@ -184,7 +185,7 @@ def shard_experts(
             module,
             mesh=mesh,
             reshard_after_forward=spec.reshard_after_forward,
-            mp_policy=config.precision.to_fsdp_policy(),
+            mp_policy=_experts_policy(config.precision, module, spec.ep_shard),
             shard_placement_fn=functools.partial(expert_placement, ranks=spec.ep_shard),
         )
         unit = cast(FSDPModule, module)
@@ -194,6 +195,19 @@ def shard_experts(
         # divides by the factor in its copy and again after it (half the gradient).
         if backend == "gloo" and spec.ep_shard > 1:
             unit.set_force_sum_reduction_for_comms(True)
+
+
+def _experts_policy(precision: Precision, module: nn.Module, ranks: int) -> MixedPrecisionPolicy:
+    """The experts unit's policy: the model's, but reducing in fp32 where the gradients
+    would be reduced in fp16 over a shard group of one rank (ep == dp_shard). torch 2.13's
+    fp16 path divides before the reduction against overflow, and with no reduce-scatter to
+    run its copy divides by the factor again: expert gradients came out divided by dp
+    twice. One rank moves nothing, so the fp32 reduction costs a cast, not traffic."""
+    policy = precision.to_fsdp_policy()
+    grads = policy.param_dtype or next(module.parameters()).dtype
+    if ranks > 1 or (policy.reduce_dtype or grads) in (torch.float32, torch.bfloat16):
+        return policy
+    return dataclasses.replace(policy, reduce_dtype=torch.float32)
 
 
 def expert_placement(param: nn.Parameter, ranks: int) -> Shard:
