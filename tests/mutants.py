@@ -172,6 +172,23 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_expert_parallel.py::test_fp16_gradients_with_one_expert_shard_rank_equal_one_process",
         ),
     ),
+    Mutant(
+        "expert_counts_by_bincount",
+        "src/shardwise/parallelize/experts.py",
+        "    return torch.diff(torch.searchsorted(owner, ranks))\n",
+        "    return torch.bincount(owner, minlength=ep)\n",
+        (
+            "tests/distributed/test_expert_parallel.py::test_expert_dispatch_waits_for_the_device_once_per_layer_and_forward",
+        ),
+    ),
+    Mutant(
+        "sync_counter_blind_in_backward",
+        "src/shardwise/testing/syncs.py",
+        "            if not depth and not counts.paused and (when is None or when(args, kwargs)):\n",
+        "            if not depth and not counts.paused and (when is None or when(args, kwargs)) "
+        "and torch._C._current_graph_task_id() == -1:\n",
+        ("tests/unit/testing/test_host_syncs.py::test_a_recompute_in_backward_is_counted",),
+    ),
     # A ratio of sums (the load-balancing loss, a masked mean) is the same summed over the
     # tp replicas too, so the numbers cannot see this one: the count of ranks summed over does.
     Mutant(

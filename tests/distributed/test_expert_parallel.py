@@ -31,7 +31,8 @@ their own, with a short timeout (a rank skipping a collective there hangs the re
 At world 2, ep 2 leaves each experts unit a shard group of one rank: with fp16 gradients
 (fp16 parameters, and an fp16 reduction) every gradient, the experts' included, is within
 fp16's data-parallel rounding of one process computing in fp16 (torch's fp16 path used to
-divide the experts' twice).
+divide the experts' twice). The dispatch waits for the device once per MoE layer and
+forward, a recompute included (it was three times: bincount and two tolist calls).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import shardwise
 from shardwise.parallelize import experts as ep_module
-from shardwise.testing import run_distributed
+from shardwise.testing import count_host_syncs, run_distributed
 from shardwise.testing.models import TinyMoE
 from shardwise.testing.parity import worst_of
 
@@ -537,7 +538,7 @@ def test_a_model_of_ones_own_with_experts_in_the_documented_shape_trains_equal(
         ]
 
 
-# --- world 2: ep == dp_shard (a shard group of one rank) in fp16 -------------------------
+# --- world 2: ep == dp_shard (a shard group of one rank) in fp16; host syncs --------------
 
 # ep 2 over 2 ranks: each rank holds 2 whole experts, sharded by FSDP over one rank, so
 # no reduce-scatter runs for them (torch 2.13's fp16 path divided their gradients twice).
@@ -565,6 +566,33 @@ def _worst_in_fp16(got: dict[str, Any], ref: dict[str, Any]) -> tuple[float, str
     return max(seen)
 
 
+def micro_step_syncs(fields: dict[str, Any]) -> int:
+    """Host syncs of one micro-step (a train_step that does not update) of qwen3_moe."""
+    engine = shardwise.Engine(
+        build("qwen3_moe"),
+        functools.partial(torch.optim.SGD, lr=0.5),
+        shardwise.ParallelConfig(**fields),
+        train=shardwise.TrainConfig(accumulate_steps=2),
+    )
+    info = shardwise.wrap_info(engine.model)
+    assert info is not None
+    data = [_rows(b, info.dp_rank, info.dp_size) for b in batches()]
+    for batch in data[:2]:  # a whole window first: lazy initialisation may sync once
+        engine.train_step(batch)
+    with count_host_syncs() as syncs:
+        logs = engine.train_step(data[2])
+    assert "grad_norm" not in logs  # a micro-step
+    return sum(syncs.values())
+
+
+SYNC_LAYOUTS = {
+    "ep1": {"strategy": "full_shard"},
+    "ep2": EP_EQUALS_DP,
+    "ep1_ac": {"strategy": "full_shard", "activation_checkpointing": True},
+    "ep2_ac": {**EP_EQUALS_DP, "activation_checkpointing": True},
+}
+
+
 def run_world2_cases() -> dict[str, Any]:
     half = {name: _half for name in FP16}
     half["fp16_reduce"] = None  # FSDP casts the fp32 parameters to fp16 itself
@@ -573,6 +601,7 @@ def run_world2_cases() -> dict[str, Any]:
         for name, fields in FP16.items()
     }
     out["fp16_no_ep"] = train("qwen3_moe", shardwise.ParallelConfig(strategy="full_shard"), _half)
+    out["syncs"] = {name: micro_step_syncs(fields) for name, fields in SYNC_LAYOUTS.items()}
     return out
 
 
@@ -597,3 +626,17 @@ def test_fp16_gradients_with_one_expert_shard_rank_equal_one_process(
               f"over one process's {min(ratios):.4f}..{max(ratios):.4f}")  # fmt: skip
         assert worst < FP16_RTOL, f"{case}: {where} differs by {worst:.2e}"
         assert all(abs(x - 1) < 1e-2 for x in ratios), (case, ratios)
+
+
+def test_expert_dispatch_waits_for_the_device_once_per_layer_and_forward(
+    world2_results: list[dict[str, Any]],
+) -> None:
+    """Issue 47, item 8: the dispatch's splits must reach the host (all_to_all_single takes
+    lists), once per MoE layer per forward; a recompute is a forward. Counted as what ep
+    adds over the same model without it (transformers' decoder syncs on its own)."""
+    layers = DECODER["num_hidden_layers"]
+    for r in world2_results:
+        got = r["syncs"]
+        print(f"host syncs of a micro-step: {got}")
+        assert got["ep2"] - got["ep1"] == layers, got  # one forward per layer
+        assert got["ep2_ac"] - got["ep1_ac"] == 2 * layers, got  # and its recompute

@@ -237,10 +237,12 @@ def _dispatcher(
             sent, got = _STATED[-1].splits(flat.numel() // k, k, ep, local)
             ids = torch.zeros(sum(got), dtype=expert.dtype, device=expert.device)
         else:
-            send = torch.bincount(owner, minlength=ep)
+            send = _per_rank(owner, ep)
             recv = torch.empty_like(send)
             dist.all_to_all_single(recv, send, group=group)
-            sent, got = send.tolist(), recv.tolist()
+            # The splits must be on the host: one wait for the device per layer, for both.
+            both = torch.cat([send, recv]).tolist()
+            sent, got = both[:ep], both[ep:]
             ids = torch.empty(sum(got), dtype=expert.dtype, device=expert.device)
             dist.all_to_all_single(ids, expert - owner * local, got, sent, group=group)
         rows = torch.div(order, k, rounding_mode="floor")  # each copy's token
@@ -271,6 +273,13 @@ def _dispatcher(
         return combined.index_add(0, rows, back * weight[:, None])
 
     return forward
+
+
+def _per_rank(owner: torch.Tensor, ep: int) -> torch.Tensor:
+    """How many of the sorted copies go to each of the ep ranks, on the device: bincount
+    would wait for the device (on CUDA it reads the input's max to size its output)."""
+    ranks = torch.arange(ep + 1, dtype=owner.dtype, device=owner.device)
+    return torch.diff(torch.searchsorted(owner, ranks))
 
 
 def plan_without_experts(plan: CheckedPlan, ep: int) -> CheckedPlan:

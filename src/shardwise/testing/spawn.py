@@ -42,11 +42,9 @@ STARTUP_S = 240.0
 before `run_distributed` gives up; the function's own `timeout_s` counts after that."""
 
 __all__ = [
-    "HostSyncs",
     "RankError",
     "assert_same_distribution",
     "count_collectives",
-    "count_host_syncs",
     "free_port",
     "run_distributed",
 ]
@@ -310,54 +308,6 @@ def count_collectives(names: tuple[str, ...] = COUNTED_COLLECTIVES) -> Iterator[
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-
-
-# Tensor methods that make the host wait for the device when the tensor lives on a GPU.
-HOST_SYNCS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__format__")
-
-
-class HostSyncs(Counter[str]):
-    """Counts of host-syncing tensor calls (see `count_host_syncs`); `paused` stops counting
-    (e.g. inside optimizer.step, whose own syncs are the optimizer's)."""
-
-    paused = False
-
-
-@contextlib.contextmanager
-def count_host_syncs() -> Iterator[HostSyncs]:
-    """Count, inside the block, the tensor calls that would make the host wait for a GPU:
-    `.item()`, `float()`/`int()`/`bool()` of a tensor, `.tolist()`, `.numpy()`, `.cpu()`,
-    formatting, and a blocking `.to("cpu")` of an accelerator tensor. All but the last are
-    counted on CPU tensors too, so a CPU test can bound a step's syncs; on a GPU,
-    torch.cuda.set_sync_debug_mode is the same check, and also sees `.to("cpu")`.
-    """
-    from torch.overrides import TorchFunctionMode
-
-    counts = HostSyncs()
-
-    def to_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """A blocking copy from an accelerator to the host (`.to(device)` of a tensor
-        already on the host, or with non_blocking=True, does not wait)."""
-        target = kwargs.get("device", args[1] if len(args) > 1 else None)
-        source = getattr(args[0], "device", None) if args else None
-        blocking = not kwargs.get("non_blocking", False)
-        to_host = target is not None and str(target).startswith("cpu")
-        return blocking and to_host and getattr(source, "type", "cpu") != "cpu"
-
-    class Mode(TorchFunctionMode):
-        def __torch_function__(
-            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-        ) -> Any:
-            kwargs = kwargs or {}
-            name = getattr(func, "__name__", "")
-            if not counts.paused and (
-                name in HOST_SYNCS or (name == "to" and to_cpu(args, kwargs))
-            ):
-                counts[name] += 1
-            return func(*args, **kwargs)
-
-    with Mode():
-        yield counts
 
 
 def assert_same_distribution(
