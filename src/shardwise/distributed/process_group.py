@@ -271,17 +271,30 @@ def serves_cpu(backend: str | None) -> bool:
 
 
 def device_for_group(
-    backend: str | None, env: Mapping[str, str], cuda_devices: int, current: int
+    backend: str | None,
+    env: Mapping[str, str],
+    cuda_devices: int,
+    current: int,
+    bound: torch.device | None = None,
 ) -> torch.device:
     """The device of a rank whose group someone else made: CUDA when the group serves CUDA
     tensors (nccl, a 'cuda:nccl' pair, or torch's default 'undefined' on a CUDA machine),
-    at LOCAL_RANK when that names a visible GPU, else the current device."""
+    at the GPU the group is bound to (`bound`: init_process_group's device_id, as Lightning
+    and Fabric pass their root device, which under devices=[1, 3] is not LOCAL_RANK's),
+    else at LOCAL_RANK when that names a visible GPU, else the current device."""
     name = str(backend)
     cuda = "nccl" in name or (name in ("undefined", "None", "") and cuda_devices > 0)
     if not cuda or cuda_devices == 0:
         return torch.device("cpu")
+    if bound is not None and bound.type == "cuda":
+        return bound
     local_rank = _env_int(env, "LOCAL_RANK", -1)
     return torch.device("cuda", local_rank if 0 <= local_rank < cuda_devices else current)
+
+
+def _bound_device() -> torch.device | None:
+    """The device the default group was bound to at init (device_id), if any."""
+    return getattr(dist.group.WORLD, "bound_device_id", None)
 
 
 def _timeout_from_env(env: Mapping[str, str]) -> float:
@@ -497,7 +510,7 @@ def get_dist_info() -> DistInfo:
         local_rank = _env_int(os.environ, "LOCAL_RANK", dist.get_rank() if world > 1 else 0)
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         current = torch.cuda.current_device() if count else 0
-        dev = device_for_group(backend, os.environ, count, current)
+        dev = device_for_group(backend, os.environ, count, current, _bound_device())
         return DistInfo(
             dist.get_rank(),
             world,

@@ -5,6 +5,8 @@ when the watchdog's gloo group is made."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -59,6 +61,45 @@ def test_two_ranks_on_one_gpu_are_refused_naming_nproc():
 def test_the_device_of_a_group_made_elsewhere(backend, env, gpus, current, want):
     # Before: CUDA only when get_backend() == 'nccl', at current_device() (0 unless set).
     assert device_for_group(backend, env, gpus, current) == torch.device(want)
+
+
+@pytest.mark.parametrize(
+    ("env", "bound", "want"),
+    [
+        ({"LOCAL_RANK": "0"}, "cuda:1", "cuda:1"),  # Lightning's devices=[1, 3], rank 0
+        ({"LOCAL_RANK": "1"}, "cuda:3", "cuda:3"),  # and rank 1
+        ({"LOCAL_RANK": "1"}, None, "cuda:1"),  # a group bound to no device: LOCAL_RANK
+        ({"LOCAL_RANK": "1"}, "cpu", "cuda:1"),
+    ],
+)
+def test_a_group_bound_to_a_gpu_puts_the_rank_there(env, bound, want):
+    """Issue 47, item 1: Lightning and Fabric bind each rank's group to its root device
+    (init_process_group's device_id); shardwise took LOCAL_RANK's GPU, and the first
+    broadcast in wrap failed ('Tensor found on device cuda:0 but backend constrained to
+    cuda:1')."""
+    device = None if bound is None else torch.device(bound)
+    got = device_for_group("cpu:gloo,cuda:nccl", env, 4, 0, device)
+    assert got == torch.device(want)
+
+
+def test_get_dist_info_reads_the_device_the_world_group_is_bound_to():
+    import torch.distributed as dist
+
+    from shardwise.distributed import process_group
+
+    with (  # patched within the test: the fixture's shutdown() runs after it
+        mock.patch.object(process_group, "_info", None),
+        mock.patch.object(dist, "is_initialized", lambda: True),
+        mock.patch.object(dist, "get_world_size", lambda group=None: 2),
+        mock.patch.object(dist, "get_rank", lambda group=None: 0),
+        mock.patch.object(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl"),
+        mock.patch.object(process_group, "_bound_device", lambda: torch.device("cuda", 1)),
+        mock.patch.object(torch.cuda, "is_available", lambda: True),
+        mock.patch.object(torch.cuda, "device_count", lambda: 2),
+        mock.patch.object(torch.cuda, "current_device", lambda: 0),
+        mock.patch.dict("os.environ", {"LOCAL_RANK": "0"}),
+    ):
+        assert process_group.get_dist_info().device == torch.device("cuda", 1)
 
 
 def test_local_world_size_unknown_when_the_launcher_does_not_say():
