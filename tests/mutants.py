@@ -189,6 +189,68 @@ MUTANTS: tuple[Mutant, ...] = (
         "and torch._C._current_graph_task_id() == -1:\n",
         ("tests/unit/testing/test_host_syncs.py::test_a_recompute_in_backward_is_counted",),
     ),
+    Mutant(
+        "pipeline_token_count_on_the_host",
+        "src/shardwise/parallelize/pipeline.py",
+        "    return (labels[..., 1:] != -100).sum().clamp_min(1)\n",
+        "    return max(int((labels[..., 1:] != -100).sum()), 1)\n",
+        (
+            "tests/distributed/test_pipeline.py::test_a_micro_step_waits_for_nothing_and_an_update_once",
+        ),
+    ),
+    Mutant(
+        "pipeline_reduces_every_step_of_a_window",
+        "src/shardwise/parallelize/pipeline.py",
+        "    if sync:\n        yield\n",
+        "    if True:\n        yield\n",
+        ("tests/distributed/test_pipeline.py::test_an_accumulation_window_reduce_scatters_once",),
+    ),
+    Mutant(
+        "pipeline_given_items_divided_by_micro_batches",
+        "src/shardwise/parallelize/pipeline.py",
+        '        return kwargs.pop("num_items_in_batch")\n',
+        "        return None\n",
+        (
+            "tests/distributed/test_pipeline.py::test_the_batchs_own_num_items_in_batch_weighs_each_micro_batch_as_one_process",
+        ),
+    ),
+    Mutant(
+        "stage_training_nothing_gets_no_optimizer",
+        "src/shardwise/train/optim.py",
+        '            built = optimizer([{"params": []}])\n',
+        "            built = optimizer([])\n",
+        (
+            "tests/distributed/test_pipeline.py::test_a_stage_that_trains_nothing_trains_equal_to_one_process",
+        ),
+    ),
+    Mutant(
+        "stage_norm_reduced_from_the_cpu",
+        "src/shardwise/parallelize/pipeline.py",
+        "    squared = norm_of(mine).float().to(state.device) ** 2\n",
+        "    squared = norm_of(mine).float() ** 2\n",
+        (
+            "tests/unit/parallelize/test_pipeline_devices.py::test_the_norm_of_a_stage_that_trains_nothing_is_reduced_on_the_stages_device",
+        ),
+    ),
+    Mutant(
+        "stage_loss_on_the_current_device",
+        "src/shardwise/parallelize/pipeline.py",
+        "        value = torch.zeros((), device=state.device)\n",
+        "        value = torch.zeros(())\n",
+        (
+            "tests/unit/parallelize/test_pipeline_devices.py::test_every_stage_receives_the_loss_on_its_device",
+        ),
+    ),
+    Mutant(
+        "host_device_from_local_rank",
+        "src/shardwise/distributed/process_group.py",
+        '    if bound is not None and bound.type == "cuda":\n',
+        "    if False:\n",
+        (
+            "tests/unit/distributed/test_device_choice.py::test_a_group_bound_to_a_gpu_puts_the_rank_there",
+            "tests/unit/distributed/test_device_choice.py::test_get_dist_info_reads_the_device_the_world_group_is_bound_to",
+        ),
+    ),
     # A ratio of sums (the load-balancing loss, a masked mean) is the same summed over the
     # tp replicas too, so the numbers cannot see this one: the count of ranks summed over does.
     Mutant(

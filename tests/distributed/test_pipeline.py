@@ -14,7 +14,13 @@ The layout is shown to be real: the first stage holds the embeddings and the fir
 blocks and no head, the last holds the other blocks, the norm and the head and no
 embedding (a tied one excepted: both ends hold it and step it identically), and every
 name is the whole model's. The negative control, tied gradients not summed between the
-two stages, fails the same comparison. All cases run in one spawned group of 4.
+two stages, fails the same comparison. A batch that gives its own num_items_in_batch, and
+a first stage that trains nothing (its parts frozen), also train as one process.
+
+What the step costs (issue 47): a micro-step waits for the device not at all and an update
+once, on every stage; an accumulation window of two steps reduce-scatters as often as one
+step (torch's schedule turned FSDP's gradient sync on at every step). All cases run in one
+spawned group of 4.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -32,7 +39,7 @@ from torch.distributed.tensor import DTensor
 import shardwise
 from shardwise.memory.stages import real_stage_step
 from shardwise.parallelize import pipeline
-from shardwise.testing import run_distributed
+from shardwise.testing import count_collectives, count_host_syncs, run_distributed
 from shardwise.testing.models import GPT, GPTConfig
 from shardwise.testing.parity import worst_of
 
@@ -118,25 +125,50 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
 
 
-def train(family: str, config: shardwise.ParallelConfig | None) -> dict[str, Any]:
-    """3 SGD steps through the Engine; each rank reads its data-parallel rows."""
+def _with_items(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The batch with its own num_items_in_batch: the labels its loss averages over."""
+    return {**batch, "num_items_in_batch": int((batch["labels"][..., 1:] != -100).sum())}
+
+
+def _frozen_first_stage(model: nn.Module) -> nn.Module:
+    """What the first of two stages holds (the embeddings, blocks 0 and 1) frozen: that
+    stage trains nothing (LoRA on the last layers only, say)."""
+    for name in ("model.embed_tokens", "model.layers.0", "model.layers.1"):
+        model.get_submodule(name).requires_grad_(False)
+    return model
+
+
+def train(
+    family: str,
+    config: shardwise.ParallelConfig | None,
+    *,
+    padded: bool = True,
+    items: bool = False,
+    prepare: Any = None,
+) -> dict[str, Any]:
+    """3 SGD steps through the Engine; each rank reads its data-parallel rows (`items`: each
+    with its num_items_in_batch)."""
+    model = build(family)
     engine = shardwise.Engine(
-        build(family),
+        prepare(model) if prepare is not None else model,
         functools.partial(torch.optim.SGD, lr=0.5),
         config,
         train=shardwise.TrainConfig(max_grad_norm=MAX_NORM),
     )
     info = shardwise.wrap_info(engine.model)
     rank, size = (info.dp_rank, info.dp_size) if info is not None else (0, 1)
+    data = [_rows(b, rank, size) for b in batches(family, padded)]
+    if items:
+        data = [_with_items(b) for b in data]
     first: dict[str, torch.Tensor] = {}
 
     def record(optimizer: Any, args: Any, kwargs: Any) -> None:
         if not first:
             for name, p in engine.model.named_parameters():
-                first[name] = _full(p.grad)
+                first[name] = _full(p.grad) if p.grad is not None else torch.zeros(p.shape)
 
     engine.optimizer.register_step_pre_hook(record)
-    losses = [engine.train_step(_rows(b, rank, size))["loss"] for b in batches(family)]
+    losses = [engine.train_step(b)["loss"] for b in data]
     params = {n: _full(p) for n, p in engine.model.named_parameters()}
     return {"losses": losses, "grads": first, "params": params, "dp": (rank, size)}
 
@@ -160,6 +192,53 @@ def accumulate_and_evaluate(config: shardwise.ParallelConfig | None) -> dict[str
         "val": float(shardwise.mean_across_ranks(val) if info is not None else val),
         "params": {n: _full(p) for n, p in engine.model.named_parameters()},
     }
+
+
+def _accumulating(accumulate: int) -> shardwise.Engine:
+    engine = shardwise.Engine(
+        build("llama"),
+        functools.partial(torch.optim.SGD, lr=0.5),
+        shardwise.ParallelConfig(strategy="full_shard", pp=2),
+        train=shardwise.TrainConfig(accumulate_steps=accumulate, max_grad_norm=MAX_NORM),
+    )
+    info = shardwise.wrap_info(engine.model)
+    assert info is not None
+    for b in batches("llama")[:accumulate]:  # a window first: lazy initialisation
+        engine.train_step(_rows(b, info.dp_rank, info.dp_size))
+    return engine
+
+
+def host_syncs_and_reductions() -> dict[str, Any]:
+    """Under pp 2 x dp 2 (llama, 1F1B): the host syncs of each train_step of an
+    accumulation window of 2, outside optimizer.step (transformers' own sync of a forward,
+    in find_packed_sequence_indices, is taken out: it returns None for this batch anyway);
+    and the gradient reduce-scatters of a window of 2 steps and of 1."""
+    import transformers.masking_utils as masking
+
+    out: dict[str, Any] = {"reduce_scatters": {}}
+    engine = _accumulating(2)
+    info = shardwise.wrap_info(engine.model)
+    assert info is not None
+    data = [_rows(b, info.dp_rank, info.dp_size) for b in batches("llama")]
+    per_call = []
+    with (
+        mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None),
+        count_host_syncs() as syncs,
+    ):
+        engine.optimizer.register_step_pre_hook(lambda *_: setattr(syncs, "paused", True))
+        engine.optimizer.register_step_post_hook(lambda *_: setattr(syncs, "paused", False))
+        for batch in data[:2]:
+            before = sum(syncs.values())
+            logs = engine.train_step(batch)
+            per_call.append(("grad_norm" in logs, sum(syncs.values()) - before))
+    out["syncs"] = per_call
+    for accumulate in (1, 2):
+        engine = _accumulating(accumulate)
+        with count_collectives(("reduce_scatter_single",)) as calls:  # FSDP2's
+            for batch in data[:accumulate]:
+                engine.train_step(batch)
+        out["reduce_scatters"][accumulate] = calls["reduce_scatter_single"]
+    return out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -333,6 +412,10 @@ def run_cases(root: str) -> dict[str, Any]:
     finally:
         pipeline.sync_tied_grads = original
     out["accumulate/1f1b"] = accumulate_and_evaluate(shardwise.ParallelConfig(pp=2))
+    out["syncs and reductions"] = host_syncs_and_reductions()
+    pp2 = shardwise.ParallelConfig(strategy="full_shard", pp=2)
+    out["llama/items given"] = train("llama", pp2, padded=False, items=True)
+    out["llama/frozen first stage"] = train("llama", pp2, prepare=_frozen_first_stage)
     out["layout/llama"] = _layout("llama", "1f1b")
     out["layout/gemma"] = _layout("gemma", "1f1b")
     out["other shape"] = _other_shape()
@@ -627,3 +710,45 @@ def test_the_example_trains_a_pipeline_as_a_user_runs_it(tmp_path: Path) -> None
     assert refused.returncode != 0
     said = [line for line in refused.stderr.splitlines() if "drop_last=True" in line]
     assert len(said) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+
+
+def test_a_micro_step_waits_for_nothing_and_an_update_once(results: Any) -> None:
+    """Issue 47, item 9: the pipeline's token count was an int() per micro-step on every
+    stage; it stays a device tensor."""
+    got, _ = results
+    for rank, r in enumerate(got):
+        calls = r["syncs and reductions"]["syncs"]
+        print(f"rank {rank}: (updated, host syncs) per train_step {calls}")
+        assert calls == [(False, 0), (True, 1)], (rank, calls)
+
+
+def test_an_accumulation_window_reduce_scatters_once(results: Any) -> None:
+    """Issue 47, item 10: torch's schedule turned FSDP's gradient sync on at every step,
+    so a window of k steps reduce-scattered k times."""
+    got, _ = results
+    for rank, r in enumerate(got):
+        counts = r["syncs and reductions"]["reduce_scatters"]
+        print(f"rank {rank}: reduce-scatters per window of 1 and of 2 steps {counts}")
+        assert counts[1] > 0 and counts[2] == counts[1], (rank, counts)
+
+
+def test_the_batchs_own_num_items_in_batch_weighs_each_micro_batch_as_one_process(
+    results: Any,
+) -> None:
+    """A batch that gives its own num_items_in_batch (as the Hugging Face Trainer does):
+    each micro-batch's loss is already its share of the batch's mean, so the schedule
+    must not divide by the micro-batches again (it did, by 2)."""
+    got, _ = results
+    ref = train("llama", None, padded=False, items=True)
+    worst = compare([r["llama/items given"] for r in got], ref, "llama")
+    print(f"llama with num_items_in_batch given: rel {worst:.2e}")
+    assert worst < RTOL
+
+
+def test_a_stage_that_trains_nothing_trains_equal_to_one_process(results: Any) -> None:
+    got, _ = results
+    ref = train("llama", None, prepare=_frozen_first_stage)
+    worst = compare([r["llama/frozen first stage"] for r in got], ref, "llama")
+    print(f"llama, first stage frozen: rel {worst:.2e}")
+    assert worst < RTOL
+    assert all(not g.any() for n, g in got[0]["llama/frozen first stage"]["grads"].items())

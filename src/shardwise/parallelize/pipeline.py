@@ -11,13 +11,16 @@ split (plan/stages.py does), build the stages (stages.py does), or shard (fsdp.p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardwise.config.pipeline import check_microbatches, default_microbatches
@@ -60,6 +63,7 @@ def start_schedule(
 
     pp_mesh = mesh[PP_DIM]
     state.group = pp_mesh.get_group()
+    state.device = device
     state.microbatches = microbatches or default_microbatches(state.plan.degree)
     state.schedule_name = schedule
     ranks = dist.get_process_group_ranks(state.group)
@@ -151,19 +155,28 @@ def _check_shapes(state: PipelineState, kwargs: dict[str, Any]) -> None:
         )
 
 
-def _counted_tokens(model: nn.Module, kwargs: dict[str, Any]) -> int | None:
-    """For a Hugging Face causal LM with labels: the tokens its loss averages over in the
-    whole batch, so that each micro-batch's loss is a share of the batch's mean."""
+def _counted_tokens(model: nn.Module, kwargs: dict[str, Any]) -> Any:
+    """The tokens the whole batch's loss averages over, so that each micro-batch's loss is
+    a share of the batch's mean: the caller's own `num_items_in_batch` (taken out of the
+    keywords the schedule splits), or for a Hugging Face causal LM with labels the labels
+    that count, as a 0-dim tensor on their device (no wait for it on the host); None for
+    any other model."""
+    if "num_items_in_batch" in kwargs:
+        return kwargs.pop("num_items_in_batch")
     labels = kwargs.get("labels")
     if labels is None or getattr(model, "loss_type", None) != "ForCausalLM":
         return None
-    if "num_items_in_batch" in kwargs:
-        return None
-    return int((labels[..., 1:] != -100).sum())
+    return (labels[..., 1:] != -100).sum().clamp_min(1)
 
 
 def _run_schedule(
-    model: nn.Module, state: PipelineState, batch: object, scale: float, *, forward_only: bool
+    model: nn.Module,
+    state: PipelineState,
+    batch: object,
+    scale: float,
+    *,
+    forward_only: bool,
+    sync: bool = True,
 ) -> list[torch.Tensor]:
     """The checks every step makes, then the schedule over the batch's micro-batches; the
     last stage's weighted micro-batch losses (empty on the other stages)."""
@@ -171,12 +184,8 @@ def _run_schedule(
     rows = _rows(kwargs)
     check_microbatches(state.plan.degree, state.schedule_name, state.microbatches, rows)
     _check_shapes(state, kwargs)
-    counted = _counted_tokens(model, kwargs)
-    if counted is not None:
-        kwargs["num_items_in_batch"] = max(counted, 1)
-        _WEIGHT[0] = scale
-    else:
-        _WEIGHT[0] = scale / state.microbatches
+    state.items = _counted_tokens(model, kwargs)
+    _WEIGHT[0] = scale if state.items is not None else scale / state.microbatches
     losses: list[torch.Tensor] = []
     extra: dict[str, Any] = {}
     if state.is_last:
@@ -187,11 +196,45 @@ def _run_schedule(
             with torch.no_grad():
                 state.schedule.eval(**kwargs, **extra, return_outputs=False)
         else:
-            state.schedule.step(**kwargs, **extra, return_outputs=False)
+            with _reduced_on_last_step(state, sync):
+                state.schedule.step(**kwargs, **extra, return_outputs=False)
     finally:
         state.running = False
+        state.items = None
         state.clear()
     return losses
+
+
+@contextlib.contextmanager
+def _reduced_on_last_step(state: PipelineState, sync: bool) -> Iterator[None]:
+    """The stages' gradients reduced over the data-parallel ranks only on the last step of
+    an accumulation window (`sync`). torch's schedule ends every step by turning FSDP's
+    gradient sync on and reducing (`perform_reduce_grad`), which under accumulation over k
+    steps reduce-scattered (and under HSDP all-reduced) k times; held back, FSDP keeps the
+    unsharded gradients and reduces their sum once, as without pp."""
+    if sync:
+        yield
+        return
+    held: list[nn.Module] = []
+    for chunk in state.chunks:
+        module = chunk.module
+        if isinstance(module, FSDPModule):
+            turn = type(module).set_requires_gradient_sync
+            # An instance attribute over the method, for this step only: torch's call of it
+            # inside perform_reduce_grad keeps the sync off.
+            module.__dict__["set_requires_gradient_sync"] = functools.partial(
+                _sync_off, turn, module
+            )
+            held.append(module)
+    try:
+        yield
+    finally:
+        for module in held:
+            del module.__dict__["set_requires_gradient_sync"]
+
+
+def _sync_off(turn: Callable[..., None], module: nn.Module, requires: bool, **kwargs: Any) -> None:
+    turn(module, False, **kwargs)
 
 
 def pipeline_step(
@@ -203,14 +246,14 @@ def pipeline_step(
     `batch` is what the model's forward takes: a mapping of keyword arguments or a tuple
     of positional ones, with the targets under one of `TARGET_NAMES`. It is cut into
     `pp_microbatches` equal micro-batches. A Hugging Face causal LM's loss is weighted by
-    the tokens it counts in the whole batch (exact with padding); any other model's
-    per-micro-batch mean counts each micro-batch equally. Gradients are multiplied by
-    `scale` (the Engine passes 1 / accumulate_steps). With `sync` (the default), tied
-    parameters' gradients are summed between the first and last stage after the
-    backward: pass sync=False on all but the last step of an accumulation window.
-    """
+    the tokens it counts in the whole batch (exact with padding), or by the batch's own
+    `num_items_in_batch`; any other model's per-micro-batch mean counts each micro-batch
+    equally. Gradients are multiplied by `scale` (the Engine passes 1 / accumulate_steps).
+    With `sync` (the default) the gradients are reduced over the data-parallel ranks and
+    tied parameters' gradients are summed between the first and last stage after the
+    backward: pass sync=False on all but the last step of an accumulation window."""
     state = _checked_state(model)
-    losses = _run_schedule(model, state, batch, scale, forward_only=False)
+    losses = _run_schedule(model, state, batch, scale, forward_only=False, sync=sync)
     if sync:
         sync_tied_grads(model)
     return _loss_on_every_rank(state, losses, scale)
@@ -238,22 +281,13 @@ def _loss_on_every_rank(
 ) -> torch.Tensor:
     """The last stage's loss (the weighted micro-batch losses summed, unscaled), sent to
     the other stages of its pipeline, for logging, metrics and non-finite checks."""
-    device = losses[0].device if losses else _group_device(state)
     if state.is_last:
         value = torch.stack([x.detach().float() for x in losses]).sum() / scale
+        value = value.to(state.device)
     else:
-        value = torch.zeros((), device=device)
+        value = torch.zeros((), device=state.device)
     dist.broadcast(value, src=state.last_rank, group=state.group)
     return value
-
-
-def _group_device(state: PipelineState) -> torch.device:
-    backend = dist.get_backend(state.group)
-    return (
-        torch.device("cpu")
-        if backend == "gloo"
-        else torch.device("cuda", torch.cuda.current_device())
-    )
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -287,17 +321,25 @@ def sync_tied_grads(model: nn.Module) -> None:
 
 
 def stage_grad_norm_squared(
-    parameters: list[nn.Parameter], norm_of: Callable[[list[nn.Parameter]], torch.Tensor]
+    parameters: list[nn.Parameter],
+    norm_of: Callable[[list[nn.Parameter]], torch.Tensor],
+    stage: PipelineState | None = None,
 ) -> torch.Tensor | None:
-    """The squared gradient norm over every stage of the pipeline `parameters` belong to,
-    or None when they belong to none: each stage's own (`norm_of`), a tied parameter
-    counted once (on the first stage), summed over the pipeline's stages."""
+    """The squared gradient norm over every stage of the pipeline `parameters` belong to
+    (or `stage`'s, which may hold none of them), or None when they belong to none: each
+    stage's own (`norm_of`), a tied parameter counted once (on the first stage), summed
+    over the pipeline's stages."""
     states = {id(s): s for p in parameters if (s := getattr(p, _STAGE_ATTR, None)) is not None}
+    if stage is not None:
+        states[id(stage)] = stage
     if not states:
         return None
     (state,) = states.values()  # one model's parameters
     skip = {id(p) for p in state.tied} if not state.is_first else set()
     mine = [p for p in parameters if id(p) not in skip]
-    squared = norm_of(mine).float() ** 2
+    # On the stage's device also where this stage trains nothing (LoRA on some layers):
+    # the norm of no gradient is a CPU zero, which a cpu:gloo,cuda:nccl group would reduce
+    # over gloo on this rank and over NCCL on the others (a hang).
+    squared = norm_of(mine).float().to(state.device) ** 2
     dist.all_reduce(squared, group=state.group)
     return squared

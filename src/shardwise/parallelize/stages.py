@@ -103,6 +103,13 @@ class PipelineState:
     """The ranks of this pipeline's first and last stage, for tied gradients."""
     last_rank: int = 0
     """The global rank of this pipeline's last stage."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where this rank's stages compute (wrap's device for the rank): what the stages
+    exchange outside the schedule (the loss, the gradient norm) is put there."""
+    items: Any = None
+    """The tokens the whole batch's loss averages over (a 0-dim device tensor, or the
+    user's own num_items_in_batch) during a step, handed to the last stage's forward; the
+    schedule would split a tensor keyword by rows."""
     shapes: dict[str, tuple[int, ...]] | None = None
     """The batch's tensor shapes at the first step: the schedule's buffers are sized then."""
     running: bool = False
@@ -155,6 +162,8 @@ class _StageForward:
             chunk.received = received[0]
         if not last:
             batch = {k: v for k, v in batch.items() if k not in TARGET_NAMES}
+        elif state.items is not None:
+            batch = {**batch, "num_items_in_batch": state.items}
         out = chunk.forward(**batch)
         if not last:
             captured, chunk.captured = chunk.captured, None

@@ -152,11 +152,13 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float | None) 
     return norm
 
 
-def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+def grad_norm(parameters: Iterable[nn.Parameter], stage: Any = None) -> torch.Tensor:
     """`total_grad_norm` of the whole model: for a pipeline stage's parameters, over every
-    stage (each holds only its own gradients), a tied parameter counted once."""
+    stage (each holds only its own gradients), a tied parameter counted once. `stage` (the
+    model's PipelineState) names the pipeline also when this stage has no parameter to
+    measure: it trains nothing, and the other stages wait for its zero."""
     parameters = list(parameters)
-    squared = stage_grad_norm_squared(parameters, total_grad_norm)
+    squared = stage_grad_norm_squared(parameters, total_grad_norm, stage)
     return total_grad_norm(parameters) if squared is None else squared.sqrt()
 
 
@@ -368,7 +370,7 @@ class Engine:
         if not self._tp_checked:  # once: a parameter left whole between split layers
             self._tp_checked = True
             check_tp_gradients(self.model)
-        norm = grad_norm(params)
+        norm = grad_norm(params, pipeline_state(unwrap(self.model)))
         asked = self._stop_requested
         reduced = _reduce_window(self._window, norm, self.device, self.scaler is None, asked)
         self._window = []

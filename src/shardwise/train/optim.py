@@ -24,6 +24,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import TrainConfig
+from shardwise.parallelize.stages import pipeline_state
 from shardwise.parallelize.wrapped import unwrap
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -73,7 +74,14 @@ def build_optimizer(optimizer: object, model: nn.Module) -> torch.optim.Optimize
                 "torch.optim.Optimizer, a factory such as lambda params: AdamW(params, "
                 "lr=3e-4), or mmengine's OptimWrapper."
             )
-        built = optimizer([p for p in model_params if p.requires_grad])
+        trainable = [p for p in model_params if p.requires_grad]
+        if not trainable and pipeline_state(unwrap(model)) is not None:
+            # A pipeline stage that trains nothing (adapters on the other stage's layers):
+            # torch refuses an empty parameter list, but takes one empty group, and the
+            # stage still joins the update's norm and steps.
+            built = optimizer([{"params": []}])
+        else:
+            built = optimizer(trainable)
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(
                 f"Engine: the optimizer factory returned {type(built).__name__}, not a "
