@@ -251,6 +251,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/distributed/test_device_choice.py::test_get_dist_info_reads_the_device_the_world_group_is_bound_to",
         ),
     ),
+    Mutant(
+        "init_distributed_moves_a_hosts_rank",
+        "src/shardwise/distributed/process_group.py",
+        "    if device is None and adopted:\n",
+        "    if False:\n",
+        (
+            "tests/unit/distributed/test_device_choice.py::test_init_distributed_adopts_the_gpu_a_host_bound_its_group_to",
+        ),
+    ),
     # A ratio of sums (the load-balancing loss, a masked mean) is the same summed over the
     # tp replicas too, so the numbers cannot see this one: the count of ranks summed over does.
     Mutant(

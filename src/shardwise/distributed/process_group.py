@@ -398,6 +398,13 @@ def init_distributed(
         job.local_world_size,
     )
 
+    adopted = dist.is_initialized()  # someone else (user code, a framework) set it up
+    if device is None and adopted:
+        # The device of the group made elsewhere: the GPU it is bound to (Lightning's and
+        # Fabric's root device), not necessarily LOCAL_RANK's.
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        current = torch.cuda.current_device() if count else 0
+        device = device_for_group(dist.get_backend(), env, count, current, _bound_device())
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -411,7 +418,7 @@ def init_distributed(
         backend = default_backend(dev.type)
 
     timeout = timedelta(seconds=timeout_s)
-    if dist.is_initialized():  # someone else (user code, a framework) set it up: adopt it
+    if adopted:
         rank, world = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())
     elif world == 1 and not env.get("MASTER_ADDR"):

@@ -122,3 +122,26 @@ def test_the_watchdog_group_only_for_gloo_jobs():
     assert not wants_monitor("gloo", 1)
     assert not wants_monitor("cpu:gloo,cuda:nccl", 16)
     assert not wants_monitor("nccl", 16)
+
+
+def test_init_distributed_adopts_the_gpu_a_host_bound_its_group_to():
+    """Called after Lightning or Fabric made the group, init_distributed keeps the rank on
+    the host's root device (it set LOCAL_RANK's GPU current, under the host's feet)."""
+    import torch.distributed as dist
+
+    from shardwise.distributed import process_group
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    chosen: list[torch.device] = []
+    with (
+        mock.patch.object(process_group, "_info", None),
+        mock.patch.object(process_group, "_bound_device", lambda: torch.device("cuda", 1)),
+        mock.patch.object(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl"),
+        mock.patch.object(torch.cuda, "is_available", lambda: True),
+        mock.patch.object(torch.cuda, "device_count", lambda: 2),
+        mock.patch.object(torch.cuda, "current_device", lambda: 0),
+        mock.patch.object(torch.cuda, "set_device", chosen.append),
+        mock.patch.dict("os.environ", {"LOCAL_RANK": "0"}),
+    ):
+        info = process_group.init_distributed()
+    assert info.device == torch.device("cuda", 1) and chosen == [torch.device("cuda", 1)]
