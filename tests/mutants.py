@@ -559,22 +559,6 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
-        "storage_check_inverted",
-        "src/shardwise/plan/quantized.py",
-        '        if compute in ("native", q.storage):\n',
-        '        if compute not in ("native", q.storage):\n',
-        (
-            "tests/unit/plan/test_quantized.py::test_float_codes_must_be_stored_in_the_dtype_their_unit_computes_in",
-        ),
-    ),
-    Mutant(
-        "storage_check_ignores_keep_fp32_units",
-        "src/shardwise/parallelize/quantized.py",
-        '        dtype = "float32" if unit.compute_dtype == "float32" else cast\n',
-        "        dtype = cast\n",
-        ("tests/unit/plan/test_quantized.py::test_each_units_compute_dtype_is_read_from_the_plan",),
-    ),
-    Mutant(
         "quant_state_bytes_without_the_code_book",
         "src/shardwise/plan/quantized.py",
         "    for t in quant_state_tensors(p):\n",
@@ -606,9 +590,39 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "quant_scales_not_synced_before_sharding",
         "src/shardwise/parallelize/apply.py",
-        "        prepare_quantized(model, quantized, device=info.device if move else None, sync=sync)\n",
-        "        prepare_quantized(model, quantized, device=info.device if move else None)\n",
+        "            prepare_quantized(model, quantized, device=info.device, sync=sync)\n    prepare =",
+        "            prepare_quantized(model, quantized, device=info.device)\n    prepare =",
         ("tests/distributed/test_qlora.py::test_every_rank_takes_rank_0s_codes_and_scales",),
+    ),
+    # Issue 47: QLoRA on GPUs.
+    Mutant(
+        "codes_gathered_as_numbers",
+        "src/shardwise/parallelize/quantized.py",
+        "            if q.quantized and q.floating_storage:\n",
+        "            if q.quantized and q.floating_storage and q.storage != 'bfloat16':\n",
+        (
+            "tests/unit/plan/test_quantized.py::test_wrap_holds_4bit_codes_as_the_bytes_they_are",
+            "tests/distributed/test_qlora.py::test_4bit_codes_are_gathered_as_bytes",
+        ),
+    ),
+    Mutant(
+        "quant_state_left_on_the_host_under_offload",
+        "src/shardwise/parallelize/apply.py",
+        "            prepare_quantized(model, quantized, device=info.device, sync=sync)\n    prepare =",
+        "            prepare_quantized(model, quantized, device=info.device if move else None, "
+        "sync=sync)\n    prepare =",
+        (
+            "tests/distributed/test_qlora.py::test_the_quant_state_goes_where_the_layer_computes_under_cpu_offload",
+        ),
+    ),
+    Mutant(
+        "quantized_base_unprepared_under_ep",
+        "src/shardwise/parallelize/apply.py",
+        "        if quantized:  # before the codes are synced: as bytes, their scales on the device\n",
+        "        if False:\n",
+        (
+            "tests/distributed/test_qlora.py::test_qlora_under_expert_parallel_trains_as_one_process",
+        ),
     ),
     Mutant(
         "simulation_builds_a_4bit_base_into_a_crash",

@@ -15,19 +15,26 @@ included) bit-identical to where it started, and, read back after wrap and after
 each 4-bit layer's quant_state equal to the one it was loaded with and its weight still
 packed (dtype and numel of the codes; under FSDP2 each rank holds half of them).
 
-Under bf16 mixed precision the codes train when stored as uint8 (never cast) or as bf16
-(the compute dtype), and under ddp (autocast casts no parameter), compared with the same
-precision in one process at two bf16 roundings. Negative controls, each failing the same comparison: codes stored as fp16 under
-bf16 (refused by wrap; with the refusal taken out, FSDP2 casts the codes as numbers), and
-an eval forward between steps with bitsandbytes' CPU inference repacking left on (wrap
-turns it off). A rank that loaded another base takes rank 0's codes *and* scales. The
-refusals (tp over a 4-bit base, an 8-bit base under full_shard, fp32 codes under bf16) are
-shown by their messages from wrap at world 2. `make test-adapters` runs this file.
+Under bf16 mixed precision the codes train when stored as uint8, bf16, fp16 or fp32 (wrap
+holds them as bytes, which FSDP2 gathers as bytes and never casts), and under ddp (autocast
+casts no parameter), compared with the same precision in one process at two bf16
+roundings. Negative controls, each failing the same comparison: fp16 codes left as numbers
+under bf16 (FSDP2 casts them), and an eval forward between steps with bitsandbytes' CPU
+inference repacking left on (wrap turns it off). A rank that loaded another base takes
+rank 0's codes *and* scales. Issue 47: every all-gather that carries codes uses a uint8
+buffer (a bf16 one rewrites NaN bit patterns on CUDA), the quant_state goes to the rank's
+device under cpu_offload too, and a Mixtral with 4-bit attention trains under ep 2 as one
+process, its scales rank 0's. The refusals (tp over a 4-bit base, an 8-bit base under
+full_shard) are shown by their messages from wrap at world 2. `make test-adapters` runs this file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -69,6 +76,7 @@ LAYOUTS = {
     "hybrid": {"strategy": "hybrid_shard"},  # replicate 2 x shard 2
     "bf16": {"strategy": "full_shard", "mixed_precision": "bf16"},
     "ddp_bf16": {"strategy": "ddp", "mixed_precision": "bf16"},  # autocast: nothing is cast
+    "ep2": {"strategy": "full_shard", "ep": 2},  # the mixture of experts: 2 experts a rank
 }
 WORLD2 = [
     *(f"{s}/full_shard/{o}" for s in ("uint8", "bfloat16") for o in OPTIMIZERS),
@@ -77,6 +85,12 @@ WORLD2 = [
 ]
 WORLD4 = [f"uint8/hybrid/{o}" for o in OPTIMIZERS] + ["bfloat16/hybrid/sgd"]
 BF16 = ["uint8/bf16/sgd", "bfloat16/bf16/sgd", "uint8/bf16/adamw", "uint8/ddp_bf16/sgd"]
+# Codes stored as fp16 and fp32 under bf16: FSDP2 would cast them as numbers; held as bytes
+# they train as uint8 codes do.
+FLOAT_CODES = ["float16/bf16/adamw", "float32/bf16/sgd"]
+# A Mixtral with 4-bit attention (bitsandbytes leaves its 3-D experts whole) under ep 2
+# at world 2: its codes as bytes, its scales on the device and rank 0's.
+EXPERTS = ["uint8/ep2/sgd", "bfloat16/ep2/adamw"]
 
 
 def build(base_dir: str, storage: str = "uint8", bits: int = 4) -> nn.Module:
@@ -91,7 +105,7 @@ def build(base_dir: str, storage: str = "uint8", bits: int = 4) -> nn.Module:
         )
     else:
         quantization = transformers.BitsAndBytesConfig(load_in_8bit=True)
-    base = transformers.LlamaForCausalLM.from_pretrained(
+    base = transformers.AutoModelForCausalLM.from_pretrained(
         base_dir, quantization_config=quantization, device_map="cpu", dtype=torch.float32
     )
     base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
@@ -173,14 +187,26 @@ def train(model: nn.Module, rank_batch, optimizer: str, evaluate: bool = False) 
 
 def references(base_dir: str) -> dict:  # type: ignore[type-arg]
     out = {}
-    for storage in ("uint8", "bfloat16"):
+    for storage in ("uint8", "bfloat16", "float16", "float32"):
         model = build(base_dir, storage)
         out[f"{storage}/start"] = {
             "frozen": {n: _full(p) for n, p in model.named_parameters() if not p.requires_grad},
             "quantization": quantization(model),
         }
-        for optimizer in OPTIMIZERS:
-            out[f"{storage}/{optimizer}"] = train(build(base_dir, storage), lambda b: b, optimizer)
+        if storage in ("uint8", "bfloat16"):
+            for optimizer in OPTIMIZERS:
+                out[f"{storage}/{optimizer}"] = train(
+                    build(base_dir, storage), lambda b: b, optimizer
+                )
+    moe = _moe_dir(base_dir)
+    for case in EXPERTS:
+        storage, _, optimizer = case.split("/")
+        start = build(moe, storage)
+        out[f"moe/{storage}/start"] = {
+            "frozen": {n: _full(p) for n, p in start.named_parameters() if not p.requires_grad},
+            "quantization": quantization(start),
+        }
+        out[f"moe/{storage}/{optimizer}"] = train(build(moe, storage), lambda b: b, optimizer)
     return out
 
 
@@ -209,23 +235,65 @@ def _refused(base_dir: str, fields: dict, storage: str = "uint8", bits: int = 4)
     return "wrapped"
 
 
-def _world2(base_dir: str) -> dict:  # type: ignore[type-arg]
-    from shardwise.parallelize import apply, quantized
+@contextlib.contextmanager
+def _gathers(seen: list[tuple[bool, str]]) -> Iterator[None]:
+    """Each FSDP all-gather's buffer dtype, and whether it carries a 4-bit layer's codes."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    out = {case: _wrapped(base_dir, case) for case in WORLD2}
+    original = _fsdp_param_group.foreach_all_gather
+
+    def spied(fsdp_params: list[Any], *args: Any, **kwargs: Any) -> Any:
+        result = original(fsdp_params, *args, **kwargs)
+        codes = any(type(f._module_info.module).__name__ == "Linear4bit" for f in fsdp_params)
+        if result is not None:
+            seen.append((codes, str(result.all_gather_output.dtype)))
+        return result
+
+    with mock.patch.object(_fsdp_param_group, "foreach_all_gather", spied):
+        yield
+
+
+def _quant_state_devices(case: str, base_dir: str) -> dict:  # type: ignore[type-arg]
+    """What wrap tells prepare_quantized about the quant_states' device, and the run."""
+    from shardwise.parallelize import apply
+
+    seen: list[object] = []
+    original = apply.prepare_quantized
+
+    def spied(model: nn.Module, found: list[Any], **kwargs: Any) -> None:
+        seen.append(kwargs.get("device"))
+        original(model, found, **kwargs)
+
+    with mock.patch.object(apply, "prepare_quantized", spied):
+        run = _wrapped(base_dir, case)
+    return {**run, "quant_state_device": [str(d) for d in seen]}
+
+
+def _world2(base_dir: str) -> dict:  # type: ignore[type-arg]
+    from shardwise.parallelize import quantized
+
+    out = {case: _wrapped(base_dir, case) for case in WORLD2 if "offload" not in case}
+    for case in WORLD2:  # cpu_offload: the quant_state goes where the layer computes
+        if "offload" in case:
+            out[case] = _quant_state_devices(case, base_dir)
     out["evaluate"] = _wrapped(base_dir, "uint8/full_shard/sgd", evaluate=True)
     with mock.patch.object(quantized, "_CPU_REPACK", "_not_an_attribute"):
         out["evaluate/repacking"] = _wrapped(base_dir, "uint8/full_shard/sgd", evaluate=True)
     out["skewed"] = _wrapped(base_dir, "uint8/full_shard/sgd", skew=True)
-    out.update({case: _wrapped(base_dir, case) for case in BF16})
-    with mock.patch.object(apply, "check_storage", lambda *a: None):
-        out["float16/bf16/adamw"] = _wrapped(base_dir, "float16/bf16/adamw")
-    bf16 = LAYOUTS["bf16"]
+    for case in BF16:
+        seen: list[tuple[bool, str]] = []
+        with _gathers(seen):
+            out[case] = {**_wrapped(base_dir, case), "gathers": seen}
+    out.update({case: _wrapped(base_dir, case) for case in FLOAT_CODES})
+    with mock.patch.object(quantized, "as_bytes", lambda p: None):  # codes left as numbers
+        out["float16/bf16/adamw/as numbers"] = _wrapped(base_dir, "float16/bf16/adamw")
+    moe = _moe_dir(base_dir)
+    for case in EXPERTS:
+        out[f"moe/{case}"] = _quant_state_devices(case, moe)
+    out["moe/skewed"] = _wrapped(moe, "uint8/ep2/sgd", skew=True)
     out["refused"] = {
         "tp": _refused(base_dir, {"tp": 2}),
         "8bit": _refused(base_dir, {"strategy": "full_shard"}, bits=8),
-        "fp32_codes": _refused(base_dir, bf16, storage="float32"),
-        "fp16_codes": _refused(base_dir, bf16, storage="float16"),
     }
     return out
 
@@ -267,7 +335,17 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER))
     path = tmp_path_factory.mktemp("qlora") / "llama"
     model.save_pretrained(path)
+    torch.manual_seed(0)  # beside it, the mixture of experts the ep cases load
+    moe = {k: v for k, v in DECODER.items() if k != "intermediate_size"}
+    config = transformers.MixtralConfig(
+        **moe, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2
+    )
+    transformers.MixtralForCausalLM(config).save_pretrained(path.parent / "mixtral")
     return str(path)
+
+
+def _moe_dir(base_dir: str) -> str:
+    return str(Path(base_dir).parent / "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +358,12 @@ def results(base_dir: str) -> tuple[dict, dict]:  # type: ignore[type-arg]
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-identical: codes stored as bf16 hold NaN patterns, which torch.equal calls unequal."""
-    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    """Bit-identical, whatever dtype holds the bytes: codes stored as bf16 hold NaN
+    patterns (which torch.equal calls unequal), and wrap holds every 4-bit layer's codes
+    as uint8."""
+    return torch.equal(
+        a.contiguous().view(torch.uint8).view(-1), b.contiguous().view(torch.uint8).view(-1)
+    )
 
 
 def _assert_base_intact(refs: dict, case: str, run: dict, world: int) -> None:  # type: ignore[type-arg]
@@ -298,12 +380,13 @@ def _assert_base_intact(refs: dict, case: str, run: dict, world: int) -> None:  
                 assert torch.equal(got[key], want[key]), f"{case} {when}: {name} {key}"
             same = ("shape", "blocksize", "quant_type", "dtype", "nested", "cpu_packed")
             assert {k: got[k] for k in same} == {k: want[k] for k in same}, (case, when, name)
-            # Still packed: half a byte per value, in the storage dtype; each shard rank
-            # holds its part (FSDP2 pads the flat column to a multiple of the shards).
+            # Still packed: half a byte per value, held as bytes whatever the storage
+            # dtype; each shard rank holds its part (FSDP2 pads the flat column to a
+            # multiple of the shards).
             out_features, in_features = want["shape"]
-            numel = out_features * in_features // 2 // getattr(torch, storage).itemsize
+            numel = out_features * in_features // 2
             kind, dtype, whole, local = got["weight"]
-            assert (dtype, whole) == (f"torch.{storage}", numel), (case, when, name)
+            assert (dtype, whole) == ("torch.uint8", numel), (case, when, name)
             assert local == -(-numel // shards), (case, when, name, local)
             assert kind == ("Params4bit" if ddp else "DTensor")
 
@@ -340,17 +423,49 @@ def test_qlora_under_bf16_matches_one_process_in_bf16(results, case):
     assert apart > 1e-3, apart
 
 
-def test_fp16_codes_under_bf16_train_wrong_unless_refused(results):
-    """The silent failure the refusal prevents: FSDP2 casts fp16-stored codes to bf16 as
+@pytest.mark.parametrize("case", FLOAT_CODES)
+def test_codes_stored_as_any_float_train_under_bf16_as_uint8_codes(results, case):
+    """Held as bytes, fp16 and fp32 codes are never cast: they train as the uint8 ones."""
+    refs, got = results
+    ref = refs[f"uint8/bf16/{case.split('/')[-1]}"]
+    if case.endswith("adamw"):
+        ref = {**ref, "adapters": {}}  # as in the bf16 test above
+    ratio, where = _worst(ref, got[case], loss_rtol=BF16_RTOL, rtol=BF16_RTOL)
+    print(f"{case}: the largest difference is {where}, {ratio:.2e} of its bar")
+    assert ratio < 1, f"{case}: {where} differs by {ratio:.2e} of its bar"
+    _assert_base_intact(refs, case, got[case], world=2)
+
+
+def test_fp16_codes_left_as_numbers_train_wrong_under_bf16(results):
+    """The silent failure the byte view prevents: FSDP2 casts fp16-stored codes to bf16 as
     numbers, and the loss stays plausible."""
     refs, got = results
-    assert got["refused"]["fp16_codes"].startswith("ValueError: ParallelConfig.mixed_precision")
-    assert "stored as float16" in got["refused"]["fp16_codes"]
-    ratio, where = _worst(refs["uint8/bf16/adamw"], got["float16/bf16/adamw"], BF16_RTOL, BF16_RTOL)
-    print(f"fp16 codes under bf16 (refusal taken out): {where}, {ratio:.2e} of the bf16 bar")
+    run = got["float16/bf16/adamw/as numbers"]
+    ratio, where = _worst(refs["uint8/bf16/adamw"], run, BF16_RTOL, BF16_RTOL)
+    print(f"fp16 codes under bf16, as numbers: {where}, {ratio:.2e} of the bf16 bar")
     assert ratio > 10, f"fp16 codes cast to bf16 passed ({where}: {ratio:.2e} of the bar)"
-    losses = got["float16/bf16/adamw"]["losses"]
-    assert all(0 < x < 10 for x in losses), losses  # nothing shows it: no NaN, no zero
+    assert all(0 < x < 10 for x in run["losses"]), run["losses"]  # no NaN, no zero shows it
+
+
+@pytest.mark.parametrize("case", [c for c in BF16 if "ddp" not in c])
+def test_4bit_codes_are_gathered_as_bytes(results, case):
+    """Issue 47, item 5: a unit whose all-gather inputs all share one float dtype (bf16
+    codes beside parameters cast to bf16) is gathered in that dtype, and on CUDA the
+    copy into the buffer goes bf16 -> fp32 -> bf16, which rewrites every NaN bit pattern
+    (about 0.1% of packed NF4 bytes): the codes must travel as bytes."""
+    _, got = results
+    gathers = got[case]["gathers"]
+    with_codes = {dtype for codes, dtype in gathers if codes}
+    print(f"{case}: all-gather buffers with codes {sorted(with_codes)}, of {len(gathers)}")
+    assert with_codes == {"torch.uint8"}, gathers
+
+
+def test_the_quant_state_goes_where_the_layer_computes_under_cpu_offload(results):
+    """Issue 47, item 2: under cpu_offload the quant_state stayed on the CPU while FSDP2
+    gathers the codes to the GPU: bitsandbytes' dequantize would read a host pointer."""
+    _, got = results
+    for case in (c for c in WORLD2 if "offload" in c):
+        assert got[case]["quant_state_device"] == ["cpu"], got[case]["quant_state_device"]
 
 
 def test_an_eval_forward_between_steps_changes_nothing(results):
@@ -391,5 +506,29 @@ def test_what_cannot_work_is_refused_with_the_reason(results):
         "NotImplementedError: ParallelConfig.strategy='full_shard' over an 8-bit base"
     )
     assert "strategy='ddp'" in refused["8bit"]
-    assert "stored as float32" in refused["fp32_codes"]
-    assert "torch.bfloat16 (the compute dtype) or torch.uint8" in refused["fp32_codes"]
+
+
+@pytest.mark.parametrize("case", [*EXPERTS, "skewed"])
+def test_qlora_under_expert_parallel_trains_as_one_process(results, case):
+    """Issue 47, item 3: under ep a 4-bit base was neither refused nor prepared (its
+    scales left behind on the CPU under a GPU, never rank 0's, its codes numbers to FSDP).
+    The skewed run's rank 1 loaded other codes and scales: both must become rank 0's."""
+    refs, got = results
+    run = got[f"moe/{case}"]
+    storage, _, optimizer = (case if case != "skewed" else "uint8/ep2/sgd").split("/")
+    bar = ADAMW_LOSS_RTOL if optimizer == "adamw" else RTOL
+    ratio, where = _worst(refs[f"moe/{storage}/{optimizer}"], run, loss_rtol=bar)
+    print(f"moe {case}: the largest difference is {where}, {ratio:.2e} of its bar")
+    assert ratio < 1, f"moe {case}: {where} differs by {ratio:.2e} of its bar"
+    start = refs[f"moe/{storage}/start"]
+    moved = [n for n, p in run["frozen"].items() if not _same_bytes(p, start["frozen"][n])]
+    assert not moved and len(start["quantization"]) == 8, moved[:3]  # q, k, v, o of 2 layers
+    for name, want in start["quantization"].items():
+        for when in ("after_wrap", "after_training"):
+            got_q = run[when][name]
+            assert torch.equal(got_q["absmax"], want["absmax"]), (case, when, name)
+            assert got_q["weight"][1] == "torch.uint8", (case, when, name)
+    experts = [n for n in run["frozen"] if n.endswith("experts.gate_up_proj")]
+    assert len(experts) == 2  # the experts stay whole 3-D parameters, not quantized
+    if case != "skewed":
+        assert run["quant_state_device"] == ["cpu"], run["quant_state_device"]

@@ -49,7 +49,7 @@ from shardwise.parallelize.global_batch import attach, groups_of
 from shardwise.parallelize.materialize import has_meta
 from shardwise.parallelize.materialize import materialize as materialize  # memory/fake.py swaps it
 from shardwise.parallelize.pipeline import build_stage, start_schedule
-from shardwise.parallelize.quantized import prepare_quantized, unit_compute_dtypes
+from shardwise.parallelize.quantized import prepare_quantized
 from shardwise.parallelize.recompute import apply_activation_checkpointing
 from shardwise.parallelize.tensor import (
     apply_tensor_parallel,
@@ -59,7 +59,7 @@ from shardwise.parallelize.tensor import (
 from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding
 from shardwise.plan.planner import WrapPlan, plan_wrap
-from shardwise.plan.quantized import check_quantized, check_storage
+from shardwise.plan.quantized import check_quantized
 from shardwise.plan.stages import plan_stages
 
 
@@ -120,9 +120,6 @@ def _prepare_blocks(model: nn.Module, plan: WrapPlan, config: ParallelConfig) ->
             if unit.reason == "policy":
                 for fqn in unit.modules:
                     modules[fqn].compile(backend=backend)  # in place: names are unchanged
-
-
-_PRECISION = "ParallelConfig.mixed_precision"
 
 
 class PerformanceNotice(UserWarning):
@@ -369,6 +366,8 @@ def _apply_dimensions(
     # it at its first step. Marked now, so no list of them keeps a full copy alive.
     if whole_first:
         mark_before_sharding(model, keep=set())
+        if quantized:  # before the codes are synced: as bytes, their scales on the device
+            prepare_quantized(model, quantized, device=info.device, sync=sync)
         if not on_meta:
             unit_preparer(info.device, config.sync_module_states)([model])
     state = None
@@ -391,8 +390,9 @@ def _apply_dimensions(
     if not whole_first:
         mark_before_sharding(model, keep={*plan.ignored_params, *plan.replicated_params})
         if quantized:
-            check_storage(quantized, unit_compute_dtypes(plan, config.precision), _PRECISION)
-            prepare_quantized(model, quantized, device=info.device if move else None, sync=sync)
+            # The quant_state goes where the layer computes, also under cpu_offload, whose
+            # codes FSDP gathers to the device: bitsandbytes' dequantize reads both there.
+            prepare_quantized(model, quantized, device=info.device, sync=sync)
     prepare = None if whole_first else unit_preparer(info.device if move else None, sync)
     data_parallel = dp_mesh(spec, mesh)
     # A rank that holds several stages runs each through its own module: each is an FSDP

@@ -17,13 +17,13 @@ the quant_state survives only on the layer (bitsandbytes' `Linear4bit.forward` r
 from there on every forward) and `Int8Params`' scales are lost; and under a mixed
 precision it casts every *floating* parameter to `param_dtype` before computing, which for
 packed codes stored as float converts the bit patterns as numbers. Integer storage
-(uint8) is never cast.
+(uint8) is never cast, which is why wrap holds every 4-bit weight's codes as uint8.
 
 Owns: recognising quantized parameters (`quantized_params` → `QuantizedParam`), their
 bytes, also before they are quantized: the packed codes, which sharding divides
 (`stored_bytes`), and the quant_state, which every rank holds whole
 (`quant_state_bytes`); and the refusals, checked before any mesh exists, identically on every
-rank (`check_quantized`, `check_storage`).
+rank (`check_quantized`).
 
 Must not: import bitsandbytes, change the model (parallelize/quantized.py prepares it), or
 plan units (planner.py does).
@@ -42,7 +42,6 @@ from shardwise.config.parallel import ParallelConfig
 __all__ = [
     "QuantizedParam",
     "check_quantized",
-    "check_storage",
     "quant_state_bytes",
     "quant_state_tensors",
     "quantized_layers",
@@ -209,8 +208,8 @@ def check_quantized(
 ) -> list[QuantizedParam]:
     """Refuse what cannot train a quantized base correctly, before any mesh or collective;
     return the quantized parameters (empty: nothing to check). `sharded`: the strategy
-    will be applied (world size above 1, or force_wrap). The precision of each shard unit
-    is `check_storage`'s, once the plan exists."""
+    will be applied (world size above 1, or force_wrap). Codes stored in any dtype are
+    taken: wrap holds them as bytes (parallelize/quantized.py), which nothing casts."""
     found = quantized_params(model)
     if not found:
         return found
@@ -271,28 +270,3 @@ def check_quantized(
             "quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))."
         )
     return found
-
-
-def check_storage(
-    found: list[QuantizedParam], compute_dtypes: dict[str, str], precision_field: str
-) -> None:
-    """Refuse a 4-bit base stored in a floating dtype that FSDP2 would cast: `compute_dtypes`
-    maps each shard unit's module paths to the dtype it computes in ('native' when it is
-    not cast), from the plan. Integer storage (uint8) is never cast."""
-    for q in found:
-        if q.bits != 4 or not q.floating_storage:
-            continue
-        owner = max((m for m in compute_dtypes if not m or q.name.startswith(f"{m}.")), key=len)
-        compute = compute_dtypes[owner]
-        if compute in ("native", q.storage):
-            continue
-        raise ValueError(
-            f"{precision_field}: the 4-bit base is stored as {q.storage} "
-            f"(bnb_4bit_quant_storage=torch.{q.storage}; {q.name} and others) and its shard "
-            f"unit {owner or '<root>'!r} computes in {compute}. FSDP2 casts every floating "
-            f"parameter to the compute dtype before forward, which would convert the packed "
-            "4-bit codes as numbers: training crashes or, worse, runs on wrong weights "
-            "without a sign (fp16 codes under bf16 train with a loss 0.6% off). Store the "
-            f"codes as torch.{compute} (the compute dtype) or torch.uint8 (never cast), "
-            "or use the precision the storage names."
-        )

@@ -13,11 +13,8 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.parallelize.quantized import unit_compute_dtypes
-from shardwise.plan.planner import plan_wrap
 from shardwise.plan.quantized import (
     check_quantized,
-    check_storage,
     quant_state_bytes,
     quantized_params,
     stored_bytes,
@@ -146,29 +143,23 @@ def test_a_plain_model_passes_every_check():
     assert _check(nn.Linear(4, 4), tp=2, on_meta=True) == []
 
 
-def test_float_codes_must_be_stored_in_the_dtype_their_unit_computes_in():
-    found = quantized_params(model_with(four_bit(torch.float16)))
-    field = "ParallelConfig.mixed_precision"
-    with pytest.raises(ValueError, match=r"stored as float16 .*unit '1' computes in bfloat16.*"
-                       r"torch\.bfloat16 \(the compute dtype\) or torch\.uint8"):  # fmt: skip
-        check_storage(found, {"": "bfloat16", "1": "bfloat16"}, field)
-    check_storage(found, {"": "bfloat16", "1.0": "float16"}, field)  # the deepest unit's
-    check_storage(found, {"": "native"}, field)
-    check_storage(quantized_params(model_with(four_bit())), {"": "bfloat16"}, field)  # uint8
-
-
-def test_each_units_compute_dtype_is_read_from_the_plan():
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    config = shardwise.ParallelConfig(auto_wrap_policy=["Linear"], mixed_precision="bf16")
-    with pytest.warns(shardwise.PlanNotice, match="compute in float32"):
-        plan = plan_wrap(model, config)
-    assert unit_compute_dtypes(plan, config.precision) == {
-        "0": "bfloat16", "1": "float32", "": "bfloat16",  # BatchNorm: keep_fp32
-    }  # fmt: skip
-    fp32 = shardwise.ParallelConfig(mixed_precision={"param_dtype": "float32"})
-    assert set(unit_compute_dtypes(plan_wrap(model, fp32), fp32.precision).values()) == {"float32"}
-    plain = shardwise.ParallelConfig(auto_wrap_policy=["Linear"])
-    assert set(unit_compute_dtypes(plan_wrap(model, plain), plain.precision).values()) == {"native"}
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
+def test_wrap_holds_4bit_codes_as_the_bytes_they_are(storage):
+    """Issue 47, item 5: float-stored codes are numbers to FSDP2 (cast to another compute
+    dtype; gathered through CUDA's bf16 copies, which rewrite NaN bit patterns), so wrap
+    views them as uint8, bitsandbytes' own layout, whatever the storage; the layer reads
+    the same weights."""
+    layer = four_bit(storage)
+    before = layer.weight.detach().clone()
+    x = torch.randn(3, 64)
+    want = layer(x)
+    model = shardwise.wrap(model_with(layer))
+    codes = layer.weight.detach()
+    assert (codes.dtype, tuple(codes.shape)) == (torch.uint8, (96 * 64 // 2, 1))
+    assert torch.equal(codes.view(-1), before.view(torch.uint8).view(-1))  # the same bytes
+    assert layer.weight.quant_storage == torch.uint8
+    assert [q.storage for q in quantized_params(model)] == ["uint8"]
+    assert torch.equal(layer(x), want)
 
 
 def test_wrap_refuses_and_prepares_a_quantized_base_at_world_1():
