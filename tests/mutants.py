@@ -1627,9 +1627,26 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "the_minutes_timer_never_fires",
         "src/shardwise/train/runner.py",
-        "    due = time.monotonic() - since >= 60 * config.save_every_minutes\n",
-        "    due = time.monotonic() - since >= 3600 * config.save_every_minutes\n",
+        "    return minutes is not None and time.monotonic() - since >= 60 * minutes\n",
+        "    return minutes is not None and time.monotonic() - since >= 3600 * minutes\n",
         ("tests/unit/train/test_runner.py::test_a_checkpoint_interval_in_minutes",),
+    ),
+    Mutant(
+        "save_request_not_carried_by_the_update",
+        "src/shardwise/train/reduce.py",
+        "            torch.full((), float(save), device=device),\n",
+        "            torch.zeros((), device=device),\n",
+        ("tests/unit/train/test_runner.py::test_a_checkpoint_interval_in_minutes",),
+    ),
+    Mutant(
+        "minutes_timer_all_reduced_each_update",
+        "src/shardwise/train/runner.py",
+        "                        if _timer_due(cfg, last_save):\n",
+        "                        if cfg.save_every_minutes is not None and any_rank(\n"
+        "                            _timer_due(cfg, last_save), self.world, engine.device):\n",
+        (
+            "tests/distributed/test_runner_dist.py::test_the_minutes_timer_costs_no_sync_and_saves_every_rank_together",
+        ),
     ),
     Mutant(
         "fabric_save_keeps_what_json_changes",

@@ -103,7 +103,9 @@ class RunnerConfig:
     save_every_minutes: float | None = None
     """Also save at the first optimizer step once this many minutes have passed since the
     last save (or the start): steps lost to a lost node stay bounded in time whatever a
-    step takes. The ranks agree through one scalar all-reduce per step (None: no timer)."""
+    step takes. A rank whose clock is due asks through the step's own all-reduce, and
+    every rank saves after that step: no collective or host sync of its own (None: no
+    timer)."""
     save_at_end: bool = False
     """Save a checkpoint when training ends."""
     keep_last: int | None = None

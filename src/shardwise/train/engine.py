@@ -16,14 +16,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -62,6 +59,7 @@ from shardwise.train.optim import (
     from_optim_wrapper,
     is_optim_wrapper,
 )
+from shardwise.train.reduce import nonfinite_keys, reduce_window
 
 __all__ = [
     "VIS_KEYS",
@@ -251,6 +249,9 @@ class Engine:
         self.step = 0
         self.skipped_steps = 0
         self._stop_requested = False
+        self._save_requested = False
+        self.save_requested = False
+        """True after an update in which any rank called `request_save`."""
         self._tp_checked = False
         self._nonfinite_ranks = 0
         self._window: list[dict[str, torch.Tensor]] = []
@@ -284,21 +285,7 @@ class Engine:
             raise ValueError(
                 f"Engine.forward(mode={mode!r}) is not a known mode. Use one of {list(MODES)}."
             )
-        batch = _to_device(batch, self.device)
-        inner = unwrap(self.model)
-        preprocessor = getattr(inner, "data_preprocessor", None)
-        if callable(preprocessor):  # OpenMMLab-style contract
-            data = preprocessor(batch, mode == "loss")
-            if isinstance(data, Mapping):
-                return self.model(**data, mode=mode)
-            if isinstance(data, (list, tuple)):
-                return self.model(*data, mode=mode)
-            return self.model(data, mode=mode)
-        if isinstance(batch, Mapping):
-            return self.model(**batch)
-        if isinstance(batch, (list, tuple)):
-            return self.model(*batch)
-        return self.model(batch)
+        return call_model(self.model, _to_device(batch, self.device), mode)
 
     # --- steps ------------------------------------------------------------------------
 
@@ -309,6 +296,14 @@ class Engine:
         different moments still agree: the update that first sees any rank's request
         returns `stop=1.0` on every rank."""
         self._stop_requested = True
+
+    def request_save(self) -> None:
+        """Ask every rank to save after the next optimizer step (the Runner's
+        save_every_minutes timer: each rank's clock is its own). The request rides on the
+        update's all-reduce, as `request_stop`'s does, so it costs no collective or host
+        sync of its own: after the update that first sees any rank's request,
+        `save_requested` is True on every rank."""
+        self._save_requested = True
 
     def train_step(self, batch: Any, *, force_update: bool = False) -> dict[str, Any]:
         """Forward + backward one micro-batch; update on the last of the window.
@@ -371,17 +366,21 @@ class Engine:
             self._tp_checked = True
             check_tp_gradients(self.model)
         norm = grad_norm(params, pipeline_state(unwrap(self.model)))
-        asked = self._stop_requested
-        reduced = _reduce_window(self._window, norm, self.device, self.scaler is None, asked)
+        asked, save = self._stop_requested, self._save_requested
+        reduced = reduce_window(self._window, norm, self.device, self.scaler is None, asked, save)
         self._window = []
-        if asked:  # sent: a request that arrives from here on rides on the next update
+        # Sent: a request that arrives from here on rides on the next update.
+        if asked:
             self._stop_requested = False
+        if save:
+            self._save_requested = False
+        self.save_requested = reduced.save
         result: dict[str, Any] = dict(reduced.means)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the lr this update uses
         self.micro_step = 0
         self._nonfinite_ranks = reduced.nonfinite_ranks
         if reduced.nonfinite_ranks:  # rare: the report may sync again
-            bad = _nonfinite_keys(reduced, self.scaler is None)
+            bad = nonfinite_keys(reduced, self.scaler is None)
             self._drop_update(nonfinite_report(bad, reduced.keys, self.device))
             result.update(grad_norm=reduced.norm, lr=lr, skipped=1.0, stop=float(reduced.stop))
             return result
@@ -446,6 +445,25 @@ class Engine:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def call_model(model: nn.Module, batch: Any, mode: str) -> Any:
+    """`model` on `batch` under the model contract: OpenMMLab's `data_preprocessor` then
+    `forward(..., mode=)`, or a plain forward of the batch (keywords, positional
+    arguments, or one argument)."""
+    preprocessor = getattr(unwrap(model), "data_preprocessor", None)
+    if callable(preprocessor):  # OpenMMLab-style contract
+        data = preprocessor(batch, mode == "loss")
+        if isinstance(data, Mapping):
+            return model(**data, mode=mode)
+        if isinstance(data, (list, tuple)):
+            return model(*data, mode=mode)
+        return model(data, mode=mode)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    return model(batch)
 
 
 def _check_pipelined(model: nn.Module, config: ParallelConfig, scaler: Any) -> None:
@@ -516,68 +534,6 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_to_device(v, device) for v in batch)
     return batch
-
-
-def _reduce_window(
-    window: list[dict[str, torch.Tensor]],
-    norm: torch.Tensor,
-    device: torch.device,
-    norm_is_ours: bool,
-    asked: bool,
-) -> _Reduced:
-    """The update's one host sync. One all-reduce carries the window's mean values, each
-    rank's non-finite flag and stop request; one copy to the host then brings them back
-    with the gradient norm. Everything before it is queued on the device. With fp16
-    scaling (`norm_is_ours=False`), inf/nan gradients are the grad scaler's to skip, as in
-    any AMP loop; without it they are ours."""
-    keys = sorted(window[0])
-    means = torch.stack([torch.stack([w[k].float() for w in window]).mean() for k in keys])
-    means = means.to(device)
-    norm = norm.float().reshape(1).to(device)
-    losses = [i for i, k in enumerate(keys) if "loss" in k]
-    bad = ~torch.isfinite(means[losses]).all() if losses else torch.zeros((), dtype=torch.bool)
-    bad = bad.to(device)
-    finite_norm = torch.isfinite(norm[0])
-    bad = bad | ~finite_norm if norm_is_ours else bad & finite_norm
-    flags = torch.stack([bad.float(), torch.full((), float(asked), device=device)])
-    values = torch.cat([means, flags])
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        dist.all_reduce(values)  # SUM (gloo has no AVG)
-    host = torch.cat([values, norm]).tolist()  # the one sync of the update
-    n = len(keys)
-    return _Reduced(
-        means={k: v / world for k, v in zip(keys, host[:n], strict=True)},
-        keys=keys,
-        nonfinite_ranks=int(host[n]),
-        stop=host[n + 1] > 0,
-        norm=host[n + 2],
-        local_means=means,
-    )
-
-
-@dataclass(frozen=True)
-class _Reduced:
-    """What the update's one host sync brought back."""
-
-    means: dict[str, float]
-    """The window's mean of each logged value, averaged over ranks."""
-    keys: list[str]
-    nonfinite_ranks: int
-    stop: bool
-    norm: float
-    local_means: torch.Tensor
-    """This rank's means, still on the device (read only to report a non-finite value)."""
-
-
-def _nonfinite_keys(reduced: _Reduced, norm_is_ours: bool) -> list[str]:
-    """This rank's non-finite names: losses among the window's keys, and the gradient norm
-    when no grad scaler owns inf/nan gradients."""
-    finite = torch.isfinite(reduced.local_means).tolist()
-    bad = [k for k, ok in zip(reduced.keys, finite, strict=True) if "loss" in k and not ok]
-    if norm_is_ours and not math.isfinite(reduced.norm):
-        bad.append("grad_norm")
-    return bad
 
 
 def set_accumulation(engine: Engine, steps: int) -> None:

@@ -119,18 +119,14 @@ def _total_steps(config: RunnerConfig, batches_per_epoch: int, accumulate_steps:
     return total
 
 
-def _save_due(
-    config: RunnerConfig, step: int, since: float, world: int, device: torch.device
-) -> bool:
-    """Whether the update that made `step` is followed by a save: every `save_every` steps,
-    or once `save_every_minutes` have passed since the last save. Clocks differ between
-    ranks, so they agree on the timer through one all-reduce (any rank due: all save)."""
-    if config.save_every and step % config.save_every == 0:
-        return True
-    if config.save_every_minutes is None:
-        return False
-    due = time.monotonic() - since >= 60 * config.save_every_minutes
-    return any_rank(due, world, device)
+def _timer_due(config: RunnerConfig, since: float) -> bool:
+    """Whether `save_every_minutes` have passed on this rank's clock since the last save.
+    Clocks differ between ranks: a rank that is due asks the Engine to save
+    (`request_save`), and the request rides on the update's own all-reduce, so all ranks
+    save after the same update (any rank due: all save) and the timer costs no collective
+    or host sync of its own."""
+    minutes = config.save_every_minutes
+    return minutes is not None and time.monotonic() - since >= 60 * minutes
 
 
 def _launched_runner() -> RunnerConfig:
@@ -231,6 +227,8 @@ class Runner:
                     window.restart()
                     for i, data in enumerate(self.train_loader):
                         window.add(data)
+                        if _timer_due(cfg, last_save):
+                            engine.request_save()
                         # A collective that times out here names the rank that never came.
                         with guard(f"train step {engine.step + engine.skipped_steps + 1}"):
                             logs = engine.train_step(data, force_update=i == n - 1)
@@ -264,7 +262,7 @@ class Runner:
                         ):
                             last_val = self.validate()
                             window.restart()  # validation time is not training throughput
-                        if _save_due(cfg, done, last_save, self.world, engine.device):
+                        if engine.save_requested or (cfg.save_every and done % cfg.save_every == 0):
                             self.save(position, async_=cfg.async_save)
                             saved_at, last_save = engine.step, time.monotonic()
                             window.restart()

@@ -498,15 +498,15 @@ def test_validation_reads_val_batches_batches_and_weights_each_by_its_samples(
 def test_a_checkpoint_interval_in_minutes(tmp_path, monkeypatch):
     import shardwise.train.runner as runner_module
 
-    clock = [1000.0]  # the Runner's monotonic clock, advanced 40 s by every update
-    real = runner_module._save_due
+    clock = [1000.0]  # the Runner's monotonic clock, advanced 40 s before every update
+    real = runner_module._timer_due
 
-    def due(config, step, since, world, device):
+    def due(config, since):
         clock[0] += 40.0
-        return real(config, step, since, world, device)
+        return real(config, since)
 
     monkeypatch.setattr(runner_module.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(runner_module, "_save_due", due)
+    monkeypatch.setattr(runner_module, "_timer_due", due)
     make_runner(tmp_path, batch_size=4, max_steps=6, max_epochs=None, save_every_minutes=1.5).fit()
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
     assert saved == ["step_00000003", "step_00000006"]  # 120 s >= 90 s, then again
