@@ -11,13 +11,18 @@ Runs, one after the other, each bounded in time and reported even when it fails:
 - simulation: `simulate_step`'s peak against `torch.cuda.max_memory_allocated` and
   `max_memory_reserved` of the same real step;
 - syncs: host syncs outside optimizer.step under `torch.cuda.set_sync_debug_mode`, with
-  accumulation 4 and clipping (the target is at most one per update, none per micro-step).
+  accumulation 4 and clipping (the target is at most one per update, none per micro-step);
+- router, adapters, dims_syncs: the router loss in a recomputed block, LoRA and QLoRA
+  (bf16 codes, with and without cpu_offload), and the host syncs of the expert dispatch,
+  the pipeline's token count and the Runner's save timer (bench/gpu_dims.py says what each
+  checks). These three also run on the CPU (`--device cpu`), as the suite runs them.
 
 It prints one table and writes JSON (`--out`, default gpu_check.json). With no GPU visible it
 says so, checks nothing and exits 0.
 
     make gpu-check                       # or: python bench/gpu_check.py
     python bench/gpu_check.py --only syncs,simulation
+    python bench/gpu_check.py --device cpu --only router,adapters,dims_syncs
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import gpu_dims
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,8 +206,14 @@ def main() -> int:
     parser = common.arg_parser(__doc__)
     parser.add_argument("--only", default="", help="comma-separated check names")
     parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument(
+        "--device", default="cuda", choices=["cuda", "cpu"],
+        help=f"cpu: run the checks that run on a CPU ({', '.join(ON_CPU)}), as the suite does",
+    )  # fmt: skip
     args = parser.parse_args()
     header = common.report_header("gpu_check", common.command_line("bench/gpu_check.py"))
+    if args.device == "cpu":
+        return _run_on_cpu(args, header)
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU is visible on this machine; nothing was checked.")
         common.emit_json({**header, "gpu": None, "checks": {}}, Path(args.out))
@@ -212,7 +224,11 @@ def main() -> int:
 
     shardwise.init_distributed()
     tmp = Path(tempfile.mkdtemp(prefix="shardwise-gpu-check-"))
+    cuda = torch.device("cuda", torch.cuda.current_device())
     checks: dict[str, Callable[[], dict[str, Any]]] = {
+        "router": lambda: gpu_dims.check_router(cuda),
+        "adapters": lambda: gpu_dims.check_adapters(cuda, tmp),
+        "dims_syncs": lambda: gpu_dims.check_dims_syncs(cuda),
         "syncs": check_syncs,
         "simulation": check_simulation,
         "offload": check_offload,
@@ -221,7 +237,22 @@ def main() -> int:
         "overhead": check_overhead,
         "mfu": check_mfu,
     }
-    chosen = [c for c in args.only.split(",") if c] or list(checks)
+    results = _run_checks(checks, args.only)
+    gpu = torch.cuda.get_device_name()
+    shardwise.shutdown()
+    common.emit_json({**header, "gpu": gpu, "checks": results}, Path(args.out))
+    return 0 if all(r.get("ok") for r in results.values()) else 1
+
+
+ON_CPU = ("router", "adapters", "dims_syncs")
+
+
+def _run_checks(checks: dict[str, Callable[[], dict[str, Any]]], only: str) -> dict[str, Any]:
+    """Each chosen check, timed, reported even when it raises, one line each."""
+    chosen = [c for c in only.split(",") if c] or list(checks)
+    unknown = sorted(set(chosen) - set(checks))
+    if unknown:
+        raise SystemExit(f"gpu_check: --only {','.join(unknown)}: choose from {sorted(checks)}")
     results: dict[str, Any] = {}
     for name in chosen:
         start = time.perf_counter()
@@ -231,12 +262,30 @@ def main() -> int:
             results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             results[name]["traceback"] = traceback.format_exc()[-3000:]
         results[name]["seconds"] = round(time.perf_counter() - start)
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         verdict = "ok" if results[name].get("ok") else "FAILED"
         print(f"{name:<12} {verdict:<7} {results[name]['seconds']:>4} s", flush=True)
-    gpu = torch.cuda.get_device_name()
+    return results
+
+
+def _run_on_cpu(args: Any, header: dict[str, Any]) -> int:
+    """The checks that run on a CPU, on the CPU (a one-rank gloo group)."""
+    import tempfile
+
+    import shardwise
+
+    shardwise.init_distributed(device="cpu")
+    tmp = Path(tempfile.mkdtemp(prefix="shardwise-gpu-check-"))
+    cpu = torch.device("cpu")
+    checks: dict[str, Callable[[], dict[str, Any]]] = {
+        "router": lambda: gpu_dims.check_router(cpu),
+        "adapters": lambda: gpu_dims.check_adapters(cpu, tmp),
+        "dims_syncs": lambda: gpu_dims.check_dims_syncs(cpu),
+    }
+    results = _run_checks(checks, args.only)
     shardwise.shutdown()
-    common.emit_json({**header, "gpu": gpu, "checks": results}, Path(args.out))
+    common.emit_json({**header, "gpu": None, "device": "cpu", "checks": results}, Path(args.out))
     return 0 if all(r.get("ok") for r in results.values()) else 1
 
 

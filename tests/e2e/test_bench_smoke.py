@@ -4,6 +4,7 @@ speed and memory are measured in bench/, never in tests)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,25 @@ def test_gpu_check_without_a_gpu_says_so_and_checks_nothing(tmp_path):
     assert "no CUDA GPU is visible on this machine; nothing was checked" in out.stdout
     report = json.loads((tmp_path / "g.json").read_text())
     assert report["gpu"] is None and report["checks"] == {}
+
+
+def test_gpu_checks_of_the_newest_dimensions_run_on_the_cpu(tmp_path):
+    """What `make gpu-check` runs for issue 47, on the CPU: a GPU adds only what CUDA alone
+    shows (the recompute on autograd's device thread, bf16 copies, host pointers)."""
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_check.py"), "--device", "cpu",
+         "--only", "router,adapters,dims_syncs", "--out", str(tmp_path / "g.json")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    checks = json.loads((tmp_path / "g.json").read_text())["checks"]
+    assert checks["router"]["sums_with_recompute"] == 2
+    adapters = checks["adapters"]
+    assert adapters["qlora_bf16"]["four_bit_layers"] == 14  # 7 linears of 2 layers
+    for run in ("qlora_bf16", "qlora_bf16_offload"):
+        assert adapters[run]["gathered_codes_equal_loaded"] == 14, adapters
+    assert checks["dims_syncs"]["ep_dispatch_per_layer"] == {"forward": 1, "with_recompute": 2}
+    assert checks["dims_syncs"]["pp_token_count"] == 0
 
 
 def test_mfu_holds_one_variant_at_a_time(monkeypatch):
