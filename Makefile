@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-reshard test-launcher test-foreign test-elastic test-slurm lint typecheck unit layout bench gpu-check soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-reshard test-launcher test-foreign test-elastic test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -121,6 +121,12 @@ docs: $(STAMP)
 # Everything one GPU can check, in under ten minutes; on a machine without one it says so.
 gpu-check: $(STAMP)
 	$(PY) bench/gpu_check.py
+
+# What two or more GPUs can check that one cannot (pp, ep, tp, hybrid_shard, Fabric with
+# devices=[1, 0], NCCL point-to-point and all-to-all, an elastic restart), each against one
+# process; on a machine with fewer it says "needs ≥ 2 GPUs".
+gpu-check-multi: $(STAMP)
+	$(PY) bench/gpu_check_multi.py
 
 # Launcher robustness: N trials per kind (a rank SIGKILLed at a random step under
 # --max-restarts 2 must resume and end bitwise equal to an uninterrupted run). Prints "K of N".

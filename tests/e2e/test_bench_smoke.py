@@ -102,6 +102,40 @@ def test_gpu_checks_of_the_newest_dimensions_run_on_the_cpu(tmp_path):
     assert checks["dims_syncs"]["pp_token_count"] == 0
 
 
+def test_gpu_check_multi_with_fewer_than_two_gpus_says_so(tmp_path):
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs are visible: run `make gpu-check-multi` itself")
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_check_multi.py"), "--out", str(tmp_path / "g.json")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gpu-check-multi: needs ≥ 2 GPUs" in out.stdout
+    assert json.loads((tmp_path / "g.json").read_text())["checks"] == {}
+
+
+def test_gpu_check_multi_runs_every_check_on_cpu_ranks(tmp_path):
+    """`make gpu-check-multi`'s code paths with gloo standing in for NCCL, at world 4 (so
+    hybrid_shard runs too); Fabric on devices=2 rather than [1, 0]."""
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_check_multi.py"), "--device", "cpu", "--world", "4",
+         "--out", str(tmp_path / "g.json")],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    checks = json.loads((tmp_path / "g.json").read_text())["checks"]
+    names = {"p2p_all_to_all", "pp_1f1b", "pp_interleaved", "ep2", "tp2", "hybrid_shard"}
+    assert names | {"group", "fabric", "elastic"} == set(checks)
+    for name in names - {"p2p_all_to_all"}:
+        for rank in checks[name]["ranks"]:
+            bars = {"fp32": 1e-4, "fp16": 5e-2} if name == "ep2" else {"": 1e-4}
+            for key, bar in bars.items():
+                run = rank[key] if key else rank
+                assert run["params_compared"] > 0 and run["worst_rel"] < bar, (name, rank)
+    assert checks["group"]["world"] == 4 and checks["elastic"]["restarts"] == 1
+    assert checks["fabric"]["params_compared"] > 0
+
+
 def test_mfu_holds_one_variant_at_a_time(monkeypatch):
     """Issue 26: both compared models (and their AdamW states) were resident at once; at
     1.3B with batch 8 x 2048 that does not fit an 80 GB GPU."""
