@@ -85,6 +85,25 @@ COVERED: dict[str, RunBy] = {
         "tests/e2e/test_slurm.py::test_the_documented_sbatch_job_runs_as_written",
         ('"sbatch", "examples/slurm/train_cpu.sbatch"',),
     ),
+    # docs/gpu.md: the two GPU checks, run by the bench tier (on the CPU, or saying so)
+    "make gpu-check": RunBy(
+        "tests/e2e/test_bench_smoke.py::test_gpu_check_without_a_gpu_says_so_and_checks_nothing",
+        ('str(BENCH / "gpu_check.py")',),
+        also=(("Makefile", "$(PY) bench/gpu_check.py\n"),),
+    ),
+    "make gpu-check-multi": RunBy(
+        "tests/e2e/test_bench_smoke.py::test_gpu_check_multi_with_fewer_than_two_gpus_says_so",
+        ('str(BENCH / "gpu_check_multi.py")',),
+        also=(("Makefile", "$(PY) bench/gpu_check_multi.py\n"),),
+    ),
+    "python bench/gpu_check.py --device cpu --only router,adapters,dims_syncs": RunBy(
+        "tests/e2e/test_bench_smoke.py::test_gpu_checks_of_the_newest_dimensions_run_on_the_cpu",
+        ('"--device", "cpu"', '"--only", "router,adapters,dims_syncs"'),
+    ),
+    "python bench/gpu_check_multi.py --device cpu --world 4": RunBy(
+        "tests/e2e/test_bench_smoke.py::test_gpu_check_multi_runs_every_check_on_cpu_ranks",
+        ('"--device", "cpu", "--world", "4"',),
+    ),
     # docs/gpu.md: an elastic job, run by the elastic tier
     "shardwise rendezvous --host 127.0.0.1 --port 29400": RunBy(
         "tests/e2e/test_elastic.py::test_losing_the_node_that_would_host_the_rendezvous",
