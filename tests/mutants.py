@@ -1827,6 +1827,27 @@ def _run_tests(copy: Path, tests: tuple[str, ...], log: Path) -> int:
         ).returncode
 
 
+def _uncollected(copy: Path, tests: tuple[str, ...]) -> list[str]:
+    """The test ids that collect nothing under the marker the run uses (a test renamed, a
+    parametrisation dropped, a tier's marker that deselects it): such a mutant is an error,
+    since tests that never ran cannot have passed against it."""
+    env = dict(os.environ, PYTHONPATH=str(copy / "src"), PYTHONDONTWRITEBYTECODE="1")
+
+    def collect(ids: tuple[str, ...]) -> tuple[int, list[str]]:
+        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        out = subprocess.run(
+            [*cmd, "-m", "not slow", *ids], cwd=copy, env=env, capture_output=True, text=True
+        )
+        return out.returncode, [line.strip() for line in out.stdout.splitlines() if "::" in line]
+
+    rc, collected = collect(tests)
+    if rc not in (0, 5):  # an id pytest cannot find fails the whole collection: one by one
+        collected = [c for t in tests for c in collect((t,))[1]]
+    return [
+        t for t in tests if not any(c == t or c.startswith((f"{t}[", f"{t}::")) for c in collected)
+    ]
+
+
 def _tail(log: Path, lines: int = 15) -> str:
     return "\n".join(log.read_text().splitlines()[-lines:])
 
@@ -1871,8 +1892,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{m.name}: stale ({problem})", flush=True)
                 continue
             log = work / f"{m.name}.log"
-            rc = _run_tests(copy, m.tests, log)
-            verdict = "killed" if rc == 1 else "survived" if rc == 0 else f"error (pytest {rc})"
+            missing = _uncollected(copy, m.tests)
+            if missing:
+                log.write_text(f"collects nothing: {', '.join(missing)}\n")
+                verdict = f"error (collects nothing: {', '.join(missing)})"
+            else:
+                rc = _run_tests(copy, m.tests, log)
+                verdict = "killed" if rc == 1 else "survived" if rc == 0 else f"error (pytest {rc})"
             verdicts[m.name] = verdict
             print(f"{m.name}: {verdict} ({time.monotonic() - start:.0f} s)", flush=True)
             if args.verbose or verdict != "killed":

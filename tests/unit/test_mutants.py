@@ -42,3 +42,15 @@ def test_the_list_covers_the_audited_behaviours():
         "clip_applied_twice",
     } <= names
     assert len(names) == len(mutants.MUTANTS)  # names are unique
+
+
+@pytest.mark.heavy  # a pytest collection in a subprocess
+def test_a_test_id_that_collects_nothing_is_reported_not_passed():
+    """Issue 48: a mutant whose tests collect nothing would pass as a survivor or, worse,
+    a deselected id would look like tests that ran. The script names each id that collects
+    nothing under its marker: a missing test and a slow one alike."""
+    present = "tests/unit/test_mutants.py::test_the_list_covers_the_audited_behaviours"
+    missing = "tests/unit/test_mutants.py::test_no_such_test"
+    slow = "tests/e2e/test_launch_robust.py::test_a_stalled_rank_is_named_and_the_job_ends"
+    got = mutants._uncollected(ROOT, (present, missing, slow))
+    assert got == [missing, slow]
