@@ -482,8 +482,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lora_merged_without_its_scale",
         "src/shardwise/checkpoint/adapters.py",
-        "    return (weight.float() + delta * scale).to(weight.dtype)\n",
-        "    return (weight.float() + delta).to(weight.dtype)\n",
+        "    delta = (delta * scale).to(b.dtype)\n",
+        "    delta = delta.to(b.dtype)\n",
         (
             "tests/unit/checkpoint/test_adapter_export.py::"
             "test_the_merged_export_equals_peft_merge_and_opens_in_transformers",
@@ -1780,6 +1780,175 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/unit/testing/test_compare_trajectories.py::"
             "test_a_draw_holding_a_nan_its_namesake_lacks_is_not_the_same_distribution",
+        ),
+    ),
+    # Issue 48: the outside audit's survivors (bugs chosen from the code and docs before the
+    # tests were read; 18 of 43 survived the tests each module's change would run).
+    Mutant(
+        "ep_router_indices_alias_dropped",
+        "src/shardwise/parallelize/experts.py",
+        '    return len(names) == 3 and names[1] in ("top_k_index", "router_indices", "topk_indices")\n',
+        '    return len(names) == 3 and names[1] in ("top_k_index", "topk_indices")\n',
+        (
+            "tests/unit/parallelize/test_expert_plan.py::test_each_spelling_of_the_routing_argument_is_found",
+        ),
+    ),
+    Mutant(
+        "ep_packed_divisibility_ignores_stride",
+        "src/shardwise/parallelize/moe.py",
+        "            parts = tp * int(strided)\n",
+        "            parts = tp\n",
+        (
+            "tests/unit/parallelize/test_expert_plan.py::test_a_packed_gate_and_up_split_needs_tp_parts_of_each_half",
+        ),
+    ),
+    Mutant(
+        "ep_check_covers_unknown_ignored",
+        "src/shardwise/parallelize/moe.py",
+        "        if missing or unknown or inner:\n",
+        "        if missing or inner:\n",
+        (
+            "tests/unit/parallelize/test_expert_plan.py::test_a_plan_entry_for_a_parameter_the_experts_lack_is_refused",
+        ),
+    ),
+    Mutant(
+        "rb_probe_skips_gradient",
+        "src/shardwise/parallelize/router_loss.py",
+        "            if not close(want, got) or not all(map(close, want_grad, got_grad)):\n",
+        "            if not close(want, got):\n",
+        (
+            "tests/unit/parallelize/test_router_loss.py::test_the_probe_refuses_a_function_with_the_same_value_and_another_gradient",
+        ),
+    ),
+    Mutant(
+        "rb_current_outside_backward",
+        "src/shardwise/parallelize/global_batch.py",
+        "    if active is None and torch._C._current_graph_task_id() != -1:\n",
+        "    if active is None:\n",
+        (
+            "tests/unit/parallelize/test_batch_stats.py::test_outside_any_forward_or_backward_a_statistic_is_left_alone",
+        ),
+    ),
+    Mutant(
+        "ad_plan_first_adapter_only",
+        "src/shardwise/parallelize/adapters.py",
+        "        for adapter in wrapper.lora_A:  # type: ignore[union-attr]\n",
+        "        for adapter in list(wrapper.lora_A)[:1]:  # type: ignore[union-attr]\n",
+        (
+            "tests/unit/parallelize/test_adapter_plan.py::test_every_adapter_loaded_on_a_layer_follows_its_base",
+        ),
+    ),
+    Mutant(
+        "fr_ds_batch_unchecked_without_world",
+        "src/shardwise/config/deepspeed.py",
+        "        if micro and accum:\n",
+        "        if micro or accum:\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_without_a_world_size_a_total_batch_missing_a_factor_is_refused",
+        ),
+    ),
+    Mutant(
+        "fr_acc_distributed_type_overrides_strategy",
+        "src/shardwise/config/accelerate.py",
+        '        out.parallel.setdefault("strategy", "full_shard")\n',
+        '        out.parallel["strategy"] = "full_shard"\n',
+        (
+            "tests/unit/config/test_accelerate.py::test_the_named_sharding_strategy_wins_whatever_the_key_order",
+        ),
+    ),
+    Mutant(
+        "fr_acc_replicate_one_is_hybrid",
+        "src/shardwise/config/accelerate.py",
+        "            if int(value) > 1:\n",
+        "            if int(value) >= 1:\n",
+        ("tests/unit/config/test_accelerate.py::test_replicas_of_one_are_no_replication",),
+    ),
+    Mutant(
+        "fr_tt_hsdp_pp_loses_replication",
+        "src/shardwise/config/torchtitan.py",
+        '        strategy = "shard_grad_op" if strategy == "full_shard" else "hybrid_shard_zero2"\n',
+        '        strategy = "shard_grad_op"\n',
+        (
+            "tests/unit/config/test_torchtitan.py::test_each_data_parallel_layout_and_reshard_setting_maps_to_its_strategy",
+        ),
+    ),
+    Mutant(
+        "le_grace_inf_accepted",
+        "src/shardwise/cli/launch.py",
+        '    if not 0 <= s < float("inf"):\n',
+        "    if not 0 <= s:\n",
+        (
+            "tests/unit/cli/test_small_edges.py::test_a_grace_that_is_not_a_finite_number_of_seconds_is_refused",
+        ),
+    ),
+    Mutant(
+        "le_elastic_min_one_standalone",
+        "src/shardwise/cli/launch.py",
+        '    return int(str(nnodes).rpartition(":")[2])\n',
+        '    return int(str(nnodes).partition(":")[0])\n',
+        (
+            "tests/unit/cli/test_small_edges.py::test_only_a_job_that_can_never_span_nodes_runs_standalone",
+        ),
+    ),
+    Mutant(
+        "le_grace_not_reset_between_attempts",
+        "src/shardwise/cli/grace.py",
+        "            self._since = None\n",
+        "",
+        ("tests/unit/cli/test_grace.py::test_each_attempt_gets_its_own_grace",),
+    ),
+    Mutant(
+        "le_sigterm_with_error_counted_stopped",
+        "src/shardwise/cli/report.py",
+        "        return not f.message and f.exitcode == -signal.SIGTERM\n",
+        "        return f.exitcode == -signal.SIGTERM\n",
+        (
+            "tests/unit/cli/test_report.py::test_a_rank_that_wrote_its_error_before_sigterm_ended_it_is_a_cause",
+        ),
+    ),
+    Mutant(
+        "le_resume_second_world_change",
+        "src/shardwise/train/resume.py",
+        '    configured = position.get("accumulate_configured", saved_steps)\n',
+        "    configured = saved_steps\n",
+        (
+            "tests/unit/train/test_keep_global_batch.py::test_the_accumulation_keeps_the_global_batch",
+        ),
+    ),
+    Mutant(
+        "le_data_parallel_ignores_pp",
+        "src/shardwise/train/runner.py",
+        "    if info is not None and spec is not None and (spec.tp > 1 or spec.pp > 1):\n",
+        "    if info is not None and spec is not None and spec.tp > 1:\n",
+        (
+            "tests/unit/train/test_runner.py::test_the_ranks_of_a_tp_group_or_a_pipeline_read_the_same_rows",
+        ),
+    ),
+    Mutant(
+        "pa_extra_params_ignored",
+        "src/shardwise/testing/parity.py",
+        "        if set(reference.params) != set(candidate.params):\n",
+        "        if set(reference.params) - set(candidate.params):\n",
+        (
+            "tests/unit/testing/test_compare_trajectories.py::test_parameter_names_must_match_both_ways",
+        ),
+    ),
+    Mutant(
+        "ck_merge_lora_bf16_rounding",
+        "src/shardwise/checkpoint/adapters.py",
+        "    delta = (delta * scale).to(b.dtype)\n",
+        "    delta = (delta * scale).to(weight.dtype)\n",
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::test_the_merged_export_equals_peft_merge_and_opens_in_transformers",
+        ),
+    ),
+    Mutant(
+        "merged_bf16_adapters_rounded_once",
+        "src/shardwise/checkpoint/adapters.py",
+        "    delta = (delta * scale).to(b.dtype)\n",
+        "    delta = delta * scale\n",
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::test_the_merged_export_equals_peft_merge_and_opens_in_transformers",
         ),
     ),
 )

@@ -400,9 +400,12 @@ def _check_linear(
 def merge_lora(
     weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, transpose: bool
 ) -> torch.Tensor:
-    """W + scale * (B @ A), as peft's Linear.merge computes it (its `get_delta_weight`), in
-    fp32 for a lower-precision weight, cast back to the weight's dtype."""
+    """W + scale * (B @ A), as peft's `merge_and_unload` computes it on the CPU: the delta
+    in fp32, scaled, then held in the adapters' dtype (`get_delta_weight`), and added to the
+    weight in place, which rounds once to the weight's dtype. bf16 adapters thus round
+    twice, as peft's do; fp32 ones (peft's default, autocast_adapter_dtype) once."""
     delta = b.float() @ a.float()
     if transpose:
         delta = delta.T
-    return (weight.float() + delta * scale).to(weight.dtype)
+    delta = (delta * scale).to(b.dtype)
+    return (weight.float() + delta.float()).to(weight.dtype)

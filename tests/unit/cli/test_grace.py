@@ -89,3 +89,25 @@ def test_the_agents_poll_is_put_back(grace_with):
     with grace:
         assert LocalElasticAgent._monitor_workers is not before
     assert LocalElasticAgent._monitor_workers is before
+
+
+def test_each_attempt_gets_its_own_grace(grace_with, monkeypatch):
+    """Issue 48: after a restart the grace starts again at the new attempt's first failure
+    (a clock left from the first attempt would give the second none, and its report would
+    blame the ranks torch stopped)."""
+    import shardwise.cli.grace as grace_module
+
+    clock = [100.0]
+    monkeypatch.setattr(grace_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    grace, calls = grace_with(5.0)
+    with grace:
+        agent, group = _agent({0: 1, 1: None})  # attempt 1: rank 0 fails, rank 1 runs
+        assert LocalElasticAgent._monitor_workers(agent, group).state == WorkerState.HEALTHY
+        clock[0] += 6.0  # the grace runs out: torch stops rank 1
+        assert LocalElasticAgent._monitor_workers(agent, group).state == WorkerState.FAILED
+        clock[0] += 60.0  # the restart; attempt 2's rank 0 fails, its rank 1 still runs
+        agent, group = _agent({0: 1, 1: None})
+        assert LocalElasticAgent._monitor_workers(agent, group).state == WorkerState.HEALTHY
+        clock[0] += 4.0  # within attempt 2's own grace
+        assert LocalElasticAgent._monitor_workers(agent, group).state == WorkerState.HEALTHY
+    assert len(calls) == 1  # torch's poll asked once: at the end of attempt 1's grace

@@ -259,3 +259,16 @@ def test_the_second_node_of_a_two_node_job_reads_its_local_rank_0_by_local_rank(
         "  rank 2: ConfigError (shown above)",
         "  rank 3: stopped because rank 2 ended",
     ]
+
+
+def test_a_rank_that_wrote_its_error_before_sigterm_ended_it_is_a_cause():
+    """Issue 48: SIGTERM alone is the launcher stopping a rank; a rank that wrote its own
+    error first (a watchdog timeout, then torch's SIGTERM) failed, and its error is shown."""
+    first = Failure(0, 0, -15, "RuntimeError: NCCL watchdog timeout", "tb", False)
+    other = Failure(1, 1, 1, "ValueError: bad shape", "", True)
+    lines = summary([first, other]).splitlines()
+    assert "  rank 0: RuntimeError (shown above)" in lines
+    assert "  rank 1: ValueError: bad shape" in lines
+    assert not any("stopped because" in line for line in lines)
+    quiet = summary([Failure(0, 0, -15), other]).splitlines()  # SIGTERM, no error of its own
+    assert "  rank 0: stopped because rank 1 ended" in quiet

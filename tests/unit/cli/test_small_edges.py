@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -208,3 +209,37 @@ def test_plan_shows_the_2d_layout_and_refuses_what_it_cannot_model(tmp_path, mon
     assert main(["plan", "llm:llama", "--world", "8", "parallel.tp=4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config.num_key_value_heads=2 does not divide by 4" in err
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "-1", "x"])
+def test_a_grace_that_is_not_a_finite_number_of_seconds_is_refused(value: str) -> None:
+    """Issue 48: --grace inf would never stop the other workers after a failure (a stalled
+    rank hangs the job), as NaN would compare false everywhere."""
+    from shardwise.cli.launch import grace_arg
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"--grace=.*use a number of seconds"):
+        grace_arg(value)
+    assert grace_arg("0") == 0.0 and grace_arg("2.5") == 2.5
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "standalone"), [("1", True), ("1:1", True), ("2", False), ("1:4", False)]
+)
+def test_only_a_job_that_can_never_span_nodes_runs_standalone(
+    nnodes: str, standalone: bool
+) -> None:
+    """Issue 48: an elastic --nnodes 1:4 starts on one node but admits four: it needs the
+    rendezvous endpoint the others join, by its maximum, not its minimum."""
+    from shardwise.cli.launch import launcher_args
+
+    args = argparse.Namespace(
+        nproc=2, nnodes=nnodes, rdzv_endpoint=None, node_rank=0, max_restarts=0, rdzv_id=None
+    )
+    if standalone:
+        assert "--standalone" in launcher_args(args)
+        return
+    with pytest.raises(ValueError, match=rf"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT"):
+        launcher_args(args)
+    args.rdzv_endpoint = "h:1"
+    got = launcher_args(args)
+    assert "--standalone" not in got and got[got.index("--rdzv_endpoint") + 1] == "h:1"

@@ -208,3 +208,23 @@ def _yaml(tmp_path, text):  # type: ignore[no-untyped-def]
 def test_a_yaml_that_is_not_a_mapping_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match=r"an Accelerate config is a YAML mapping"):
         translate_accelerate(_yaml(tmp_path, "- FSDP\n"))
+
+
+@pytest.mark.parametrize("order", ["distributed_type_first", "fsdp_config_first"])
+def test_the_named_sharding_strategy_wins_whatever_the_key_order(order) -> None:  # type: ignore[no-untyped-def]
+    """Issue 48: a hand-written file may put fsdp_config before distributed_type; the
+    strategy its fsdp_config names must not be replaced by FSDP's default."""
+    fsdp = {"fsdp_config": {"fsdp_sharding_strategy": "SHARD_GRAD_OP"}}
+    kind = {"distributed_type": "FSDP"}
+    data = {**kind, **fsdp} if order == "distributed_type_first" else {**fsdp, **kind}
+    assert translate_accelerate(data).parallel["strategy"] == "shard_grad_op"
+
+
+@pytest.mark.parametrize(("replicas", "strategy"), [(1, "full_shard"), (2, "hybrid_shard")])
+def test_replicas_of_one_are_no_replication(replicas, strategy) -> None:  # type: ignore[no-untyped-def]
+    """Issue 48: parallelism_config's dp_replicate_size of 1, the usual value, is plain
+    FSDP; only more than one replica makes hybrid_shard."""
+    config = {"parallelism_config_dp_replicate_size": replicas,
+              "parallelism_config_dp_shard_size": 4}  # fmt: skip
+    data = {"distributed_type": "FSDP", "parallelism_config": config}
+    assert translate_accelerate(data).parallel["strategy"] == strategy

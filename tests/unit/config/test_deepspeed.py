@@ -317,3 +317,21 @@ def test_files_that_are_not_a_config_are_refused_with_what_they_are(tmp_path, ca
     argv = ["config", "show", "--from", str(path), "--config", str(path)]
     assert main(argv) == 2
     assert "config show --from FILE reads that file alone" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "given",
+    [{}, {"train_micro_batch_size_per_gpu": 4}, {"gradient_accumulation_steps": 2}],
+    ids=["total_alone", "with_micro", "with_accumulation"],
+)
+def test_without_a_world_size_a_total_batch_missing_a_factor_is_refused(given) -> None:  # type: ignore[no-untyped-def]
+    """Issue 48: DeepSpeed derives a missing micro-batch or accumulation from the total and
+    the world size; with no world size given neither can be derived, whichever is missing.
+    Given both, the product is checked at launch."""
+    rows = {r.key: r for r in translate_deepspeed({"train_batch_size": 64, **given}).rows}
+    assert (rows["train_batch_size"].became, rows["train_batch_size"].verdict) == ("-", "refused")
+    assert "give world=" in rows["train_batch_size"].note
+    both = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2}  # fmt: skip
+    row = {r.key: r for r in translate_deepspeed(both).rows}["train_batch_size"]
+    assert (row.became, row.verdict) == ("checked at launch", "exact")

@@ -170,3 +170,31 @@ def test_config_show_from_reads_a_toml_as_torchtitans(tmp_path, capsys) -> None:
     path.write_text("[parallelism\n")
     assert main(["config", "show", "--from", str(path)]) == 2
     assert "is not TOML" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("replicate", "shard", "pp", "reshard", "strategy"),
+    [
+        (1, 4, 1, "default", "full_shard"),
+        (1, 4, 2, "default", "shard_grad_op"),  # pp: torchtitan keeps the gathered weights
+        (1, 4, 1, "never", "shard_grad_op"),
+        (1, 4, 2, "always", "full_shard"),
+        (2, 2, 1, "default", "hybrid_shard"),
+        (2, 2, 2, "default", "hybrid_shard_zero2"),  # the replication kept under pp
+        (2, 2, 1, "never", "hybrid_shard_zero2"),
+        (2, 1, 1, "default", "ddp"),
+        (2, 1, 2, "default", "ddp"),
+    ],
+)
+def test_each_data_parallel_layout_and_reshard_setting_maps_to_its_strategy(
+    replicate: int, shard: int, pp: int, reshard: str, strategy: str
+) -> None:
+    """Issue 48: every branch of the mapping, not only the first: replication and resharding
+    are two separate choices, and neither may be lost to the other."""
+    parallelism = {
+        "data_parallel_replicate_degree": replicate,
+        "data_parallel_shard_degree": shard,
+        "pipeline_parallel_degree": pp,
+        "fsdp_reshard_after_forward": reshard,
+    }
+    assert translate_torchtitan({"parallelism": parallelism}).parallel["strategy"] == strategy

@@ -94,3 +94,15 @@ def test_a_module_trained_as_a_copy_is_split_like_its_original():
     assert isinstance(original, ColwiseParallel) and isinstance(copy, ColwiseParallel)
     assert original.output_layouts == copy.output_layouts == (Replicate(),)  # gathered logits
     assert head not in plan
+
+
+def test_every_adapter_loaded_on_a_layer_follows_its_base():
+    """Issue 48: with a second adapter loaded beside the first (peft's add_adapter), each
+    one's halves are split with the base layer, not only the first one's."""
+    model = _llama(target_modules=["q_proj", "down_proj"])
+    model.add_adapter("second", peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    plan = _plan(model)
+    q, down = f"{P}.self_attn.q_proj", f"{P}.mlp.down_proj"
+    for name in ("default", "second"):
+        assert isinstance(plan[f"{q}.lora_B.{name}"], ColwiseParallel), name
+        assert isinstance(plan[f"{down}.lora_A.{name}"], RowwiseParallel), name

@@ -202,3 +202,17 @@ def test_a_recomputed_block_sums_over_the_batch_as_its_forward_did(backward):
         backward(loss)
     assert batch.used == 2  # the recompute summed too
     assert model.inner.weight.grad is not None
+
+
+def test_outside_any_forward_or_backward_a_statistic_is_left_alone():
+    """The groups of the last training forward are the recompute's, in backward only: a
+    statistic summed after the forward (a metric, an eval loop of one's own) is this
+    rank's, with no collective (issue 48)."""
+    model = _Mixture(True)
+    batch = BatchGroups((), 2)
+    with mock.patch.object(batch_stats.dist, "get_rank", return_value=0):
+        batch_stats.prepare(model, model, batch)
+        model(torch.ones(2, 4))
+    assert batch.used == 1
+    t = torch.ones(3)
+    assert shardwise.global_batch_sum(t) is t and batch.used == 1

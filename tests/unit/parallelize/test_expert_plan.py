@@ -3,6 +3,8 @@ guards, each by its message."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import transformers
@@ -116,3 +118,67 @@ def test_hosts_refuse_expert_parallel_with_the_reason() -> None:
         fabric.ShardwiseFabricStrategy(ep=2)
     with pytest.raises(NotImplementedError, match=r"pp=2 inside Lightning Fabric is not built"):
         fabric.ShardwiseFabricStrategy(pp=2)
+
+
+class _Named(nn.Module):
+    """An experts module in the documented shape whose forward names its routing argument
+    `index_name` (transformers' families use three spellings)."""
+
+    def __init__(self, index_name: str, rows: int = 8) -> None:
+        super().__init__()
+        self.num_experts = 4
+        self.gate_up_proj = nn.Parameter(torch.zeros(4, rows, 6))
+        self.down_proj = nn.Parameter(torch.zeros(4, 6, rows // 2))
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        names = ("self", "hidden_states", index_name, "top_k_weights")
+
+        def forward(self: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+            return args[0]
+
+        forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(n, kind) for n in names]
+        )
+        self.forward = forward.__get__(self)  # what inspect reads is this signature
+
+
+@pytest.mark.parametrize("index_name", ["top_k_index", "router_indices", "topk_indices"])
+def test_each_spelling_of_the_routing_argument_is_found(index_name: str) -> None:
+    """Issue 48: each of the three names transformers' MoE families give the expert indices
+    (gpt_oss: router_indices) marks an experts module; another name does not."""
+    holder = nn.Module()
+    holder.experts = _Named(index_name)
+    assert list(find_experts(holder)) == ["experts"]
+    holder.experts = _Named("expert_ids")
+    assert find_experts(holder) == {}
+
+
+def test_a_packed_gate_and_up_split_needs_tp_parts_of_each_half() -> None:
+    """Issue 48: packed gate and up are cut into tp parts each, so dim 1 must split into
+    2 x tp rows: 6 rows split into 2 but not into 4 (at tp 2), 8 into both."""
+    style = ExpertsParallel({"gate_up_proj": "packed_colwise", "down_proj": "rowwise"})
+    odd = _Named("top_k_index", rows=6)
+    with pytest.raises(
+        ValueError,
+        match=r"tp=2: _Named.gate_up_proj has 6 rows on dim 1, which do not split into 4 equal",
+    ):
+        style._placement("gate_up_proj", odd.gate_up_proj, 2, "_Named")
+    even = _Named("top_k_index", rows=8)
+    style._placement("gate_up_proj", even.gate_up_proj, 2, "_Named")  # 8 rows: 4 parts of 2
+    with pytest.raises(ValueError, match=r"_Named.down_proj has 3 rows on dim 2"):
+        style._placement("down_proj", odd.down_proj, 2, "_Named")
+
+
+def test_a_plan_entry_for_a_parameter_the_experts_lack_is_refused() -> None:
+    """Issue 48: a misspelt parameter under an experts entry would split nothing."""
+    typo = ExpertsParallel({"gate_up_proj": "packed_colwise", "down_prj": "rowwise"})
+    with pytest.raises(
+        ValueError,
+        match=r"has the parameters \['down_proj', 'gate_up_proj'\], but the plan splits "
+        r"\['down_prj', 'gate_up_proj'\]",
+    ):
+        typo.check_covers(_Named("top_k_index"), "experts")
+    extra = ExpertsParallel(
+        {"gate_up_proj": "packed_colwise", "down_proj": "rowwise", "bias": "rowwise"}
+    )
+    with pytest.raises(ValueError, match=r"but the plan splits \['bias', 'down_proj'"):
+        extra.check_covers(_Named("top_k_index"), "experts")

@@ -131,3 +131,17 @@ def test_install_leaves_a_family_whose_function_is_another_loss(monkeypatch):
     model = type("PretendMoE", (nn.Module,), {"__module__": "pretend_family"})()
     assert router_loss.install(model) == ([], ["pretend_family"])
     assert family.load_balancing_loss_func is other  # type: ignore[attr-defined]
+
+
+def test_the_probe_refuses_a_function_with_the_same_value_and_another_gradient():
+    """A family's function that computes the loss's value but stops the gradient of one of
+    its statistics trains another router: the probe compares gradients too (issue 48)."""
+
+    def detached_probs(gate_logits, num_experts=None, top_k=2, attention_mask=None):  # type: ignore[no-untyped-def]
+        value = router_loss.load_balancing_loss(gate_logits, num_experts, top_k, attention_mask)
+        assert isinstance(value, torch.Tensor)
+        # the same value, with half the gradient
+        return value * 0.5 + value.detach() * 0.5
+
+    assert not router_loss._agrees(detached_probs)
+    assert router_loss._agrees(router_loss.load_balancing_loss)

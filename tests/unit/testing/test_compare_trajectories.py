@@ -6,6 +6,7 @@ NaN its namesake lacks."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -65,3 +66,15 @@ def test_a_draw_holding_a_nan_its_namesake_lacks_is_not_the_same_distribution() 
     got["w"][3, 5] = math.nan  # one value left uninitialised
     with pytest.raises(AssertionError, match="w holds 1 values that are not finite"):
         assert_same_distribution(got, want, label="meta")
+
+
+@pytest.mark.parametrize("side", ["missing", "extra"])
+def test_parameter_names_must_match_both_ways(side: str) -> None:
+    """Issue 48: a candidate holding a parameter the reference lacks (an untied copy, a
+    stage's leftover shim) has compared nothing for it: refused, as a missing one is."""
+    ref = Trajectory([2.0], {"w": torch.ones(2)})
+    other = {"w": torch.ones(2), "head.weight": torch.ones(2)}
+    cand = Trajectory([2.0], other if side == "extra" else {})
+    want = "missing [], extra ['head.weight']" if side == "extra" else "missing ['w'], extra []"
+    with pytest.raises(ParityError, match=re.escape(f"parameter names differ: {want}")):
+        compare_trajectories(ref, cand)

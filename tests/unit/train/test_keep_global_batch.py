@@ -30,6 +30,10 @@ def _position(world: int, batch: int = 2, steps: int = 1, configured: int | None
         (_position(4, batch=3), 2, 1, 1),  # a batch_size the user changed: theirs
         (_position(4, steps=2), 2, 1, 1),  # an accumulation the user changed: theirs
         ({"world_size": 4, "batch_size": 2}, 2, 1, 1),  # an older checkpoint: untouched
+        # A second world change (issue 48): the checkpoint of an already adjusted run keeps
+        # the accumulation the script configured, which the adjusted one is not.
+        (_position(4, steps=2, configured=4), 8, 4, 1),  # 2 -> 4 -> 8 ranks, 16 samples
+        (_position(4, steps=1, configured=2), 1, 2, 4),  # 2 -> 4 -> 1 rank, 8 samples
     ],
 )
 def test_the_accumulation_keeps_the_global_batch(position, world, accumulate, expected):
