@@ -79,10 +79,20 @@ def fake_materialize(model: nn.Module, device: torch.device, **_: Any) -> list[s
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 state = module._get_fsdp_state()
-                for group in state._fsdp_param_groups:
+                for group in _param_groups(state):
                     for fsdp_param in group.fsdp_params:
                         fsdp_param.reset_sharded_param()
     return ["fake"]
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP state's parameter groups: torch 2.13 keeps a list (`_fsdp_param_groups`),
+    earlier releases one group or None (`_fsdp_param_group`)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def local_comm_hook(compress_to: torch.dtype | None) -> Callable[..., Any]:

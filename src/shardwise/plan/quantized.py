@@ -198,6 +198,18 @@ def quant_state_bytes(p: torch.Tensor) -> dict[str, int]:
 # --------------------------------------------------------------------------- refusals
 
 
+TORCH_VERSION = torch.__version__
+"""The torch release the refusals judge (a module value, so a test can name another)."""
+
+
+def fsdp_holds_bytes(version: str | None = None) -> bool:
+    """Whether fully_shard takes a frozen uint8 parameter: from torch 2.12 its shards keep
+    the parameter's requires_grad; 2.11 made each shard require grad, which an integer
+    tensor cannot (measured on an H200 with torch 2.11)."""
+    release = (version or TORCH_VERSION).split("+")[0].split(".")[:2]
+    return tuple(int("".join(c for c in x if c.isdigit()) or 0) for x in release) >= (2, 12)
+
+
 def _where(found: list[QuantizedParam]) -> str:
     more = f" and {len(found) - 1} more" if len(found) > 1 else ""
     return f"{found[0].name} ({found[0].bits}-bit, stored as {found[0].storage}){more}"
@@ -258,6 +270,16 @@ def check_quantized(
             "first forward fails: 'Parameter' object has no attribute 'CB'). Use "
             "strategy='ddp' (each rank holds the whole 8-bit base), or a 4-bit base "
             "(load_in_4bit=True), which every sharded strategy takes."
+        )
+    four = [q for q in found if q.bits == 4 and q.quantized]
+    if sharded and four and (config.strategy != "ddp" or config.ep > 1) and not fsdp_holds_bytes():
+        raise NotImplementedError(
+            f"ParallelConfig.strategy={config.strategy!r} over a 4-bit base "
+            f"({_where(four)}) needs torch >= 2.12: torch {TORCH_VERSION}'s fully_shard "
+            "makes every shard a parameter that requires grad, which the codes (held as "
+            "the bytes they are) cannot ('only Tensors of floating point dtype can require "
+            "gradients'). Upgrade torch, or use strategy='ddp' (each rank holds the whole "
+            "4-bit base)."
         )
     unquantized = [q for q in found if not q.quantized]
     if sharded and unquantized and config.strategy != "ddp":

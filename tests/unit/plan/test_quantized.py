@@ -15,6 +15,7 @@ from torch import nn
 import shardwise
 from shardwise.plan.quantized import (
     check_quantized,
+    fsdp_holds_bytes,
     quant_state_bytes,
     quantized_params,
     stored_bytes,
@@ -227,3 +228,22 @@ def test_a_full_export_of_a_quantized_base_is_refused(tmp_path):
     ):
         shardwise.export_weights(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_4bit_base_under_fully_shard_needs_torch_2_12(monkeypatch):
+    import shardwise.plan.quantized as quantized
+
+    assert fsdp_holds_bytes("2.12.0") and fsdp_holds_bytes("2.13.0+cpu")
+    assert fsdp_holds_bytes("3.0.0") and fsdp_holds_bytes("2.12.0a0+git1234")
+    assert not fsdp_holds_bytes("2.11.0+cu130") and not fsdp_holds_bytes("2.6.0")
+    assert not fsdp_holds_bytes("1.13.1")
+    monkeypatch.setattr(quantized, "TORCH_VERSION", "2.11.0+cu130")
+    for strategy in ("full_shard", "shard_grad_op", "hybrid_shard"):
+        with pytest.raises(NotImplementedError, match=rf"strategy='{strategy}' over a 4-bit base "
+                           r"\(1\.0\.weight.*needs torch >= 2\.12: torch 2\.11\.0\+cu130.*"
+                           r"Upgrade torch, or use strategy='ddp'"):  # fmt: skip
+            _check(model_with(four_bit()), strategy=strategy)
+    assert len(_check(model_with(four_bit()), strategy="ddp")) == 1
+    assert len(_check(model_with(four_bit()), sharded=False)) == 1  # world 1: nothing sharded
+    monkeypatch.setattr(quantized, "TORCH_VERSION", "2.12.0")
+    assert len(_check(model_with(four_bit()), strategy="full_shard")) == 1
