@@ -40,6 +40,10 @@ def counting_syncs(device: torch.device) -> Iterator[Callable[[], int]]:
     """The host syncs inside the block so far, as a callable: CUDA's own sync debug mode on
     a GPU (it sees every wait), count_host_syncs elsewhere (the calls that would wait)."""
     if device.type == "cuda":
+        with warnings.catch_warnings():  # the first switch-on in a process warns once (H200)
+            warnings.simplefilter("ignore")
+            torch.cuda.set_sync_debug_mode(1)
+            torch.cuda.set_sync_debug_mode(0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode(1)

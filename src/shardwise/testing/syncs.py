@@ -49,12 +49,33 @@ def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return blocking and to_host and getattr(source, "type", "cpu") != "cpu"
 
 
+def _host_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """An index that makes the host wait: a Python list (made a host tensor, then copied to
+    the device) or a boolean mask (its nonzero count decides the output's size), also
+    inside a tuple of indices; a host tensor index on an accelerator tensor too."""
+    import torch
+
+    source = getattr(args[0], "device", None) if args else None
+    index = args[1] if len(args) > 1 else None
+    for part in index if isinstance(index, tuple) else (index,):
+        if isinstance(part, list):
+            return True
+        if isinstance(part, torch.Tensor):
+            if part.dtype == torch.bool and part.dim() > 0:
+                return True
+            on_host = part.device.type == "cpu" and part.dim() > 0
+            if on_host and getattr(source, "type", "cpu") != "cpu":
+                return True
+    return False
+
+
 @contextlib.contextmanager
 def count_host_syncs() -> Iterator[HostSyncs]:
     """Count, inside the block, the tensor calls that would make the host wait for a GPU:
     `.item()`, `float()`/`int()`/`bool()` of a tensor, `.tolist()`, `.numpy()`, `.cpu()`,
-    formatting, `bincount` and `nonzero` (their output's size depends on the values), and a
-    blocking `.to("cpu")` of an accelerator tensor. All but the last are counted on CPU
+    formatting, `bincount` and `nonzero` (their output's size depends on the values), an
+    index by a Python list or a boolean mask (`__getitem__`), and a blocking `.to("cpu")` of
+    an accelerator tensor. All but the last are counted on CPU
     tensors too, so a CPU test can bound a step's syncs; on a GPU,
     torch.cuda.set_sync_debug_mode is the same check, and also sees `.to("cpu")`.
 
@@ -86,6 +107,8 @@ def count_host_syncs() -> Iterator[HostSyncs]:
         (torch.Tensor, name, counted(name, getattr(torch.Tensor, name))) for name in HOST_SYNCS
     ]
     patches.append((torch.Tensor, "to", counted("to", torch.Tensor.to, _to_host)))
+    getitem = counted("__getitem__", torch.Tensor.__getitem__, _host_index)
+    patches.append((torch.Tensor, "__getitem__", getitem))
     patches += [(torch, name, counted(name, getattr(torch, name))) for name in _FUNCTIONS]
     saved = [(owner, name, owner.__dict__.get(name, _MISSING)) for owner, name, _ in patches]
     try:

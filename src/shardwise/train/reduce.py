@@ -37,9 +37,12 @@ def reduce_window(
     means = torch.stack([torch.stack([w[k].float() for w in window]).mean() for k in keys])
     means = means.to(device)
     norm = norm.float().reshape(1).to(device)
-    losses = [i for i, k in enumerate(keys) if "loss" in k]
-    bad = ~torch.isfinite(means[losses]).all() if losses else torch.zeros((), dtype=torch.bool)
-    bad = bad.to(device)
+    # Each loss picked by an int (a view): a list index becomes a host tensor that is
+    # copied to the device, a host sync on CUDA (measured on an H200).
+    losses = [means[i] for i, k in enumerate(keys) if "loss" in k]
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    if losses:
+        bad = ~torch.isfinite(torch.stack(losses)).all()
     finite_norm = torch.isfinite(norm[0])
     bad = bad | ~finite_norm if norm_is_ours else bad & finite_norm
     flags = torch.stack(

@@ -47,3 +47,16 @@ def test_each_call_counts_once_and_nothing_after_the_block():
     x.tolist()  # after the block: the originals are back
     assert dict(syncs) == {"__format__": 1, "__bool__": 1, "__int__": 1}
     assert "tolist" not in torch.Tensor.__dict__  # inherited again, not patched
+
+
+def test_an_index_that_waits_is_counted_and_a_view_is_not():
+    # a list becomes a host tensor copied to the device; a mask's nonzero sizes the output
+    x = torch.arange(6.0)
+    with count_host_syncs() as syncs:
+        x[[0, 2]]
+        x[x > 2]
+        x[:, None][[1, 3], 0]  # a list inside a tuple of indices
+    assert dict(syncs) == {"__getitem__": 3}
+    with count_host_syncs() as views:
+        x[0], x[1:4], x[None], x[..., 2], x[torch.tensor(1)], x[torch.tensor([1, 2])]
+    assert dict(views) == {}  # an int, a slice, None, a device tensor: nothing waits on CPU

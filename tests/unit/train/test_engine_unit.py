@@ -246,3 +246,30 @@ def test_clip_grad_norm_over_mixed_meshes_is_one_processs():
     for p, g in zip(params, grads, strict=True):
         got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         torch.testing.assert_close(got, g * scale)
+
+
+def test_the_update_reduction_waits_once_and_flags_only_its_losses():
+    from shardwise.testing import count_host_syncs
+    from shardwise.train.reduce import reduce_window
+
+    nan = float("nan")
+    cpu = torch.device("cpu")
+
+    def reduce(**values: float):  # type: ignore[no-untyped-def]
+        window = [{k: torch.tensor(v) for k, v in values.items()} for _ in range(2)]
+        with count_host_syncs() as syncs:
+            out = reduce_window(window, torch.tensor(3.0), cpu, True, False)
+        assert dict(syncs) == {"tolist": 1}  # the update's one wait, an index by a list none
+        return out
+
+    assert reduce(aux=nan, loss=1.0, z_loss=2.0).nonfinite_ranks == 0  # aux is not a loss
+    assert reduce(aux=1.0, loss=1.0, z_loss=nan).nonfinite_ranks == 1  # a later loss key
+    assert reduce(aux=1.0, loss=-float("inf")).nonfinite_ranks == 1
+    assert reduce(aux=nan).nonfinite_ranks == 0  # no loss at all: nothing to flag
+    got = reduce(aux=4.0, loss=1.0)
+    assert (got.means, got.norm, got.stop, got.save) == (
+        {"aux": 4.0, "loss": 1.0},
+        3.0,
+        False,
+        False,
+    )
