@@ -40,6 +40,7 @@ SIZES = {
     "1.3b": dict(d_model=2048, n_layers=24, n_heads=32),
     "tiny": dict(d_model=64, n_layers=2, n_heads=4),
 }
+MODES = ("eager", "compiled")
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
@@ -146,6 +147,10 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, aot_eager compile")
     args = parser.parse_args()
+    for name, given, known in (("--sizes", args.sizes, SIZES), ("--modes", args.modes, MODES)):
+        unknown = [v for v in given.split(",") if v not in known]
+        if unknown:  # an unknown mode ran eager before, reported as eager
+            parser.error(f"{name} {','.join(unknown)}: choose from {','.join(known)}")
     if args.smoke:
         args.sizes, args.batch, args.seq_len, args.vocab = "tiny", 2, 32, 256
         args.steps, args.warmup, args.compile_backend = 3, 1, "aot_eager"
