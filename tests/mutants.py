@@ -1951,6 +1951,75 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/checkpoint/test_adapter_export.py::test_the_merged_export_equals_peft_merge_and_opens_in_transformers",
         ),
     ),
+    # Found on an H200 (2026-12-04): what CUDA's sync debug mode and torch 2.11 showed.
+    Mutant(
+        "update_picks_losses_by_a_list",
+        "src/shardwise/train/reduce.py",
+        "        bad = ~torch.isfinite(torch.stack(losses)).all()\n",
+        "        bad = ~torch.isfinite(means[[i for i, k in enumerate(keys) if 'loss' in k]]).all()\n",
+        (
+            "tests/unit/train/test_engine_unit.py::test_the_update_reduction_waits_once_and_flags_only_its_losses",
+        ),
+    ),
+    Mutant(
+        "update_flags_a_nonfinite_statistic",
+        "src/shardwise/train/reduce.py",
+        'losses = [means[i] for i, k in enumerate(keys) if "loss" in k]',
+        "losses = [means[i] for i, k in enumerate(keys)]",
+        (
+            "tests/unit/train/test_engine_unit.py::test_the_update_reduction_waits_once_and_flags_only_its_losses",
+        ),
+    ),
+    Mutant(
+        "sync_counter_misses_a_list_index",
+        "src/shardwise/testing/syncs.py",
+        "        if isinstance(part, list):\n            return True\n",
+        "        if isinstance(part, list):\n            return False\n",
+        (
+            "tests/unit/testing/test_host_syncs.py::test_an_index_that_waits_is_counted_and_a_view_is_not",
+        ),
+    ),
+    Mutant(
+        "sync_counter_misses_a_mask",
+        "src/shardwise/testing/syncs.py",
+        "            if part.dtype == torch.bool and part.dim() > 0:",
+        "            if part.dtype == torch.bool and part.dim() > 1:",
+        (
+            "tests/unit/testing/test_host_syncs.py::test_an_index_that_waits_is_counted_and_a_view_is_not",
+        ),
+    ),
+    Mutant(
+        "simulation_steps_tensor_by_tensor_for_a_gpu_job",
+        "src/shardwise/memory/simulate.py",
+        'opt = _make_optimizer(optimizer, model.parameters(), foreach=backend == "nccl")',
+        "opt = _make_optimizer(optimizer, model.parameters())",
+        (
+            "tests/unit/memory/test_simulate.py::test_a_named_optimizer_is_simulated_as_torch_builds_it_for_the_jobs_device",
+        ),
+    ),
+    Mutant(
+        "fake_reads_only_the_new_param_groups",
+        "src/shardwise/memory/fake.py",
+        '    group = getattr(state, "_fsdp_param_group", None)\n    return [] if group is None else [group]\n',
+        "    return []\n",
+        (
+            "tests/unit/memory/test_simulate.py::test_fsdp_param_groups_are_read_from_every_torch_release",
+        ),
+    ),
+    Mutant(
+        "qlora_on_torch_2_11_not_refused",
+        "src/shardwise/plan/quantized.py",
+        "for x in release) >= (2, 12)",
+        "for x in release) >= (2, 11)",
+        ("tests/unit/plan/test_quantized.py::test_a_4bit_base_under_fully_shard_needs_torch_2_12",),
+    ),
+    Mutant(
+        "qlora_old_torch_refused_under_ddp",
+        "src/shardwise/plan/quantized.py",
+        'if sharded and four and (config.strategy != "ddp" or config.ep > 1)',
+        "if sharded and four",
+        ("tests/unit/plan/test_quantized.py::test_a_4bit_base_under_fully_shard_needs_torch_2_12",),
+    ),
 )
 
 
