@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import statistics
 from typing import Any
 
@@ -112,6 +113,9 @@ def measure(
         if device.type == "cuda":
             peaks[kind] = torch.cuda.max_memory_allocated(device) / 2**30
         del model, state  # free this variant before the next is built
+        if compile_backend:  # dynamo's caches hold the compiled blocks, parameters and all
+            torch._dynamo.reset()
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     peak = peak_tflops(device, args.peak_tflops)
