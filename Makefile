@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-reshard test-launcher test-foreign test-elastic test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,12 @@ test-experts: $(STAMP)
 # with their own plans, sequence and loss parallel, checkpoints; .ci/run runs it.
 test-tp: $(STAMP)
 	$(VENV)/bin/pytest -q -m tensor_parallel tests/distributed/test_tensor_parallel.py tests/distributed/test_tp_gradient_check.py
+
+# Context parallel (Ulysses; cp 2 x dp 2 and cp 4 at world 4) against one process: four
+# transformers families with packed documents, every data-parallel strategy, the router
+# loss, a model of your own, the layout and negative controls; .ci/run runs it.
+test-cp: $(STAMP)
+	$(VENV)/bin/pytest -q -m context_parallel tests/distributed/test_context_parallel.py
 
 # Checkpoints resharded between every pair of layouts, and the check shown to fail; .ci/run
 # runs it.

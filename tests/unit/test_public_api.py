@@ -84,6 +84,8 @@ PUBLIC: dict[str, str] = {
     "pipeline_eval": "function",
     "plan_stages": "function",
     "StagePlan": "class",
+    # issue 49: attention for a model of your own under context parallel
+    "context_attention": "function",
 }
 
 OLD_PATHS: dict[str, list[str]] = {

@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
+from shardwise.config.context import CPStyle, validate_cp
 from shardwise.config.experts import validate_ep
 from shardwise.config.names import StrategySetting, closest, normalize_strategy
 from shardwise.config.pipeline import PPSchedule, PPSplit, stages_per_rank, validate_pp
@@ -254,7 +255,18 @@ class ParallelConfig:
     rank then sends 1/tp of its group's tokens). The experts are sharded by FSDP over the
     shard ranks ep leaves; the rest of the model keeps its layout. 1: none."""
     cp: int = 1
-    """Context-parallel degree. Only 1 for now: anything else is refused (see the error)."""
+    """Context-parallel degree: each rank of a cp group holds 1/cp of every sequence (the
+    ranks of one group read the same rows; wrap's hook cuts them), and attention reads the
+    whole sequence through `cp_style`. Parameters are sharded over dp_shard x cp, gradients
+    reduced over both. 1: none. Not yet with tp, pp, ep or compile (an error says so)."""
+    cp_style: CPStyle = "auto"
+    """With cp > 1: 'ulysses' (an all-to-all gives each rank every position of 1/cp of the
+    attention heads, which must divide by cp), 'ring' (not built yet: an error says so), or
+    'auto' (Ulysses)."""
+    cp_load_balance: bool | None = None
+    """With cp > 1: cut each sequence into head-and-tail chunks so that causal ring
+    attention's ranks share the work. None: on for causal ring attention. Ulysses has
+    nothing to balance; True with it is an error."""
     mixed_precision: PrecisionSetting = "fp32"
     """'fp32', 'bf16', 'fp16', a mapping of param/reduce/output dtypes, shardwise.Precision,
     torch's MixedPrecisionPolicy, or FSDP1's MixedPrecision."""
@@ -396,6 +408,7 @@ def validate_parallel_config(cfg: ParallelConfig) -> None:
     validate_tp(cfg)
     validate_pp(cfg)
     validate_ep(cfg)
+    validate_cp(cfg)
     cfg._precision = resolve_precision(cfg.mixed_precision)
     _keep_fp32_from_fsdp1(cfg)
     cfg._offload = resolve_cpu_offload(cfg.cpu_offload)

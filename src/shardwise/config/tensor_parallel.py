@@ -32,17 +32,9 @@ TP_STYLE_NAMES = (
 
 
 def validate_tp(cfg: Any) -> None:
-    """A ParallelConfig's tp, tp_plan, loss_parallel, sequence_parallel and cp, as far as
+    """A ParallelConfig's tp, tp_plan, loss_parallel and sequence_parallel, as far as
     they can be checked without a model or a world size (`cfg` is not typed as
     ParallelConfig here, which imports this module)."""
-    if integral(cfg.cp, "ParallelConfig.cp") != 1:
-        raise NotImplementedError(
-            f"ParallelConfig.cp={cfg.cp}: context parallelism is not built yet. torch's "
-            "context parallel has no CPU attention path to prove it against one process, and "
-            "eager attention under it is silently wrong; shardwise refuses it until a GPU "
-            "test exists. Use cp=1 (split long sequences with tp and sequence_parallel=True, "
-            "or activation checkpointing)."
-        )
     if cfg.tp == "auto":
         if cfg.strategy != "auto":
             raise ValueError(

@@ -1,9 +1,12 @@
-"""The parallel degrees (pp × replicate × shard × tp) and the named `DeviceMesh` built from them.
+"""The parallel degrees (pp × replicate × shard × cp × tp) and the named `DeviceMesh` of them.
 
-Owns: turning (strategy, dp_shard, tp, pp, world size) into one validated `MeshSpec`, and
-building torch's DeviceMesh from it: (pp, dp_replicate, dp_shard, tp), tp innermost so that
-a tensor-parallel group is adjacent ranks (one node's fast links), pp outermost so that
-only activations cross between the blocks of ranks that hold one stage each. Resolution is a pure
+Owns: turning (strategy, dp_shard, tp, pp, ep, cp, world size) into one validated
+`MeshSpec`, and building torch's DeviceMesh from it: (pp, dp_replicate, dp_shard, cp, tp),
+tp innermost so that a tensor-parallel group is adjacent ranks (one node's fast links), cp
+next (its all-to-alls are the next busiest), pp outermost so that only activations cross
+between the blocks of ranks that hold one stage each. Under cp, fully_shard shards over
+dp_shard × cp flattened into one dimension: a 2-D (dp_shard, cp) mesh would be HSDP,
+sharding over cp alone. Resolution is a pure
 function, so every error can be raised (and tested) before a process group exists. A layout
 that does not fit the job is refused with a ValueError marked `refused`: the user's setting,
 not a bug, so a worker of `shardwise run` shows it in one line, as it does a ConfigError.
@@ -25,6 +28,11 @@ REPLICATE_DIM = "dp_replicate"
 SHARD_DIM = "dp_shard"
 TP_DIM = "tp"
 PP_DIM = "pp"
+CP_DIM = "cp"
+SHARD_CP_DIM = "dp_shard_cp"
+"""dp_shard × cp flattened: the ranks fully_shard shards over under context parallel."""
+REPLICATE_CP_DIM = "dp_replicate_cp"
+"""dp_replicate × cp flattened: no_shard's replicas under context parallel."""
 EP_DIM = "ep"
 EXPERT_SHARD_DIM = "ep_shard"
 """The expert mesh's data-parallel dimension: dp_shard // ep ranks shard each expert."""
@@ -56,10 +64,13 @@ class MeshSpec:
     ep: int = 1
     """Expert-parallel degree: each group of `ep` ranks of one dp_shard group holds the
     experts between them; 1: none."""
+    cp: int = 1
+    """Context-parallel degree: the ranks that share each sequence (between dp_shard and
+    tp); 1: none."""
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp_size(self) -> int:
@@ -82,7 +93,8 @@ class MeshSpec:
         return self.strategy == "no_shard" or self.strategy in _HYBRID
 
     def __str__(self) -> str:
-        tp = f" x tp {self.tp}" if self.tp > 1 else ""
+        tp = f" x cp {self.cp}" if self.cp > 1 else ""
+        tp += f" x tp {self.tp}" if self.tp > 1 else ""
         pp = f"pp {self.pp} x " if self.pp > 1 else ""
         ep = ""
         if self.ep > 1:
@@ -125,9 +137,10 @@ class MeshSpec:
         """The DeviceMesh for fully_shard (None for ddp, which uses the default group)."""
         if self.engine == "ddp":
             return None
-        if self.tp > 1 or self.pp > 1:  # the whole (pp, replicate, shard, tp) grid; see dp_mesh
+        if self.tp > 1 or self.pp > 1 or self.cp > 1:  # the whole grid; see dp_mesh
             dims = [(PP_DIM, self.pp)] if self.pp > 1 else []
             dims += [(REPLICATE_DIM, self.dp_replicate), (SHARD_DIM, self.dp_shard)]
+            dims += [(CP_DIM, self.cp)] if self.cp > 1 else []
             dims += [(TP_DIM, self.tp)] if self.tp > 1 else []
             return init_device_mesh(
                 device_type,
@@ -145,10 +158,25 @@ class MeshSpec:
 
 
 def dp_mesh(spec: MeshSpec, mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel part of `mesh`, which fully_shard shards (or replicates) over."""
+    """The data-parallel part of `mesh`, which fully_shard shards (or replicates) over;
+    under cp its ranks too, flattened into the shard dimension (no_shard: the replicas)."""
+    if spec.cp > 1:
+        return _with_cp_ranks(spec, mesh)
     if spec.tp == 1 and spec.pp == 1:
         return mesh
     return mesh[(REPLICATE_DIM, SHARD_DIM)] if spec.is_2d else mesh[SHARD_DIM]
+
+
+def _with_cp_ranks(spec: MeshSpec, mesh: DeviceMesh) -> DeviceMesh:
+    import warnings
+
+    with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dim from
+        warnings.simplefilter("ignore")  # the root mesh will be deprecated; it works here
+        if spec.strategy == "no_shard":  # every rank a replica: (dp_replicate x cp, 1)
+            mesh[(REPLICATE_DIM, CP_DIM)]._flatten(REPLICATE_CP_DIM)
+            return mesh[(REPLICATE_CP_DIM, SHARD_DIM)]
+        mesh[(SHARD_DIM, CP_DIM)]._flatten(SHARD_CP_DIM)
+        return mesh[(REPLICATE_DIM, SHARD_CP_DIM)] if spec.is_2d else mesh[SHARD_CP_DIM]
 
 
 def strategy_reshards(strategy: str) -> bool:
@@ -206,11 +234,17 @@ def resolve_mesh(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    cp: int = 1,
 ) -> MeshSpec:
     """Validate the degrees against the world size and fix every -1. With `tp` > 1 the
     strategy applies to the world_size // tp data-parallel ranks; with `pp` > 1 each
     stage's world_size // pp ranks are laid out as without pp; `ep` borrows its ranks from
-    dp_shard."""
+    dp_shard; `cp` takes world_size // cp ranks' worth of data-parallel layout, each
+    position of it held by cp ranks."""
+    if cp > 1:
+        return _with_context(
+            strategy, dp_shard, world_size, local_world_size, reshard_after_forward, cp
+        )
     if ep > 1:
         spec = resolve_mesh(
             strategy, dp_shard, world_size, local_world_size=local_world_size,
@@ -334,6 +368,46 @@ def _with_experts(spec: MeshSpec, ep: int) -> MeshSpec:
         f"spread over: {why}. Choose ep in {fits or [1]}"
         + ("; ep needs a sharded strategy (full_shard, hybrid_shard)." if not fits else ".")
     )
+
+
+def _with_context(
+    strategy: str,
+    dp_shard: int,
+    world_size: int,
+    local_world_size: int | None,
+    reshard_after_forward: bool | int | None,
+    cp: int,
+) -> MeshSpec:
+    """`cp` ranks for each data-parallel position of a world_size // cp layout."""
+    if world_size % cp != 0:
+        fits = [d for d in divisors(world_size) if d > 1]
+        raise _refused(
+            f"ParallelConfig.cp={cp} does not divide the job's {world_size} rank(s): each "
+            f"sequence is shared by cp ranks. Choose cp in {fits or [1]}, or launch a "
+            f"multiple of {cp} ranks."
+        )
+    inner = world_size // cp
+    local = local_world_size or world_size
+    if strategy in _HYBRID and (
+        dp_shard == 1 or (dp_shard == -1 and not _has_2d_split(inner, dp_shard))
+    ):
+        # Each replica shards over its cp ranks alone: HSDP with shard groups of cp ranks.
+        raf = (
+            strategy_reshards(strategy) if reshard_after_forward is None else reshard_after_forward
+        )
+        spec = MeshSpec(strategy, inner, 1, raf, "fsdp")
+    else:
+        spec = resolve_mesh(
+            strategy,
+            dp_shard,
+            inner,
+            local_world_size=max(1, local // cp) if local % cp == 0 else None,
+            reshard_after_forward=reshard_after_forward,
+        )
+    return MeshSpec(
+        spec.strategy, spec.dp_replicate, spec.dp_shard, spec.reshard_after_forward,
+        spec.engine, cp=cp,
+    )  # fmt: skip
 
 
 def _with_stages(

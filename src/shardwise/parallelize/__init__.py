@@ -7,7 +7,8 @@ recompute.py and autocast.py apply activation checkpointing and autocast; batch_
 global_batch.py and router_loss.py make losses built from statistics of the batch (a
 mixture of experts' load balancing) whole-batch ones and say what stays per rank;
 materialize.py builds meta models for real; weights.py loads safetensors into local
-shards; wrapped.py is the record of what wrap did, read by every layer above.
+shards; context.py cuts each call's sequences under context parallel and ulysses.py
+computes their attention; wrapped.py is the record of what wrap did, read by every layer above.
 """
 
 from shardwise.parallelize.apply import check_not_wrapped, wrap
@@ -19,6 +20,7 @@ from shardwise.parallelize.global_batch import global_batch_sum
 from shardwise.parallelize.materialize import InitializationError, has_meta, init_empty, materialize
 from shardwise.parallelize.pipeline import pipeline_eval, pipeline_step
 from shardwise.parallelize.recompute import apply_activation_checkpointing, is_checkpointed
+from shardwise.parallelize.ulysses import context_attention
 from shardwise.parallelize.weights import INDEX_FILE, SINGLE_FILE, WeightsError, load_weights
 from shardwise.parallelize.wrapped import (
     WrapInfo,
@@ -38,6 +40,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_autocast",
     "check_not_wrapped",
+    "context_attention",
     "global_batch_sum",
     "has_meta",
     "init_empty",

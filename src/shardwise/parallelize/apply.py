@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import (
+    CP_DIM,
     EP_DIM,
     EXPERT_SHARD_DIM,
     REPLICATE_DIM,
@@ -37,6 +38,7 @@ from shardwise.distributed.process_group import DistInfo, env_world_size, get_di
 from shardwise.distributed.worker_errors import refused
 from shardwise.parallelize.autocast import apply_autocast, tf32_advice
 from shardwise.parallelize.batch_stats import prepare as prepare_batch_statistics
+from shardwise.parallelize.context import install
 from shardwise.parallelize.ddp import apply_ddp, ddp_group
 from shardwise.parallelize.experts import (
     apply_expert_parallel,
@@ -56,6 +58,7 @@ from shardwise.parallelize.tensor import (
     check_split_ties,
     check_tensor_parallel,
 )
+from shardwise.parallelize.ulysses import check_context_parallel, register_attention
 from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding
 from shardwise.plan.planner import WrapPlan, plan_wrap
@@ -315,6 +318,7 @@ def _resolve_layout(config: ParallelConfig, info: DistInfo) -> tuple[MeshSpec, D
         tp=config.tp_size,
         pp=config.pp,
         ep=config.ep,
+        cp=config.cp,
     )
     return spec, None
 
@@ -334,7 +338,8 @@ def _apply_dimensions(
 
     1. split into pipeline stages (pp): every later step sees only this rank's stage;
     2. tensor parallel (tp): torch's documented order is TP before FSDP, which shards the
-       DTensors TP made;
+       DTensors TP made; then the experts (ep) and context parallel (cp), whose hook cuts
+       each call's sequences before FSDP's own hooks run;
     3. activation checkpointing, then compile, on the planned blocks: inside FSDP's
        hooks, so parameters are gathered before a recompute;
     4. fully_shard over the data-parallel dimensions, post-order, root last;
@@ -352,6 +357,8 @@ def _apply_dimensions(
     )
     tp_plan = check_tensor_parallel(model, config) if spec.tp > 1 else None  # before any group
     experts = check_expert_parallel(model, spec.ep) if spec.ep > 1 else None
+    if spec.cp > 1:
+        check_context_parallel(model, spec.cp)
     if experts is not None and tp_plan is not None:
         tp_plan = plan_without_experts(tp_plan, spec.ep)
     _refuse_unbuilt(model, config, spec, on_meta, quantized)
@@ -384,6 +391,8 @@ def _apply_dimensions(
         experts_mesh = spec.build_experts(info.device.type)
         tp_mesh = mesh[TP_DIM] if spec.ep_borrows_tp else None
         apply_expert_parallel(experts, experts_mesh[EP_DIM], tp_mesh)
+    if spec.cp > 1:  # 2c: whole sequences in, each rank's chunk through the model
+        install(model, mesh[CP_DIM].get_group(), register_attention(model))
     rf = spec.reshard_after_forward
     plan = plan_wrap(model, config, reshard_after_forward=rf)
     _prepare_blocks(model, plan, config)  # 3

@@ -58,13 +58,14 @@ class WrapInfo:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel index, for a sampler: the ranks of one tp group share it."""
+        """This rank's data-parallel index, for a sampler: the ranks of one tp or cp group
+        share it."""
         spec, mesh = self.mesh_spec, self.device_mesh
-        if spec is None or (spec.tp == 1 and spec.pp == 1) or mesh is None:
+        if spec is None or (spec.tp == 1 and spec.pp == 1 and spec.cp == 1) or mesh is None:
             return self.dist.rank
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # every rank is in the mesh wrap built
-        first = 1 if spec.pp > 1 else 0  # (pp, dp_replicate, dp_shard[, tp])
+        first = 1 if spec.pp > 1 else 0  # (pp, dp_replicate, dp_shard[, cp][, tp])
         return coordinate[first] * spec.dp_shard + coordinate[first + 1]
 
     @property

@@ -207,15 +207,6 @@ def test_experts_whose_parameters_the_plan_does_not_all_split_are_refused():
         resolve_tp_plan(_moe(), {"model.layers.*.mlp.experts.down_proj": "rowwise"})
 
 
-def test_context_parallel_is_refused_with_the_reason():
-    with pytest.raises(
-        NotImplementedError,
-        match=r"ParallelConfig.cp=2: context parallelism is not built yet.*silently wrong",
-    ):
-        ParallelConfig(cp=2)
-    assert ParallelConfig(cp=1).cp == 1
-
-
 @pytest.mark.heavy
 def test_the_simulation_models_tp_and_sequence_parallel():
     """Per rank at world 4: full_shard alone holds 1/4 of every parameter; with tp 2 the
