@@ -295,6 +295,7 @@ def check_layout(script_args: list[str], world: int) -> None:
             tp=parallel.tp_size,
             pp=parallel.pp,
             ep=parallel.ep,
+            cp=parallel.cp,
         )
     except ValueError as exc:
         raise ValueError(

@@ -272,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         "rank's experts go, and the model states per rank",
     )
     plan.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        help="context-parallel degree (the same as the override parallel.cp=N): the layout",
+    )
+    plan.add_argument(
         "--expert-load",
         default=None,
         help="with --ep and --simulate: the busiest rank's received rows over the balanced "

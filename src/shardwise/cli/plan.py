@@ -102,7 +102,7 @@ def plan_command(args: argparse.Namespace) -> int:
         if any(o.startswith("parallel.pp=") for o in overrides):
             raise ValueError("--pp and parallel.pp=... both given: keep one of them.")
         overrides.append(f"parallel.pp={args.pp}")
-    for flag in ("tp", "ep"):
+    for flag in ("tp", "ep", "cp"):
         value = getattr(args, flag, None)
         if value is not None:
             if any(o.startswith(f"parallel.{flag}=") for o in overrides):
@@ -120,7 +120,10 @@ def plan_command(args: argparse.Namespace) -> int:
             tp=parallel.tp_size,
             pp=parallel.pp,
             ep=parallel.ep,
+            cp=parallel.cp,
         )
+    if spec is not None and spec.cp > 1:
+        return _plan_cp(args, spec)
     factory = _load_factory(args.target)
     with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere
         model = factory()
@@ -291,6 +294,26 @@ _NO_INPUT = (
     "pass --seq-len N (with --batch B) for a model of token ids, or --input MODULE:FUNCTION "
     "returning one rank's example batch for any model."
 )
+
+
+def _plan_cp(args: argparse.Namespace, spec: Any) -> int:
+    """The layout under context parallel; its memory is not modelled yet (said, not guessed)."""
+    if args.simulate:
+        raise NotImplementedError(
+            f"shardwise plan --simulate with parallel.cp={spec.cp} is not built yet: the "
+            "simulation does not model the sequence split (each rank's activations, the "
+            "all-to-all buffers, the attention mask). Plan without --simulate for the layout."
+        )
+    note = (
+        f"memory: not modelled yet under cp={spec.cp} (each rank holds 1/{spec.cp} of every "
+        "sequence's activations; parameters are sharded over dp_shard x cp)"
+    )
+    if args.json:
+        print(json.dumps({"mesh": json.loads(spec.to_json()), "memory": None, "note": note}))
+        return 0
+    print(spec)
+    print(note)
+    return 0
 
 
 def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, plan: Any) -> int:

@@ -230,6 +230,12 @@ def _resolve_config(
     changes: dict[str, Any] = {"sync_module_states": False}  # values are fake: nothing to sync
     if activation_checkpointing is not None:
         changes["activation_checkpointing"] = activation_checkpointing
+    if config.cp > 1:
+        raise NotImplementedError(
+            f"simulate_step: ParallelConfig.cp={config.cp} is not simulated yet: the "
+            "simulation does not model the sequence split (each rank's activations, the "
+            "all-to-all buffers, the attention mask). Simulate cp=1 for the layout without it."
+        )
     if config.compile:
         raise NotImplementedError(
             "simulate_step: ParallelConfig.compile is not simulated yet (compiling under "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -166,6 +167,11 @@ def test_run_refuses_a_layout_the_world_cannot_hold_before_spawning(tmp_path, ca
             ["parallel.stratgy=ddp"],
             "unknown key 'parallel.stratgy'. Did you mean 'strategy'?",
         ),
+        (
+            ["--nproc", "3"],
+            ["parallel.cp=2"],
+            "at world size 3: ParallelConfig.cp=2 does not divide the job's 3 rank(s)",
+        ),
     ]
     for flags, overrides, said in cases:
         assert main(["run", *flags, script, "--config", str(config), *overrides]) == 2
@@ -243,3 +249,20 @@ def test_only_a_job_that_can_never_span_nodes_runs_standalone(
     args.rdzv_endpoint = "h:1"
     got = launcher_args(args)
     assert "--standalone" not in got and got[got.index("--rdzv_endpoint") + 1] == "h:1"
+
+
+def test_plan_shows_the_context_parallel_layout_and_says_its_memory_is_not_modelled(capsys):
+    argv = ["plan", "shardwise.testing.models:GPT", "--world", "8", "--cp", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("full_shard: 1 replica group(s) x 4 shard rank(s) x cp 2 = world 8")
+    assert "memory: not modelled yet under cp=2" in out
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["mesh"]["cp"], data["mesh"]["dp_shard"], data["memory"]) == (2, 4, None)
+    assert main([*argv, "--simulate"]) == 2
+    assert "--simulate with parallel.cp=2 is not built yet" in capsys.readouterr().err
+    assert main([*argv, "parallel.cp=2"]) == 2  # the flag and the override both given
+    assert "--cp and parallel.cp=... both given" in capsys.readouterr().err
+    assert main(["plan", "shardwise.testing.models:GPT", "--world", "6", "--cp", "4"]) == 2
+    assert "ParallelConfig.cp=4 does not divide the job's 6 rank(s)" in capsys.readouterr().err
