@@ -270,12 +270,34 @@ def _parallelism(out: Translation, block: object) -> None:
         elif name == "tp_size":
             out.parallel["tp"] = int(value)
             out.rows.append(Row(where, value, f"parallel.tp={value}", "exact"))
-        elif name == "cp_size" and int(value) == 1:
-            out.rows.append(Row(where, value, "no context parallel", "exact"))
+        elif name in ("cp_size", "sp_size"):
+            _sequence_split(out, where, name, int(value), sizes)
+        elif name in ("cp_backend", "cp_comm_strategy", "sp_backend"):
+            out.rows.append(Row(where, value, "-", "no effect", "a communication choice; "
+                                "shardwise's Ulysses computes the same attention"))  # fmt: skip
         else:
             out.rows.append(Row(where, value, "-", "refused",
-                                "context parallel is not built" if name == "cp_size"
-                                else "not a parallelism_config key shardwise reads"))  # fmt: skip
+                                "not a parallelism_config key shardwise reads"))  # fmt: skip
+
+
+def _sequence_split(out: Translation, where: str, name: str, value: int, sizes: dict) -> None:  # type: ignore[type-arg]
+    """cp_size (torch's ring context parallel) and sp_size (DeepSpeed's Ulysses, ALST)."""
+    if value == 1:
+        out.rows.append(Row(where, value, "no sequence split", "exact"))
+        return
+    other = "sp_size" if name == "cp_size" else "cp_size"
+    if int(sizes.get(f"parallelism_config_{other}", sizes.get(other, 1)) or 1) > 1:
+        why = "cp_size and sp_size both above 1: shardwise splits the sequence over one "
+        out.rows.append(Row(where, value, "-", "refused", why + "dimension, parallel.cp"))
+        return
+    out.parallel["cp"] = value
+    if name == "sp_size":
+        out.rows.append(Row(where, value, f"parallel.cp={value}", "exact",
+                            "Ulysses, as DeepSpeed's; the model's own masks are kept"))  # fmt: skip
+    else:
+        out.rows.append(Row(where, value, f"parallel.cp={value}", "differs",
+                            "Ulysses (an all-to-all of heads) in place of torch's ring: the "
+                            "same attention; the heads must divide by cp"))  # fmt: skip
 
 
 def _dynamo(out: Translation, block: object) -> None:

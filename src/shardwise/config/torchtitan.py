@@ -203,6 +203,11 @@ def _parallelism(out: Translation, p: dict[str, Any]) -> None:
                 )
             )
             out.rows.append(Row(where, value, "-", verdict, why))
+        elif key == "context_parallel_degree" and int(value) > 1:
+            out.parallel["cp"] = int(value)
+            out.rows.append(Row(where, value, f"parallel.cp={value}", "differs",
+                                "Ulysses (an all-to-all of heads) in place of torch's ring: "
+                                "the same attention; the heads must divide by cp"))  # fmt: skip
         elif key in ("context_parallel_degree", "expert_tensor_parallel_degree"):
             if int(value) > 1:
                 out.rows.append(Row(where, value, "-", "refused", "not built"))
@@ -216,6 +221,7 @@ def _parallelism(out: Translation, p: dict[str, Any]) -> None:
             "enable_async_tensor_parallel",
             "enable_fsdp_symm_mem",
             "context_parallel_load_balancer",
+            "context_parallel_rotate_method",
             "spmd_backend",
             "pipeline_parallel_schedule_csv",
             "disable_loss_parallel",

@@ -176,8 +176,9 @@ def test_a_deepspeed_config_file_is_read_as_deepspeeds(tmp_path) -> None:  # typ
         (LAUNCH + "distributed_type: XLA\n", {"distributed_type": "no XLA"}),
         (FSDP2.replace("mixed_precision: fp16", "mixed_precision: fp8"),
          {"mixed_precision": "fp8 is not built"}),
-        (HSDP_TP.replace("cp_size: 1", "cp_size: 2"),
-         {"parallelism_config.parallelism_config_cp_size": "context parallel is not built"}),
+        (HSDP_TP.replace("cp_size: 1", "cp_size: 2\n  parallelism_config_sp_size: 2"),
+         {"parallelism_config.parallelism_config_cp_size": "cp_size and sp_size both above 1",
+          "parallelism_config.parallelism_config_sp_size": "over one dimension, parallel.cp"}),
         (FSDP1 + "fsdp_extra_key: 1\n", {"fsdp_extra_key": "not an Accelerate key"}),
         (DS_INLINE.replace("zero_stage: 2", "zero_stage: 3\n  offload_param_device: nvme")
          .replace("  offload_param_device: none\n", ""),
@@ -228,3 +229,20 @@ def test_replicas_of_one_are_no_replication(replicas, strategy) -> None:  # type
               "parallelism_config_dp_shard_size": 4}  # fmt: skip
     data = {"distributed_type": "FSDP", "parallelism_config": config}
     assert translate_accelerate(data).parallel["strategy"] == strategy
+
+
+@pytest.mark.parametrize(
+    ("key", "verdict", "said"),
+    [("cp_size", "differs", "in place of torch's ring"), ("sp_size", "exact", "as DeepSpeed's")],
+)
+def test_a_sequence_split_becomes_context_parallel(tmp_path, key, verdict, said) -> None:  # type: ignore[no-untyped-def]
+    text = FSDP2 + (
+        "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
+        f"  parallelism_config_{key}: 2\n  parallelism_config_cp_backend: torch\n"
+    )
+    translation = translate_accelerate(_yaml(tmp_path, text))
+    rows = {r.key: r for r in translation.rows}
+    row = rows[f"parallelism_config.parallelism_config_{key}"]
+    assert translation.config.parallel.cp == 2
+    assert (row.became, row.verdict) == ("parallel.cp=2", verdict) and said in row.note
+    assert rows["parallelism_config.parallelism_config_cp_backend"].verdict == "no effect"

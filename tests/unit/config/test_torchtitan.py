@@ -144,8 +144,8 @@ def test_the_rows_name_torchtitans_defaults_and_own_sections() -> None:
     [
         (FSDP.replace('selective_ac_option = "2"', 'selective_ac_option = "op"'),
          {"activation_checkpoint.mode": "per-op selective checkpointing is not built"}),
-        (DDP + "context_parallel_degree = 2\n",
-         {"parallelism.context_parallel_degree": "not built"}),
+        (DDP + "expert_tensor_parallel_degree = 2\n",
+         {"parallelism.expert_tensor_parallel_degree": "not built"}),
         (DDP + "\n[float8]\nenable_fsdp_float8_all_gather = true\n",
          {"float8": "float8 training is not built"}),
         (DDP + "\n[lr_scheduler]\nwarmup_steps = 200\n",
@@ -153,7 +153,7 @@ def test_the_rows_name_torchtitans_defaults_and_own_sections() -> None:
         (DDP + 'pipeline_parallel_schedule = "ZBVZeroBubble"\n',
          {"parallelism.pipeline_parallel_schedule": "not built"}),
     ],
-    ids=["per_op_ac", "context_parallel", "float8", "wsd_schedule", "zbv"],
+    ids=["per_op_ac", "expert_tensor_parallel", "float8", "wsd_schedule", "zbv"],
 )  # fmt: skip
 def test_what_cannot_mean_the_same_is_refused_by_key(tmp_path, text, refused) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "job.toml"
@@ -198,3 +198,27 @@ def test_each_data_parallel_layout_and_reshard_setting_maps_to_its_strategy(
         "fsdp_reshard_after_forward": reshard,
     }
     assert translate_torchtitan({"parallelism": parallelism}).parallel["strategy"] == strategy
+
+
+def test_context_parallel_becomes_ulysses_and_says_so() -> None:
+    import tomllib
+
+    text = FSDP.replace(
+        "pipeline_parallel_degree = 1\n",
+        "pipeline_parallel_degree = 1\ncontext_parallel_degree = 2\n"
+        'context_parallel_rotate_method = "allgather"\n',
+    )
+    translation = translate_torchtitan(tomllib.loads(text))
+    rows = {r.key: r for r in translation.rows}
+    assert translation.config.parallel.cp == 2
+    cp = rows["parallelism.context_parallel_degree"]
+    assert (cp.became, cp.verdict) == ("parallel.cp=2", "differs")
+    assert "Ulysses" in cp.note and "in place of torch's ring" in cp.note
+    assert rows["parallelism.context_parallel_rotate_method"].verdict == "no effect"
+    one = FSDP.replace("pipeline_parallel_degree = 1\n", "pipeline_parallel_degree = 1\n"
+                       "context_parallel_degree = 1\n")  # fmt: skip
+    translated = translate_torchtitan(tomllib.loads(one))
+    assert translated.config.parallel.cp == 1
+    assert {r.key: r for r in translated.rows}["parallelism.context_parallel_degree"].verdict == (
+        "exact"
+    )
