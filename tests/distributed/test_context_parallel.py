@@ -59,6 +59,13 @@ RTOL = 1e-5
 
 
 def build(family: str) -> nn.Module:
+    model = _build(family)
+    if hasattr(model, "config"):  # transformers masks packed documents only with no cache
+        model.config.use_cache = False
+    return model
+
+
+def _build(family: str) -> nn.Module:
     torch.manual_seed(0)
     if family == "moe":
         config = transformers.Qwen3MoeConfig(
@@ -246,6 +253,33 @@ def _engine_case() -> dict[str, Any]:
     }
 
 
+def _adamw_engine(config: shardwise.ParallelConfig | None) -> shardwise.Engine:
+    torch.manual_seed(0)
+    return shardwise.Engine(build("llama"), functools.partial(torch.optim.AdamW, lr=1e-2), config)
+
+
+def _next_step(engine: shardwise.Engine, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    info = shardwise.wrap_info(engine.model)
+    rows = _rows(batch, info) if info is not None and info.wrapped else batch
+    params = {n: _full(p) for n, p in engine.model.named_parameters()}
+    return {"params": params, "next": float(engine.train_step(rows)["loss"])}
+
+
+def _checkpoint_case(root: str) -> dict[str, Any]:
+    """AdamW at cp 2 for 2 steps, saved; loaded at cp 1 (full_shard over the same ranks)."""
+    engine = _adamw_engine(shardwise.ParallelConfig(cp=2))
+    info = shardwise.wrap_info(engine.model)
+    data = batches()
+    for batch in data[:2]:
+        engine.train_step(_rows(batch, info))
+    shardwise.save_checkpoint(root, engine)
+    out = {"cp2": _next_step(engine, data[2])}
+    other = _adamw_engine(shardwise.ParallelConfig())
+    shardwise.load_checkpoint(root, other)
+    out["cp1"] = _next_step(other, data[2])
+    return out
+
+
 def _wrong_cases() -> dict[str, Any]:
     """Deliberately wrong setups, each of which must fail the comparison."""
     out: dict[str, Any] = {}
@@ -308,8 +342,8 @@ def _refusals() -> dict[str, str]:
     return out
 
 
-def _cases() -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _cases(root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"checkpoint": _checkpoint_case(root)}
     for family in FAMILIES:
         out[f"{family}_cp2_full_shard"] = run_case(family, batches(), cp=2)
         out[f"{family}_cp4"] = run_case(family, batches(), cp=4)
@@ -326,8 +360,13 @@ def _cases() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, Any]:
-    return run_distributed(_cases, 4, timeout_s=600)[0]
+def root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("cp_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def results(root: str) -> dict[str, Any]:
+    return run_distributed(_cases, 4, args=(root,), timeout_s=600)[0]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -416,3 +455,14 @@ def test_what_cannot_be_cut_is_refused(results):  # type: ignore[no-untyped-def]
     assert "ran no attention through shardwise" in refusals["attention_not_through_shardwise"]
     assert "context_attention" in refusals["attention_not_through_shardwise"]
     assert "sequence length 15 does not divide by 2" in refusals["odd_sequence"]
+
+
+def test_a_cp2_checkpoint_loads_at_cp1_and_in_one_process_and_steps_on(results, root):  # type: ignore[no-untyped-def]
+    saved = results["checkpoint"]["cp2"]
+    engine = _adamw_engine(None)  # one process: no process group here
+    shardwise.load_checkpoint(root, engine)
+    alone = _next_step(engine, batches()[2])
+    for other in (results["checkpoint"]["cp1"], alone):
+        for name, value in saved["params"].items():
+            assert torch.equal(other["params"][name], value), name
+        assert abs(other["next"] - saved["next"]) / saved["next"] < RTOL

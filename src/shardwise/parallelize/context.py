@@ -21,7 +21,9 @@ own all call the model with whole sequences:
 
 Documents: as transformers does in one process (`find_packed_sequence_indices`), a row
 whose position ids restart holds several documents, found only when no 2-D attention mask
-is given; a 2-D attention mask masks its padded keys.
+is given and the forward makes no key/value cache (use_cache off, in the call or the
+config; a training forward with use_cache on attends across documents in one process, and
+so it does here); a 2-D attention mask masks its padded keys.
 
 Owns: `ContextLayout`, `current_layout`, cutting a call's inputs (`install`) and the check
 that the model's attention went through shardwise (`ulysses.py` computes it).
@@ -96,6 +98,16 @@ def _documents(positions: torch.Tensor) -> torch.Tensor | None:
     return None if bool((documents[:, -1] == 0).all()) else documents
 
 
+def _uses_cache(model: nn.Module, given: Any) -> bool:
+    """Whether a transformers model's forward would make a key/value cache: the call's
+    use_cache, else its config's, off under its own gradient checkpointing in training."""
+    use = given if given is not None else getattr(getattr(model, "config", None), "use_cache", None)
+    if not use:
+        return False
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    return not (checkpointing and model.training and torch.is_grad_enabled())
+
+
 def _cut(t: torch.Tensor, seq_len: int, size: int, index: int) -> torch.Tensor:
     chunk = seq_len // size
     return t.narrow(1, index * chunk, chunk).contiguous()
@@ -164,7 +176,7 @@ class _Cutter:
                 "them for whatever reads positions (shardwise passes the global ones), and "
                 "compute attention with shardwise.context_attention.",
             )
-        layout = self._layout(arguments, extra, seq_len, params)
+        layout = self._layout(module, arguments, extra, seq_len)
         self._targets(module, arguments, extra, params, seq_len)
         for store in (arguments, extra):
             for name, value in store.items():
@@ -181,7 +193,7 @@ class _Cutter:
         return bound.args[1:], bound.kwargs
 
     def _layout(
-        self, arguments: dict[str, Any], extra: dict[str, Any], seq_len: int, params: Any
+        self, module: nn.Module, arguments: dict[str, Any], extra: dict[str, Any], seq_len: int
     ) -> ContextLayout:
         reference = next(v for v in (*arguments.values(), *extra.values())
                          if isinstance(v, torch.Tensor) and v.dim() >= 2)  # fmt: skip
@@ -192,7 +204,10 @@ class _Cutter:
             arguments["position_ids"] = positions
             documents = None
         elif self.transformers and arguments.get("attention_mask") is None:
-            documents = _documents(positions.expand(rows, seq_len))
+            # transformers finds packed documents only with no cache, which a training
+            # forward makes too when use_cache is on: the same rule, so cp equals one process
+            cached = _uses_cache(module, arguments.get("use_cache", extra.get("use_cache")))
+            documents = None if cached else _documents(positions.expand(rows, seq_len))
         else:
             documents = None
         mask = arguments.get("attention_mask")

@@ -181,7 +181,7 @@ def test_a_transformers_batch_is_cut_with_global_positions_and_shifted_labels():
     ids = torch.arange(2 * SEQ).view(2, SEQ)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
     labels = ids.masked_fill(positions == 0, -100)
-    got = _cut(llama(), input_ids=ids, position_ids=positions, labels=labels)
+    got = _cut(llama(), input_ids=ids, position_ids=positions, labels=labels, use_cache=False)
     shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
     assert torch.equal(got["input_ids"], ids[:, 4:])
     assert torch.equal(got["position_ids"], positions[:, 4:])  # global, not 0..3
@@ -290,3 +290,25 @@ def test_the_simulation_says_it_does_not_model_cp_yet():
 
     with pytest.raises(NotImplementedError, match=r"cp=2 is not simulated yet.*sequence split"):
         shardwise.simulate_step(GPT, ParallelConfig(cp=2), world=4, batch=1, seq_len=8)
+
+
+def test_documents_are_found_only_where_transformers_finds_them():
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)
+    model = llama()
+    assert model.config.use_cache  # a training forward makes a cache: no documents
+    _cut(model, input_ids=ids, position_ids=positions)
+    assert context.current_layout().documents is None  # type: ignore[union-attr]
+    _cut(model, input_ids=ids, position_ids=positions, use_cache=False)
+    assert context.current_layout().documents is not None  # type: ignore[union-attr]
+    model.config.use_cache = False
+    _cut(model, input_ids=ids, position_ids=positions)
+    assert context.current_layout().documents is not None  # type: ignore[union-attr]
+    _cut(model, input_ids=ids, position_ids=positions, use_cache=True)
+    assert context.current_layout().documents is None  # type: ignore[union-attr]
+    model.gradient_checkpointing_enable()  # transformers turns the cache off in training
+    _cut(model, input_ids=ids, position_ids=positions, use_cache=True)
+    assert context.current_layout().documents is not None  # type: ignore[union-attr]
+    model.eval()  # not in eval: the cache is made again
+    _cut(model, input_ids=ids, position_ids=positions, use_cache=True)
+    assert context.current_layout().documents is None  # type: ignore[union-attr]
