@@ -2020,6 +2020,179 @@ MUTANTS: tuple[Mutant, ...] = (
         "if sharded and four",
         ("tests/unit/plan/test_quantized.py::test_a_4bit_base_under_fully_shard_needs_torch_2_12",),
     ),
+    # Context parallel, Ulysses (issue 49).
+    Mutant(
+        "cp_every_rank_keeps_the_first_chunk",
+        "src/shardwise/parallelize/context.py",
+        "return t.narrow(1, index * chunk, chunk).contiguous()",
+        "return t.narrow(1, 0, chunk).contiguous()",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_a_transformers_batch_is_cut_with_global_positions_and_shifted_labels",
+        ),
+    ),
+    Mutant(
+        "cp_labels_cut_unshifted",
+        "src/shardwise/parallelize/context.py",
+        "shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)",
+        "shifted = labels",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_a_transformers_batch_is_cut_with_global_positions_and_shifted_labels",
+            "tests/distributed/test_context_parallel.py::test_context_parallel_equals_one_process[llama_cp2_full_shard]",
+        ),
+    ),
+    Mutant(
+        "cp_loss_not_times_cp",
+        "src/shardwise/parallelize/context.py",
+        'extra["num_items_in_batch"] = count / cp',
+        'extra["num_items_in_batch"] = count',
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_a_transformers_batch_is_cut_with_global_positions_and_shifted_labels",
+        ),
+    ),
+    Mutant(
+        "cp_own_model_count_not_over_cp",
+        "src/shardwise/parallelize/context.py",
+        'arguments["num_items_in_batch"] = count / cp',
+        'arguments["num_items_in_batch"] = count',
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_a_model_of_your_own_gets_its_targets_cut_and_counted_as_they_are",
+        ),
+    ),
+    Mutant(
+        "cp_documents_found_despite_a_mask",
+        "src/shardwise/parallelize/context.py",
+        'elif self.transformers and arguments.get("attention_mask") is None:',
+        "elif self.transformers:",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_a_transformers_batch_is_cut_with_global_positions_and_shifted_labels",
+        ),
+    ),
+    Mutant(
+        "cp_documents_found_beside_a_cache",
+        "src/shardwise/parallelize/context.py",
+        "documents = None if cached else _documents(positions.expand(rows, seq_len))",
+        "documents = _documents(positions.expand(rows, seq_len))",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_documents_are_found_only_where_transformers_finds_them",
+        ),
+    ),
+    Mutant(
+        "cp_attention_check_never_fires",
+        "src/shardwise/parallelize/context.py",
+        "if layout.attention_calls == 0:",
+        "if layout.attention_calls < 0:",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_a_forward_whose_attention_ignores_shardwise_is_refused_once",
+        ),
+    ),
+    Mutant(
+        "cp_window_one_key_too_many",
+        "src/shardwise/parallelize/ulysses.py",
+        "allowed = allowed & (distance < window if causal else distance.abs() < window)",
+        "allowed = allowed & (distance <= window if causal else distance.abs() <= window)",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_the_mask_is_the_models_at_sizes_where_the_wrong_ones_differ",
+        ),
+    ),
+    Mutant(
+        "cp_documents_not_masked",
+        "src/shardwise/parallelize/ulysses.py",
+        "allowed = allowed & (documents[:, :, None] == documents[:, None, :])",
+        "allowed = allowed",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_the_mask_is_the_models_at_sizes_where_the_wrong_ones_differ",
+        ),
+    ),
+    Mutant(
+        "cp_padding_not_masked",
+        "src/shardwise/parallelize/ulysses.py",
+        "allowed = allowed & keep[:, None, :].bool()",
+        "allowed = allowed",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_the_mask_is_the_models_at_sizes_where_the_wrong_ones_differ",
+        ),
+    ),
+    Mutant(
+        "cp_empty_rows_left_empty",
+        "src/shardwise/parallelize/ulysses.py",
+        "allowed = allowed | torch.eye(n, dtype=torch.bool, device=device)  # no empty row",
+        "allowed = allowed  # no empty row",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_the_mask_is_the_models_at_sizes_where_the_wrong_ones_differ",
+        ),
+    ),
+    Mutant(
+        "cp_kv_heads_tiled_not_grouped",
+        "src/shardwise/parallelize/ulysses.py",
+        "return x.repeat_interleave(times, dim=1)",
+        "return x.repeat(1, times, 1, 1)",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_kv_heads_are_repeated_within_their_query_groups",
+        ),
+    ),
+    Mutant(
+        "cp_heads_back_in_the_wrong_order",
+        "src/shardwise/parallelize/ulysses.py",
+        "return got.transpose(0, 1).reshape(b, cp * hl, n // cp, d)",
+        "return got.permute(1, 2, 0, 3, 4).reshape(b, cp * hl, n // cp, d)",
+        (
+            "tests/distributed/test_context_parallel.py::test_context_parallel_equals_one_process[llama_cp2_full_shard]",
+        ),
+    ),
+    Mutant(
+        "cp_heads_not_checked",
+        "src/shardwise/parallelize/ulysses.py",
+        "if isinstance(heads, int) and heads % cp:",
+        "if isinstance(heads, int) and heads % cp and cp > 8:",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_what_ulysses_cannot_hold_is_refused_before_any_group",
+        ),
+    ),
+    Mutant(
+        "cp_shard_mesh_is_hsdp",
+        "src/shardwise/distributed/mesh.py",
+        "return mesh[(REPLICATE_DIM, SHARD_CP_DIM)] if spec.is_2d else mesh[SHARD_CP_DIM]",
+        "return mesh[(REPLICATE_DIM, SHARD_CP_DIM)] if spec.is_2d else mesh[(SHARD_DIM, CP_DIM)]",
+        (
+            "tests/distributed/test_context_parallel.py::test_the_layout_is_real[llama_cp2_full_shard]",
+        ),
+    ),
+    Mutant(
+        "cp_ranks_read_different_rows",
+        "src/shardwise/parallelize/wrapped.py",
+        "if spec is None or (spec.tp == 1 and spec.pp == 1 and spec.cp == 1) or mesh is None:",
+        "if spec is None or (spec.tp == 1 and spec.pp == 1) or mesh is None:",
+        (
+            "tests/distributed/test_context_parallel.py::test_context_parallel_equals_one_process[llama_cp2_full_shard]",
+        ),
+    ),
+    Mutant(
+        "cp_hybrid_with_dp_shard_one_refused",
+        "src/shardwise/distributed/mesh.py",
+        "dp_shard == 1 or (dp_shard == -1 and not _has_2d_split(inner, dp_shard))",
+        "dp_shard == -1 and not _has_2d_split(inner, dp_shard)",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_cp_ranks_sit_between_the_shard_ranks_and_tp",
+        ),
+    ),
+    Mutant(
+        "cp_load_balance_taken_by_ulysses",
+        "src/shardwise/config/context.py",
+        "    if balance:\n",
+        "    if balance and cfg.cp_style == 'ring':\n",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_every_cp_field_is_checked_and_what_is_not_built_is_refused",
+        ),
+    ),
+    Mutant(
+        "cp_simulated_without_it",
+        "src/shardwise/memory/simulate.py",
+        "    if config.cp > 1:\n        raise NotImplementedError(",
+        "    if config.cp > 99:\n        raise NotImplementedError(",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_the_simulation_says_it_does_not_model_cp_yet",
+        ),
+    ),
 )
 
 
