@@ -82,7 +82,7 @@ test-tp: $(STAMP)
 # transformers families with packed documents, every data-parallel strategy, the router
 # loss, a model of your own, the layout and negative controls; .ci/run runs it.
 test-cp: $(STAMP)
-	$(VENV)/bin/pytest -q -m context_parallel tests/distributed/test_context_parallel.py
+	$(VENV)/bin/pytest -q -m context_parallel tests/distributed/test_context_parallel.py tests/e2e/test_bench_smoke.py
 
 # Checkpoints resharded between every pair of layouts, and the check shown to fail; .ci/run
 # runs it.
@@ -114,7 +114,7 @@ test-slurm: $(STAMP)
 
 # The benchmark scripts still run (tiny sizes; figures not checked); .ci/run runs it.
 test-bench: $(STAMP)
-	$(VENV)/bin/pytest -q -m "bench and not models and not integrations and not adapters and not pipeline and not experts" tests/e2e/test_bench_smoke.py
+	$(VENV)/bin/pytest -q -m "bench and not models and not integrations and not adapters and not pipeline and not experts and not context_parallel" tests/e2e/test_bench_smoke.py
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.bench  # `make test-bench` (and .ci/run), not `make tes
         pytest.param("pipeline.py", marks=pytest.mark.pipeline),  # `make test-pipeline`
         pytest.param("experts.py", marks=pytest.mark.experts),  # `make test-experts`
         pytest.param("experts_memory.py", marks=pytest.mark.experts),
+        pytest.param("context.py", marks=pytest.mark.context_parallel),  # `make test-cp`
     ],
 )
 def test_benchmark_smoke(script):
