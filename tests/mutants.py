@@ -2140,10 +2140,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "cp_heads_checked_without_tp",
+        "src/shardwise/parallelize/ulysses.py",
+        "if isinstance(heads, int) and heads % (cp * tp):",
+        "if isinstance(heads, int) and heads % cp:",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_what_ulysses_cannot_hold_is_refused_before_any_group",
+        ),
+    ),
+    Mutant(
         "cp_heads_not_checked",
         "src/shardwise/parallelize/ulysses.py",
-        "if isinstance(heads, int) and heads % cp:",
-        "if isinstance(heads, int) and heads % cp and cp > 8:",
+        "if isinstance(heads, int) and heads % (cp * tp):",
+        "if isinstance(heads, int) and heads % (cp * tp) and cp > 8:",
         (
             "tests/unit/parallelize/test_context_unit.py::test_what_ulysses_cannot_hold_is_refused_before_any_group",
         ),

@@ -8,7 +8,8 @@ a cp group is given its data-parallel rank's whole rows; wrap's hook cuts them. 
 with one process on the whole batch (use_cache=False, so transformers masks the documents):
 the loss at every step, every gradient after the first step, and the final parameters.
 
-Layouts: cp 2 x full_shard over 2 data-parallel ranks and cp 4 for every family; hybrid_shard,
+Layouts: cp 2 x full_shard over 2 data-parallel ranks, cp 4, and cp 2 x tp 2 (the model's own
+tp plan, Ulysses over the heads tp leaves) for every family; hybrid_shard,
 no_shard and shard_grad_op with cp 2, a padded batch (2-D attention mask), activation
 checkpointing (the attention recomputed in backward), the Engine, a mixture of experts with
 its router loss, and a model of our own that calls shardwise.context_attention. The layout
@@ -204,6 +205,7 @@ def _seen(module: nn.Module) -> list[int]:
             seen.append(int(out.shape[1]))
             layout = context.current_layout()
             seen.append(layout.seq_len if layout is not None else -1)
+            seen.append(int(out.shape[-1]))  # features: split over tp
 
     module.register_forward_hook(record)
     return seen
@@ -347,6 +349,7 @@ def _cases(root: str) -> dict[str, Any]:
     for family in FAMILIES:
         out[f"{family}_cp2_full_shard"] = run_case(family, batches(), cp=2)
         out[f"{family}_cp4"] = run_case(family, batches(), cp=4)
+        out[f"{family}_cp2_tp2"] = run_case(family, batches(), cp=2, tp=2)
     for strategy in ("hybrid_shard", "no_shard", "shard_grad_op"):
         out[f"llama_cp2_{strategy}"] = run_case("llama", batches(), cp=2, strategy=strategy)
     out["llama_cp2_padded"] = run_case("llama", batches(padded=True), cp=2)
@@ -385,6 +388,7 @@ def differences(case: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
 CASES = [
     *(f"{f}_cp2_full_shard" for f in FAMILIES),
     *(f"{f}_cp4" for f in FAMILIES),
+    *(f"{f}_cp2_tp2" for f in FAMILIES),
     "llama_cp2_hybrid_shard",
     "llama_cp2_no_shard",
     "llama_cp2_shard_grad_op",
@@ -412,10 +416,16 @@ def test_context_parallel_equals_one_process(results, case):  # type: ignore[no-
 def test_the_layout_is_real(results, case):  # type: ignore[no-untyped-def]
     layout = results[case]["layout"]
     cp = 4 if case.endswith("cp4") else 2
-    assert layout["seen"] == [SEQ // cp, SEQ]  # q_proj holds 1/cp; the attention reads all
+    tp = 2 if case.endswith("tp2") else 1
+    features = (96 if _family(case) == "plain" else 32) // tp  # qkv, or q_proj: 8 heads x 4
+    # q_proj holds 1/cp of the sequence (and 1/tp of the heads); the attention reads it all
+    assert layout["seen"] == [SEQ // cp, SEQ, features]
     assert f"x cp {cp}" in layout["mesh"]
     strategy = case.rsplit("cp2_", 1)[-1]
-    if strategy == "no_shard":  # every rank a replica: a (dp_replicate x cp, 1) mesh
+    if strategy == "tp2":  # tp splits the head's rows, FSDP shards them over dp_shard x cp
+        assert layout["weight_mesh"] == ("dp_shard_cp", "tp")
+        assert layout["weight_local_rows"] == VOCAB // 4
+    elif strategy == "no_shard":  # every rank a replica: a (dp_replicate x cp, 1) mesh
         assert layout["weight_mesh"] == ("dp_replicate_cp", "dp_shard")
         assert layout["weight_local_rows"] == VOCAB
     elif strategy == "hybrid_shard":  # 2 replicas, each sharded over its 2 cp ranks

@@ -62,7 +62,9 @@ def validate_cp(cfg: Any) -> None:
             "or a sharded strategy."
         )
     unbuilt = {
-        "tp": cfg.tp != 1,
+        "tp 'auto'": cfg.tp == "auto",
+        "sequence_parallel": cfg.sequence_parallel,
+        "loss_parallel": cfg.loss_parallel,
         "pp": cfg.pp != 1,
         "ep": cfg.ep != 1,
         "strategy='auto'": cfg.strategy == "auto",
@@ -73,6 +75,6 @@ def validate_cp(cfg: Any) -> None:
         if present:
             raise NotImplementedError(
                 f"ParallelConfig.cp={cfg.cp} with {what} is not built yet: no test proves the "
-                f"combination equal to one process. Use cp alone over the data-parallel "
-                f"strategies (full_shard, shard_grad_op, hybrid_shard, no_shard), or cp=1."
+                f"combination equal to one process. Use cp over the data-parallel strategies "
+                f"(full_shard, shard_grad_op, hybrid_shard, no_shard) and tp, or cp=1."
             )

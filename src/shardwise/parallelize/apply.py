@@ -358,7 +358,7 @@ def _apply_dimensions(
     tp_plan = check_tensor_parallel(model, config) if spec.tp > 1 else None  # before any group
     experts = check_expert_parallel(model, spec.ep) if spec.ep > 1 else None
     if spec.cp > 1:
-        check_context_parallel(model, spec.cp)
+        check_context_parallel(model, spec.cp, spec.tp)
     if experts is not None and tp_plan is not None:
         tp_plan = plan_without_experts(tp_plan, spec.ep)
     _refuse_unbuilt(model, config, spec, on_meta, quantized)

@@ -236,21 +236,24 @@ def register_attention(model: nn.Module) -> bool:
     return True
 
 
-def check_context_parallel(model: nn.Module, cp: int) -> None:
+def check_context_parallel(model: nn.Module, cp: int, tp: int = 1) -> None:
     """What Ulysses cannot hold in a transformers model, refused before any group exists:
-    attention heads that do not divide by cp, capped attention scores, attention sinks. A
-    model of your own is checked at its first forward (its attention must go through
-    `context_attention`)."""
+    attention heads that do not divide by tp x cp (tp splits them first), capped attention
+    scores, attention sinks. A model of your own is checked at its first forward (its
+    attention must go through `context_attention`)."""
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     name = type(model).__name__
-    if isinstance(heads, int) and heads % cp:
-        fits = [d for d in range(2, heads + 1) if heads % d == 0]
+    if isinstance(heads, int) and heads % (cp * tp):
+        per = heads // tp if heads % tp == 0 else heads
+        fits = [d for d in range(2, per + 1) if per % d == 0]
+        over = f"tp x cp = {tp} x {cp}" if tp > 1 else str(cp)
         raise refused(
             ValueError(
-                f"ParallelConfig.cp={cp}: Ulysses gives each rank num_attention_heads / cp "
-                f"of {name}'s heads, and its {heads} heads do not divide by {cp}. Choose cp in "
-                f"{fits or [1]} (ring attention, which would not need it, is not built yet)."
+                f"ParallelConfig.cp={cp}: Ulysses gives each rank num_attention_heads / "
+                f"{'(tp x cp)' if tp > 1 else 'cp'} of {name}'s heads, and its {heads} heads "
+                f"do not divide by {over}. Choose cp in {fits or [1]} (ring attention, which "
+                "would not need it, is not built yet)."
             )
         )
     softcap = getattr(config, "attn_logit_softcapping", None)

@@ -52,8 +52,10 @@ def test_every_cp_field_is_checked_and_what_is_not_built_is_refused():
         ParallelConfig(cp=2, cp_load_balance=True)
     with pytest.raises(ValueError, match=r"cp=2 with strategy='ddp'.*'no_shard'"):
         ParallelConfig(cp=2, strategy="ddp")
+    assert ParallelConfig(cp=2, tp=2).tp == 2  # built: Ulysses over the heads tp leaves
     unbuilt = [
-        ({"tp": 2}, "tp"),
+        ({"tp": 2, "sequence_parallel": True}, "sequence_parallel"),
+        ({"tp": 2, "loss_parallel": True}, "loss_parallel"),
         ({"pp": 2}, "pp"),
         ({"ep": 2}, "ep"),
         ({"strategy": "auto"}, "strategy='auto'"),
@@ -91,6 +93,13 @@ def test_cp_ranks_sit_between_the_shard_ranks_and_tp():
         resolve_mesh("full_shard", -1, 6, cp=4)
     with pytest.raises(ValueError, match=r"dp_shard=3 with strategy='full_shard'"):
         resolve_mesh("full_shard", 3, 8, cp=2)  # dp_shard counts data ranks, not cp's
+    with_tp = resolve_mesh("full_shard", -1, 8, cp=2, tp=2)
+    assert (with_tp.dp_shard, with_tp.cp, with_tp.tp, with_tp.dp_size) == (2, 2, 2, 2)
+    assert "2 shard rank(s) x cp 2 x tp 2 = world 8" in str(with_tp)
+    hybrid_tp = resolve_mesh("hybrid_shard", -1, 8, cp=2, tp=2)
+    assert (hybrid_tp.dp_replicate, hybrid_tp.dp_shard, hybrid_tp.tp) == (2, 1, 2)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide"):
+        resolve_mesh("full_shard", -1, 4, cp=2, tp=4)
 
 
 # --- what Ulysses holds -----------------------------------------------------------------
@@ -98,6 +107,10 @@ def test_cp_ranks_sit_between_the_shard_ranks_and_tp():
 
 def test_what_ulysses_cannot_hold_is_refused_before_any_group():
     check_context_parallel(llama(), 4)  # 4 heads, 2 KV heads (repeated): fine
+    check_context_parallel(llama(), 2, tp=2)  # 4 heads: 2 per tp rank, 1 per rank after cp
+    with pytest.raises(ValueError, match=r"num_attention_heads / \(tp x cp\).*its 4 heads do "
+                       r"not divide by tp x cp = 2 x 4\. Choose cp in \[2\]"):  # fmt: skip
+        check_context_parallel(llama(), 4, tp=2)
     with pytest.raises(ValueError, match=r"cp=3: .*its 4 heads do not divide by 3.*\[2, 4\]"):
         check_context_parallel(llama(), 3)
     capped = transformers.Gemma2ForCausalLM(
