@@ -2202,6 +2202,61 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/parallelize/test_context_unit.py::test_the_simulation_says_it_does_not_model_cp_yet",
         ),
     ),
+    # The second outside audit's survivors (issue 48), and what one of them led to.
+    Mutant(
+        "global_batch_sum_model_eval_reduces",
+        "src/shardwise/parallelize/global_batch.py",
+        "        batch = attached(model)\n        if batch is not None and not model.training:\n            batch = None\n",
+        "        batch = attached(model)\n",
+        (
+            "tests/unit/parallelize/test_batch_stats.py::test_a_statistic_summed_with_model_is_left_alone_in_eval_mode",
+        ),
+    ),
+    Mutant(
+        "merge_shape_check_ignores_fan_in_fan_out",
+        "src/shardwise/checkpoint/adapters.py",
+        'want = (b[0], a[1]) if not config.get("fan_in_fan_out") else (a[1], b[0])',
+        "want = (b[0], a[1])",
+        (
+            "tests/unit/checkpoint/test_adapter_export.py::test_the_merged_export_equals_peft_merge_and_opens_in_transformers",
+        ),
+    ),
+    Mutant(
+        "torchtitan_beta2_default",
+        "src/shardwise/config/torchtitan.py",
+        'betas = (float(o.pop("beta1", 0.9)), float(o.pop("beta2", 0.95)))',
+        'betas = (float(o.pop("beta1", 0.9)), float(o.pop("beta2", 0.999)))',
+        (
+            "tests/unit/config/test_torchtitan.py::test_the_optimizer_is_torchtitans_whatever_the_file_leaves_out",
+        ),
+    ),
+    Mutant(
+        "torchtitan_weight_decay_shardwises",
+        "src/shardwise/config/torchtitan.py",
+        '    ("weight_decay", 0.1),\n',
+        '    ("weight_decay", 0.0),\n',
+        (
+            "tests/unit/config/test_torchtitan.py::test_the_optimizer_is_torchtitans_whatever_the_file_leaves_out",
+        ),
+    ),
+    Mutant(
+        "torchtitan_lr_shardwises",
+        "src/shardwise/config/torchtitan.py",
+        '    ("lr", 8e-4),\n',
+        '    ("lr", 3e-4),\n',
+        (
+            "tests/unit/config/test_torchtitan.py::test_the_optimizer_is_torchtitans_whatever_the_file_leaves_out",
+        ),
+    ),
+    Mutant(
+        "split_batch_remainder_dropped",
+        "src/shardwise/testing/parity.py",
+        "    if n % world_size:\n",
+        "    if n < world_size:\n",
+        (
+            "tests/unit/testing/test_compare_trajectories.py::test_a_batch_that_does_not_divide_over_the_ranks_is_refused",
+        ),
+    ),
 )
 
 

@@ -77,9 +77,27 @@ def translate_torchtitan(source: str | Path | Mapping[str, object]) -> Translati
     return out
 
 
+_OPTIMIZER_DEFAULTS: tuple[tuple[str, object], ...] = (
+    ("name", "adamw"),
+    ("lr", 8e-4),
+    ("betas", (0.9, 0.95)),
+    ("eps", 1e-8),
+    ("weight_decay", 0.1),
+)
+"""torchtitan's AdamW where its [optimizer] section is silent (its 2025 releases' Optimizer
+defaults); shardwise's own defaults differ in lr (3e-4) and weight_decay (0)."""
+
+
 def _defaults(out: Translation) -> None:
     """torchtitan's defaults where the file is silent and shardwise's differ: parameters
-    gathered in bf16 (reduced in fp32), clipping at 1.0."""
+    gathered in bf16 (reduced in fp32), clipping at 1.0, and its AdamW's hyperparameters."""
+    refused = any(r.key == "optimizer.name" and r.verdict == "refused" for r in out.rows)
+    for key, value in _OPTIMIZER_DEFAULTS if not refused else ():
+        if key not in out.optimizer:
+            out.optimizer[key] = value
+            shown = f"'{value}'" if isinstance(value, str) else value
+            out.rows.append(Row(f"optimizer.{key}", "(not given)", f"optimizer.{key}={shown}",
+                                "exact", "torchtitan's default"))  # fmt: skip
     if "mixed_precision" not in out.parallel:
         out.parallel["mixed_precision"] = "bf16"
         out.rows.append(
@@ -379,8 +397,10 @@ def _optimizer(out: Translation, o: dict[str, Any]) -> None:
         return
     out.optimizer["name"] = name.lower()
     out.rows.append(Row("optimizer.name", name, f"optimizer.name='{name.lower()}'", "exact"))
-    betas = [o.pop("beta1", 0.9), o.pop("beta2", 0.95)]
-    out.optimizer["betas"] = tuple(float(b) for b in betas)
+    if "beta1" in o or "beta2" in o:  # torchtitan's defaults for the one not given
+        betas = (float(o.pop("beta1", 0.9)), float(o.pop("beta2", 0.95)))
+        out.optimizer["betas"] = betas
+        out.rows.append(Row("optimizer.beta1, beta2", betas, f"optimizer.betas={betas}", "exact"))
     for key, value in o.items():
         where = f"optimizer.{key}"
         if key in ("lr", "eps", "weight_decay"):

@@ -114,6 +114,11 @@ MERGE_CASES = {
     "lora, modules_to_save": ("llama", lora(modules_to_save=["lm_head"])),
     "rslora, alpha_pattern": ("llama", lora(use_rslora=True, alpha_pattern={"down_proj": 16})),
     "fan_in_fan_out (Conv1D)": ("gpt2", lora(target_modules=["attn.c_proj"], fan_in_fan_out=True)),
+    # Conv1D stores (in, out): a square layer cannot tell the orientation, c_attn (16 -> 48)
+    # and c_fc (16 -> 64) can
+    "fan_in_fan_out, not square": (
+        "gpt2", lora(target_modules=["attn.c_attn", "mlp.c_fc"], fan_in_fan_out=True)
+    ),
     "tied embeddings, biases": ("qwen2", lora()),
     # A bf16 base with fp32 adapters: the fp32 delta is added to the weight, one rounding;
     # with bf16 adapters peft holds the delta in bf16 first, two roundings: the same bits.

@@ -222,3 +222,27 @@ def test_context_parallel_becomes_ulysses_and_says_so() -> None:
     assert {r.key: r for r in translated.rows}["parallelism.context_parallel_degree"].verdict == (
         "exact"
     )
+
+
+def test_the_optimizer_is_torchtitans_whatever_the_file_leaves_out() -> None:
+    """torchtitan's AdamW defaults (lr 8e-4, betas (0.9, 0.95), eps 1e-8, weight_decay 0.1)
+    where the file is silent: shardwise's own (lr 3e-4, weight_decay 0) would train another
+    optimizer with no error (fresh audit: beta2 read as torch's 0.999 went unseen)."""
+    import tomllib
+
+    full = {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    assert translate_torchtitan(tomllib.loads(FSDP)).optimizer == full  # eps, lr given
+    silent = FSDP.replace("lr = 3e-4\neps = 1e-8\n", "")
+    translated = translate_torchtitan(tomllib.loads(silent))
+    assert translated.optimizer == {**full, "lr": 8e-4}
+    rows = {r.key: r for r in translated.rows}
+    assert rows["optimizer.weight_decay"].note == "torchtitan's default"
+    assert translated.config.optimizer.weight_decay == 0.1
+    assert translated.config.optimizer.lr == 8e-4
+    one_beta = FSDP.replace("eps = 1e-8\n", "eps = 1e-8\nbeta2 = 0.99\nweight_decay = 0.0\n")
+    got = translate_torchtitan(tomllib.loads(one_beta)).optimizer
+    assert got == {**full, "betas": (0.9, 0.99), "weight_decay": 0.0}
+    other_beta = FSDP.replace("eps = 1e-8\n", "eps = 1e-8\nbeta1 = 0.8\n")
+    assert translate_torchtitan(tomllib.loads(other_beta)).optimizer["betas"] == (0.8, 0.95)
+    nothing = translate_torchtitan(tomllib.loads(DDP)).optimizer  # no [optimizer] section
+    assert nothing == {**full, "lr": 8e-4}

@@ -216,3 +216,23 @@ def test_outside_any_forward_or_backward_a_statistic_is_left_alone():
     assert batch.used == 1
     t = torch.ones(3)
     assert shardwise.global_batch_sum(t) is t and batch.used == 1
+
+
+def test_a_statistic_summed_with_model_is_left_alone_in_eval_mode():
+    """`global_batch_sum(t, model=m)` outside a forward: over m's data-parallel ranks in
+    training mode, and this rank's own in eval mode (generation or evaluation on rank 0
+    alone must not wait for peers), every time the mode changes (fresh audit)."""
+    model = _Mixture(True)
+    batch = BatchGroups((), 2)
+    with mock.patch.object(batch_stats.dist, "get_rank", return_value=0):
+        batch_stats.prepare(model, model, batch)
+    t = torch.ones(3)
+    model.eval()
+    assert shardwise.global_batch_sum(t, model=model) is t and batch.used == 0
+    model.train()
+    summed = shardwise.global_batch_sum(t, model=model)
+    assert batch.used == 1 and torch.equal(summed, t)  # no groups here: the sum of one rank
+    model.eval()
+    assert shardwise.global_batch_sum(t, model=model) is t and batch.used == 1
+    unwrapped = _Mixture(True)  # never attached: its own value in either mode
+    assert shardwise.global_batch_sum(t, model=unwrapped) is t and batch.used == 1

@@ -78,3 +78,17 @@ def test_parameter_names_must_match_both_ways(side: str) -> None:
     want = "missing [], extra ['head.weight']" if side == "extra" else "missing ['w'], extra []"
     with pytest.raises(ParityError, match=re.escape(f"parameter names differ: {want}")):
         compare_trajectories(ref, cand)
+
+
+def test_a_batch_that_does_not_divide_over_the_ranks_is_refused():
+    """Rows left over would be dropped: the distributed run would train on fewer rows
+    than the reference and the layout would take the blame (fresh audit)."""
+    from shardwise.testing.parity import split_batch
+
+    for rows, world in ((5, 2), (6, 4), (3, 4)):
+        with pytest.raises(ValueError, match=rf"global batch size {rows} does not divide evenly "
+                           rf"over {world} ranks"):  # fmt: skip
+            split_batch((torch.arange(rows),), 0, world)
+    parts = [split_batch((torch.arange(8), torch.arange(8) * 2), r, 4) for r in range(4)]
+    assert [p[0].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [p[1].tolist() for p in parts] == [[0, 2], [4, 6], [8, 10], [12, 14]]
