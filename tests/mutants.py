@@ -2140,6 +2140,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "cp_pipeline_hooked_instead_of_cut_whole",
+        "src/shardwise/parallelize/apply.py",
+        "        if state is not None:  # the stages are never called whole: the step cuts the batch",
+        "        if state is not None and False:",
+        (
+            "tests/distributed/test_context_parallel.py::test_pp_x_cp_x_dp_at_world_8_equals_one_process",
+        ),
+    ),
+    Mutant(
+        "cp_mesh_drops_the_stages",
+        "src/shardwise/distributed/mesh.py",
+        "        spec.engine, spec.tp, spec.pp, cp=cp,",
+        "        spec.engine, spec.tp, cp=cp,",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_cp_ranks_sit_between_the_shard_ranks_and_tp",
+        ),
+    ),
+    Mutant(
         "cp_heads_checked_without_tp",
         "src/shardwise/parallelize/ulysses.py",
         "if isinstance(heads, int) and heads % (cp * tp):",
@@ -2178,8 +2196,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cp_hybrid_with_dp_shard_one_refused",
         "src/shardwise/distributed/mesh.py",
-        "dp_shard == 1 or (dp_shard == -1 and not _has_2d_split(inner, dp_shard))",
-        "dp_shard == -1 and not _has_2d_split(inner, dp_shard)",
+        "dp_shard == 1 or (dp_shard == -1 and not _has_2d_split(data, dp_shard))",
+        "dp_shard == -1 and not _has_2d_split(data, dp_shard)",
         (
             "tests/unit/parallelize/test_context_unit.py::test_cp_ranks_sit_between_the_shard_ranks_and_tp",
         ),

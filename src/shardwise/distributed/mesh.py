@@ -243,7 +243,7 @@ def resolve_mesh(
     position of it held by cp ranks."""
     if cp > 1:
         return _with_context(
-            strategy, dp_shard, world_size, local_world_size, reshard_after_forward, cp, tp
+            strategy, dp_shard, world_size, local_world_size, reshard_after_forward, cp, tp, pp
         )
     if ep > 1:
         spec = resolve_mesh(
@@ -378,6 +378,7 @@ def _with_context(
     reshard_after_forward: bool | int | None,
     cp: int,
     tp: int = 1,
+    pp: int = 1,
 ) -> MeshSpec:
     """`cp` ranks for each data-parallel position of a world_size // cp layout (whose tp
     groups stay innermost)."""
@@ -390,14 +391,17 @@ def _with_context(
         )
     inner = world_size // cp
     local = local_world_size or world_size
-    if strategy in _HYBRID and inner % tp == 0 and (
-        dp_shard == 1 or (dp_shard == -1 and not _has_2d_split(inner // tp, dp_shard))
+    data = inner // (tp * pp) if inner % (tp * pp) == 0 else 0  # data-parallel ranks
+    if (
+        strategy in _HYBRID
+        and data
+        and (dp_shard == 1 or (dp_shard == -1 and not _has_2d_split(data, dp_shard)))
     ):
         # Each replica shards over its cp ranks alone: HSDP with shard groups of cp ranks.
         raf = (
             strategy_reshards(strategy) if reshard_after_forward is None else reshard_after_forward
         )
-        spec = MeshSpec(strategy, inner // tp, 1, raf, "fsdp", tp)
+        spec = MeshSpec(strategy, data, 1, raf, "fsdp", tp, pp)
     else:
         spec = resolve_mesh(
             strategy,
@@ -406,10 +410,11 @@ def _with_context(
             local_world_size=max(1, local // cp) if local % cp == 0 else None,
             reshard_after_forward=reshard_after_forward,
             tp=tp,
+            pp=pp,
         )
     return MeshSpec(
         spec.strategy, spec.dp_replicate, spec.dp_shard, spec.reshard_after_forward,
-        spec.engine, spec.tp, cp=cp,
+        spec.engine, spec.tp, spec.pp, cp=cp,
     )  # fmt: skip
 
 

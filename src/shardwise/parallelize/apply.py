@@ -38,7 +38,7 @@ from shardwise.distributed.process_group import DistInfo, env_world_size, get_di
 from shardwise.distributed.worker_errors import refused
 from shardwise.parallelize.autocast import apply_autocast, tf32_advice
 from shardwise.parallelize.batch_stats import prepare as prepare_batch_statistics
-from shardwise.parallelize.context import install
+from shardwise.parallelize.context import cutter_for, install
 from shardwise.parallelize.ddp import apply_ddp, ddp_group
 from shardwise.parallelize.experts import (
     apply_expert_parallel,
@@ -392,7 +392,11 @@ def _apply_dimensions(
         tp_mesh = mesh[TP_DIM] if spec.ep_borrows_tp else None
         apply_expert_parallel(experts, experts_mesh[EP_DIM], tp_mesh)
     if spec.cp > 1:  # 2c: whole sequences in, each rank's chunk through the model
-        install(model, mesh[CP_DIM].get_group(), register_attention(model))
+        transformers = register_attention(model)
+        if state is not None:  # the stages are never called whole: the step cuts the batch
+            state.cutter = cutter_for(mesh[CP_DIM].get_group(), transformers)
+        else:
+            install(model, mesh[CP_DIM].get_group(), transformers)
     rf = spec.reshard_after_forward
     plan = plan_wrap(model, config, reshard_after_forward=rf)
     _prepare_blocks(model, plan, config)  # 3

@@ -45,7 +45,7 @@ from torch import nn
 
 from shardwise.distributed.worker_errors import refused
 
-__all__ = ["ContextLayout", "current_layout", "install"]
+__all__ = ["ContextLayout", "Cutter", "current_layout", "cutter_for", "install"]
 
 IGNORE_INDEX = -100
 TARGET_NAMES = ("labels", "targets", "target")
@@ -124,21 +124,47 @@ def _sequence_length(arguments: dict[str, Any]) -> int | None:
     return None
 
 
-class _Cutter:
-    """The forward pre-hook that cuts a call's whole sequences for this rank, and the
-    forward hook that checks the model's attention read them whole."""
+class Cutter:
+    """Cuts a call's whole sequences for this rank (the forward pre-hook `install` makes,
+    or the pipeline's step on the whole batch), and checks at the first forward that the
+    model's attention read them whole."""
 
-    def __init__(self, group: Any, size: int, index: int, transformers: bool) -> None:
+    def __init__(
+        self, group: Any, size: int, index: int, transformers: bool, pipelined: bool = False
+    ) -> None:
         self.group = group
         self.size = size
         self.index = index
         self.transformers = transformers
+        self.pipelined = pipelined
+        """The schedule cuts the batch into micro-batches after: one layout serves them all."""
         self.checked = False
 
     def before(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        signature = _signature(type(module).forward)
+        bound = self._bound(module, _signature(type(module).forward), args, kwargs)
+        return bound.args[1:], bound.kwargs
+
+    def keywords(
+        self, module: nn.Module, signature: inspect.Signature, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A whole batch of keyword arguments, cut (a pipeline's: `signature` is the
+        model's own forward, before the stage's replaced it)."""
+        bound = self._bound(module, signature, (), kwargs)
+        extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), "")
+        out = {k: v for k, v in bound.arguments.items() if k not in (extra, "self")}
+        out.update(bound.arguments.get(extra, {}))
+        out.pop(next(iter(signature.parameters)), None)  # self, whatever its name
+        return out
+
+    def _bound(
+        self,
+        module: nn.Module,
+        signature: inspect.Signature,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> inspect.BoundArguments:
         bound = signature.bind(module, *args, **kwargs)
         arguments = bound.arguments
         extra_name = next(
@@ -190,7 +216,7 @@ class _Cutter:
         if extra_name and extra:
             arguments[extra_name] = extra
         _CURRENT[0] = layout
-        return bound.args[1:], bound.kwargs
+        return bound
 
     def _layout(
         self, module: nn.Module, arguments: dict[str, Any], extra: dict[str, Any], seq_len: int
@@ -212,6 +238,15 @@ class _Cutter:
             documents = None
         mask = arguments.get("attention_mask")
         keep = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        if self.pipelined and (documents is not None or keep is not None):
+            what = "packed documents" if documents is not None else "a 2-D attention mask"
+            raise refused(
+                NotImplementedError(
+                    f"ParallelConfig.cp={self.size} with pp and {what} is not built yet: the "
+                    "schedule cuts the batch into micro-batches, each with its own mask. Use "
+                    "rows of one document with no padding mask under pp, or pp=1."
+                )
+            )
         return ContextLayout(self.group, self.size, self.index, seq_len, documents, keep)
 
     def _targets(
@@ -272,8 +307,15 @@ class _Cutter:
             )
 
 
+def cutter_for(group: dist.ProcessGroup, transformers: bool) -> Cutter:
+    """The cutter a pipeline's step runs on each whole batch (its stages are never called
+    whole, so no hook could)."""
+    size, index = dist.get_world_size(group), dist.get_rank(group)
+    return Cutter(group, size, index, transformers, pipelined=True)
+
+
 def install(model: nn.Module, group: dist.ProcessGroup, transformers: bool) -> None:
     """Cut every call of `model` over `group`, the cp ranks (see the module docstring)."""
-    cutter = _Cutter(group, dist.get_world_size(group), dist.get_rank(group), transformers)
+    cutter = Cutter(group, dist.get_world_size(group), dist.get_rank(group), transformers)
     model.register_forward_pre_hook(cutter.before, with_kwargs=True, prepend=True)
     model.register_forward_hook(cutter.after, with_kwargs=True)

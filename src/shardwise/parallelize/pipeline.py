@@ -181,6 +181,8 @@ def _run_schedule(
     """The checks every step makes, then the schedule over the batch's micro-batches; the
     last stage's weighted micro-batch losses (empty on the other stages)."""
     kwargs = batch_keywords(state, batch)
+    if state.cutter is not None:  # under cp: this rank's part of every sequence
+        kwargs = state.cutter.keywords(model, state.signature, kwargs)
     rows = _rows(kwargs)
     check_microbatches(state.plan.degree, state.schedule_name, state.microbatches, rows)
     _check_shapes(state, kwargs)
@@ -202,6 +204,8 @@ def _run_schedule(
         state.running = False
         state.items = None
         state.clear()
+    if state.cutter is not None:
+        state.cutter.after(model, (), {}, None)  # the first step: attention read it whole
     return losses
 
 

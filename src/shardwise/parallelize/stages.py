@@ -113,6 +113,9 @@ class PipelineState:
     shapes: dict[str, tuple[int, ...]] | None = None
     """The batch's tensor shapes at the first step: the schedule's buffers are sized then."""
     running: bool = False
+    cutter: Any = None
+    """Under context parallel: cuts each whole batch's sequences for this rank before the
+    schedule cuts it into micro-batches (parallelize/context.py)."""
 
     @property
     def index(self) -> int:

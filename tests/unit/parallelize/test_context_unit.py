@@ -16,7 +16,7 @@ import shardwise
 from shardwise import ParallelConfig
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.parallelize import context
-from shardwise.parallelize.context import ContextLayout, _Cutter
+from shardwise.parallelize.context import ContextLayout, Cutter
 from shardwise.parallelize.ulysses import _mask, _repeat_kv, check_context_parallel
 
 transformers = pytest.importorskip("transformers")
@@ -53,10 +53,10 @@ def test_every_cp_field_is_checked_and_what_is_not_built_is_refused():
     with pytest.raises(ValueError, match=r"cp=2 with strategy='ddp'.*'no_shard'"):
         ParallelConfig(cp=2, strategy="ddp")
     assert ParallelConfig(cp=2, tp=2).tp == 2  # built: Ulysses over the heads tp leaves
+    assert ParallelConfig(cp=2, pp=2).pp == 2  # built: the step cuts the whole batch
     unbuilt = [
         ({"tp": 2, "sequence_parallel": True}, "sequence_parallel"),
         ({"tp": 2, "loss_parallel": True}, "loss_parallel"),
-        ({"pp": 2}, "pp"),
         ({"ep": 2}, "ep"),
         ({"strategy": "auto"}, "strategy='auto'"),
         ({"compile": True}, "compile"),
@@ -100,6 +100,11 @@ def test_cp_ranks_sit_between_the_shard_ranks_and_tp():
     assert (hybrid_tp.dp_replicate, hybrid_tp.dp_shard, hybrid_tp.tp) == (2, 1, 2)
     with pytest.raises(ValueError, match=r"tp=4 does not divide"):
         resolve_mesh("full_shard", -1, 4, cp=2, tp=4)
+    stages = resolve_mesh("full_shard", -1, 8, cp=2, pp=2)
+    assert (stages.pp, stages.dp_shard, stages.cp, stages.dp_size) == (2, 2, 2, 2)
+    hybrid_stages = resolve_mesh("hybrid_shard", -1, 8, cp=2, pp=2)
+    assert (hybrid_stages.pp, hybrid_stages.dp_replicate, hybrid_stages.dp_shard) == (2, 2, 1)
+    assert resolve_mesh("full_shard", -1, 16, cp=2, pp=2, tp=2).world_size == 16
 
 
 # --- what Ulysses holds -----------------------------------------------------------------
@@ -184,7 +189,7 @@ def test_kv_heads_are_repeated_within_their_query_groups():
 
 def _cut(model: nn.Module, index: int = 1, size: int = 2, transformers_model: bool = True,
          **batch: Any) -> dict[str, Any]:  # fmt: skip
-    cutter = _Cutter(None, size, index, transformers_model)
+    cutter = Cutter(None, size, index, transformers_model)
     args, kwargs = cutter.before(model, (), batch)
     bound = inspect.signature(type(model).forward).bind(model, *args, **kwargs).arguments
     return {**{k: v for k, v in bound.items() if k != "kwargs"}, **bound.get("kwargs", {})}
@@ -272,7 +277,7 @@ def test_what_the_hook_cannot_cut_is_refused_with_the_fix():
 
 
 def test_a_forward_whose_attention_ignores_shardwise_is_refused_once():
-    cutter = _Cutter(None, 2, 0, False)
+    cutter = Cutter(None, 2, 0, False)
     model = Plain()
     cutter.before(model, (torch.zeros(1, SEQ, dtype=torch.long),), {})
     with pytest.raises(
@@ -280,7 +285,7 @@ def test_a_forward_whose_attention_ignores_shardwise_is_refused_once():
     ):
         cutter.after(model, (), {}, None)
     cutter.after(model, (), {}, None)  # checked once: a later forward pays nothing
-    fine = _Cutter(None, 2, 0, False)
+    fine = Cutter(None, 2, 0, False)
     fine.before(model, (torch.zeros(1, SEQ, dtype=torch.long),), {})
     context.current_layout().attention_calls = 2  # type: ignore[union-attr]
     fine.after(model, (), {}, None)
