@@ -12,7 +12,7 @@ Layouts: cp 2 x full_shard over 2 data-parallel ranks, cp 4, and cp 2 x tp 2 (th
 tp plan, Ulysses over the heads tp leaves) for every family; hybrid_shard,
 no_shard and shard_grad_op with cp 2, a padded batch (2-D attention mask), activation
 checkpointing (the attention recomputed in backward), the Engine, a mixture of experts with
-its router loss, and a model of our own that calls shardwise.context_attention. The layout
+its router loss, peft's LoRA, and a model of our own that calls shardwise.context_attention. The layout
 is shown real: a rank's q_proj sees 1/cp of each sequence while the attention's layout is
 the whole of it, and every parameter is sharded over dp_shard x cp. The negative controls
 (positions local to each chunk; labels handed to the model per chunk, which shifts inside
@@ -61,13 +61,22 @@ RTOL = 1e-5
 
 def build(family: str) -> nn.Module:
     model = _build(family)
-    if hasattr(model, "config"):  # transformers masks packed documents only with no cache
+    if hasattr(model, "config") and family != "lora":  # no documents masked with a cache
         model.config.use_cache = False
     return model
 
 
 def _build(family: str) -> nn.Module:
     torch.manual_seed(0)
+    if family == "lora":  # peft's LoRA on llama, its B initialised away from zero
+        import peft
+
+        base = FAMILIES["llama"]()
+        base.config.use_cache = False
+        torch.manual_seed(1)
+        config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                 target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
+        return peft.get_peft_model(base, config)
     if family == "moe":
         config = transformers.Qwen3MoeConfig(
             **COMMON, head_dim=4, num_experts=4, num_experts_per_tok=2,
@@ -175,7 +184,7 @@ def train(model: nn.Module, rows: Any, data: list[dict[str, torch.Tensor]]) -> d
         loss = _loss(model(**rows(batch)))
         loss.backward()
         if step == 0:
-            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+            grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         shardwise.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         detached = loss.detach()
@@ -217,7 +226,8 @@ def run_case(family: str, data: list[dict[str, torch.Tensor]], **fields: Any) ->
     assert info is not None
     attention = next(m for n, m in model.named_modules() if n.endswith(("q_proj", "attn.0.qkv")))
     seen = _seen(attention)
-    weight = dict(model.named_parameters())["lm_head.weight" if family != "plain" else "emb.weight"]
+    head = "lm_head.weight" if family != "plain" else "emb.weight"
+    weight = next(p for n, p in model.named_parameters() if n.endswith(head))
     result = train(model, functools.partial(_rows, info=info), data)
     result["layout"] = {
         "seen": seen,
@@ -355,6 +365,7 @@ def _cases(root: str) -> dict[str, Any]:
     out["llama_cp2_padded"] = run_case("llama", batches(padded=True), cp=2)
     out["llama_cp2_recompute"] = run_case("llama", batches(), cp=2, activation_checkpointing="full")
     out["moe_cp2_router_loss"] = run_case("moe", batches(), cp=2)
+    out["lora_cp2_adapters"] = run_case("lora", batches(), cp=2)
     out["plain_cp2"] = run_case("plain", plain_batches(), cp=2)
     out["engine"] = _engine_case()
     out.update(_wrong_cases())
@@ -395,6 +406,7 @@ CASES = [
     "llama_cp2_padded",
     "llama_cp2_recompute",
     "moe_cp2_router_loss",
+    "lora_cp2_adapters",
     "plain_cp2",
 ]
 

@@ -61,6 +61,7 @@ from shardwise.parallelize.tensor import (
 from shardwise.parallelize.ulysses import check_context_parallel, register_attention
 from shardwise.parallelize.weights import load_weights
 from shardwise.parallelize.wrapped import INFO_ATTR, WrapInfo, mark_before_sharding
+from shardwise.plan.adapters import adapter_model
 from shardwise.plan.planner import WrapPlan, plan_wrap
 from shardwise.plan.quantized import check_quantized
 from shardwise.plan.stages import plan_stages
@@ -392,11 +393,13 @@ def _apply_dimensions(
         tp_mesh = mesh[TP_DIM] if spec.ep_borrows_tp else None
         apply_expert_parallel(experts, experts_mesh[EP_DIM], tp_mesh)
     if spec.cp > 1:  # 2c: whole sequences in, each rank's chunk through the model
-        transformers = register_attention(model)
+        adapters = adapter_model(model)  # peft hands its call to the model it adapts
+        called = adapters.base if adapters is not None else model
+        transformers = register_attention(called)
         if state is not None:  # the stages are never called whole: the step cuts the batch
             state.cutter = cutter_for(mesh[CP_DIM].get_group(), transformers)
         else:
-            install(model, mesh[CP_DIM].get_group(), transformers)
+            install(called, mesh[CP_DIM].get_group(), transformers)
     rf = spec.reshard_after_forward
     plan = plan_wrap(model, config, reshard_after_forward=rf)
     _prepare_blocks(model, plan, config)  # 3
