@@ -2158,6 +2158,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "cp_layout_outlives_its_forward",
+        "src/shardwise/parallelize/context.py",
+        "        layout, _ACTIVE[0] = _ACTIVE[0], None\n",
+        "        layout = _ACTIVE[0]\n",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_a_layout_is_current_during_its_forward_and_its_recompute_only",
+        ),
+    ),
+    Mutant(
+        "cp_recompute_reads_no_layout",
+        "src/shardwise/parallelize/context.py",
+        "    if torch._C._current_graph_task_id() != -1:\n        return _LAST[0]\n",
+        "",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_a_layout_is_current_during_its_forward_and_its_recompute_only",
+            "tests/distributed/test_context_parallel.py::test_context_parallel_equals_one_process[llama_cp2_recompute]",
+        ),
+    ),
+    Mutant(
         "cp_heads_checked_without_tp",
         "src/shardwise/parallelize/ulysses.py",
         "if isinstance(heads, int) and heads % (cp * tp):",

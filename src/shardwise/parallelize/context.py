@@ -70,15 +70,22 @@ class ContextLayout:
     attention_calls: int = 0
 
 
-# The layout of the last forward, for the process: a checkpointed block recomputes inside
-# backward, where a context variable set in forward is not visible on CUDA's autograd
-# thread (global_batch.py has the same reason).
-_CURRENT: list[ContextLayout | None] = [None]
+# The layout of the forward running, and of the last one, for the process: a checkpointed
+# block recomputes inside backward, after the forward returned, where a context variable
+# set in forward is not visible on CUDA's autograd thread (global_batch.py has the same
+# reason). Outside both, no layout: a model called later outside cp attends as SDPA does.
+_ACTIVE: list[ContextLayout | None] = [None]
+_LAST: list[ContextLayout | None] = [None]
 
 
 def current_layout() -> ContextLayout | None:
-    """The layout of the context-parallel forward running (or being recomputed)."""
-    return _CURRENT[0]
+    """The layout of the context-parallel forward running (or, inside backward, of the
+    last one, whose checkpointed blocks are recomputing); None outside both."""
+    if _ACTIVE[0] is not None:
+        return _ACTIVE[0]
+    if torch._C._current_graph_task_id() != -1:
+        return _LAST[0]
+    return None
 
 
 def _refuse(cp: int, what: str) -> Exception:
@@ -215,7 +222,7 @@ class Cutter:
             extra["use_cache"] = False
         if extra_name and extra:
             arguments[extra_name] = extra
-        _CURRENT[0] = layout
+        _ACTIVE[0] = _LAST[0] = layout
         return bound
 
     def _layout(
@@ -290,8 +297,14 @@ class Cutter:
         count = given if given is not None else (labels != IGNORE_INDEX).sum()
         arguments["num_items_in_batch"] = count / cp
 
+    def forget(self) -> None:
+        """The step ended early (an error): its layout is no longer current."""
+        _ACTIVE[0] = None
+
     def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        layout = _CURRENT[0]
+        """The forward (or the pipeline's step) is over: its layout is no longer current,
+        and at the first one, the check that attention read the sequences whole."""
+        layout, _ACTIVE[0] = _ACTIVE[0], None
         if self.checked or layout is None:
             return
         self.checked = True
@@ -318,4 +331,4 @@ def install(model: nn.Module, group: dist.ProcessGroup, transformers: bool) -> N
     """Cut every call of `model` over `group`, the cp ranks (see the module docstring)."""
     cutter = Cutter(group, dist.get_world_size(group), dist.get_rank(group), transformers)
     model.register_forward_pre_hook(cutter.before, with_kwargs=True, prepend=True)
-    model.register_forward_hook(cutter.after, with_kwargs=True)
+    model.register_forward_hook(cutter.after, with_kwargs=True, always_call=True)

@@ -181,8 +181,26 @@ def _run_schedule(
     """The checks every step makes, then the schedule over the batch's micro-batches; the
     last stage's weighted micro-batch losses (empty on the other stages)."""
     kwargs = batch_keywords(state, batch)
-    if state.cutter is not None:  # under cp: this rank's part of every sequence
+    if state.cutter is None:
+        return _run_cut(model, state, kwargs, scale, forward_only=forward_only, sync=sync)
+    try:  # under cp: this rank's part of every sequence, its layout current for the step
         kwargs = state.cutter.keywords(model, state.signature, kwargs)
+        losses = _run_cut(model, state, kwargs, scale, forward_only=forward_only, sync=sync)
+        state.cutter.after(model, (), {}, None)  # at the first step: attention read it whole
+        return losses
+    finally:
+        state.cutter.forget()
+
+
+def _run_cut(
+    model: nn.Module,
+    state: PipelineState,
+    kwargs: dict[str, Any],
+    scale: float,
+    *,
+    forward_only: bool,
+    sync: bool,
+) -> list[torch.Tensor]:
     rows = _rows(kwargs)
     check_microbatches(state.plan.degree, state.schedule_name, state.microbatches, rows)
     _check_shapes(state, kwargs)
@@ -204,8 +222,6 @@ def _run_schedule(
         state.running = False
         state.items = None
         state.clear()
-    if state.cutter is not None:
-        state.cutter.after(model, (), {}, None)  # the first step: attention read it whole
     return losses
 
 

@@ -292,7 +292,7 @@ def test_a_forward_whose_attention_ignores_shardwise_is_refused_once():
 
 
 def test_context_attention_is_sdpa_outside_context_parallel():
-    context._CURRENT[0] = None
+    context._ACTIVE[0] = None
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -330,3 +330,40 @@ def test_documents_are_found_only_where_transformers_finds_them():
     model.eval()  # not in eval: the cache is made again
     _cut(model, input_ids=ids, position_ids=positions, use_cache=True)
     assert context.current_layout().documents is None  # type: ignore[union-attr]
+
+
+def test_a_layout_is_current_during_its_forward_and_its_recompute_only():
+    """After a cp forward, a model called outside cp in the same process (an evaluation of
+    another copy, generation on rank 0) attends as SDPA does; only a recompute inside
+    backward reads the last forward's layout (found when a one-process reference ran in
+    the process of an earlier cut: it all-to-all'ed over no group)."""
+    cutter = Cutter(None, 2, 0, False)
+    model = Plain()
+    cutter.before(model, (torch.zeros(1, SEQ, dtype=torch.long),), {})
+    layout = context.current_layout()
+    assert layout is not None
+    layout.attention_calls = 1
+    cutter.after(model, (), {}, None)
+    assert context.current_layout() is None
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):  # type: ignore[no-untyped-def]
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            seen.append(context.current_layout())
+            return grad
+
+    Spy.apply(x).sum().backward()
+    assert seen == [layout]  # a recompute in backward reads the last forward's
+    cutter.before(model, (torch.zeros(1, SEQ, dtype=torch.long),), {})
+    cutter.forget()  # a step that ended early
+    assert context.current_layout() is None
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 4, 4)
+    want = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(shardwise.context_attention(q, q, q), want)
