@@ -2233,13 +2233,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cp_simulated_without_it",
         "src/shardwise/memory/simulate.py",
-        "    if config.cp > 1:\n        raise NotImplementedError(",
-        "    if config.cp > 99:\n        raise NotImplementedError(",
+        "            cp=config.cp,\n",
+        "",
         (
-            "tests/unit/parallelize/test_context_unit.py::test_the_simulation_says_it_does_not_model_cp_yet",
+            "tests/unit/parallelize/test_context_unit.py::test_the_simulation_holds_each_ranks_part_of_the_sequence",
         ),
     ),
-    # The second outside audit's survivors (issue 48), and what one of them led to.
     Mutant(
         "global_batch_sum_model_eval_reduces",
         "src/shardwise/parallelize/global_batch.py",

@@ -354,8 +354,28 @@ def _refusals() -> dict[str, str]:
     return out
 
 
+MEMORY_SEQ = 256
+
+
+def memory_model() -> nn.Module:  # module level: the simulation may pickle it
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **{**COMMON, "max_position_embeddings": MEMORY_SEQ}, use_cache=False
+        )
+    )
+
+
+def _memory(cp: int) -> dict[str, Any]:
+    from shardwise.memory import real_step
+
+    torch.manual_seed(0)
+    config = shardwise.ParallelConfig(cp=cp)
+    return real_step(memory_model, config, batch=1, seq_len=MEMORY_SEQ)
+
+
 def _cases(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {"checkpoint": _checkpoint_case(root)}
+    out["memory"] = {cp: _memory(cp) for cp in (2, 4)}
     for family in FAMILIES:
         out[f"{family}_cp2_full_shard"] = run_case(family, batches(), cp=2)
         out[f"{family}_cp4"] = run_case(family, batches(), cp=4)
@@ -564,3 +584,15 @@ def test_pp_x_cp_x_dp_at_world_8_equals_one_process(results8, family):  # type: 
 def test_packed_documents_under_pp_x_cp_are_refused_by_name(results8):  # type: ignore[no-untyped-def]
     assert all("cp=2 with pp and packed documents is not built yet" in r["documents"]
                for r in results8)  # fmt: skip
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_simulated_peak_is_within_5_percent_of_the_real_one(results, cp):  # type: ignore[no-untyped-def]
+    """simulate_step under cp against the same step on real tensors (gloo, measured by the
+    same tracker): each rank's 1/cp of the sequences, and the all-to-alls' buffers."""
+    real = results["memory"][cp]["peak"]
+    sim = shardwise.simulate_step(
+        memory_model, shardwise.ParallelConfig(cp=cp), world=4, batch=1,
+        seq_len=MEMORY_SEQ, backend="gloo",
+    )  # fmt: skip
+    assert abs(sim.peak / real - 1) <= 0.05, (sim.peak, real)

@@ -122,11 +122,12 @@ def plan_command(args: argparse.Namespace) -> int:
             ep=parallel.ep,
             cp=parallel.cp,
         )
-    if spec is not None and spec.cp > 1:
-        return _plan_cp(args, spec)
     factory = _load_factory(args.target)
     with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere
         model = factory()
+    if spec is not None and spec.cp > 1:
+        args.optimizer_name = config.optimizer.name
+        return _plan_cp(args, model, parallel, spec)
     if spec is not None and spec.pp > 1:
         args.optimizer_name = config.optimizer.name
         return _plan_pp(args, factory, model, parallel, spec)
@@ -296,23 +297,37 @@ _NO_INPUT = (
 )
 
 
-def _plan_cp(args: argparse.Namespace, spec: Any) -> int:
-    """The layout under context parallel; its memory is not modelled yet (said, not guessed)."""
+def _plan_cp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any) -> int:
+    """The layout under context parallel, and with --simulate each rank's simulated peak
+    (its 1/cp of every sequence's activations, the all-to-alls' buffers). The instant
+    estimate does not model the sequence split, so it is not shown."""
+    sim = None
     if args.simulate:
-        raise NotImplementedError(
-            f"shardwise plan --simulate with parallel.cp={spec.cp} is not built yet: the "
-            "simulation does not model the sequence split (each rank's activations, the "
-            "all-to-all buffers, the attention mask). Plan without --simulate for the layout."
-        )
+        from shardwise.memory.simulate import simulate_step
+
+        example = _example_input(args)
+        seq_len = args.seq_len
+        if seq_len is None and example is None:
+            from shardwise.memory.fake import default_seq_len
+
+            seq_len = default_seq_len(model)
+            if seq_len is None:
+                raise ValueError(_NO_INPUT.format(what="--simulate needs"))
+        sim = simulate_step(
+            _load_factory(args.target), parallel, world=args.world, batch=args.batch or 1,
+            seq_len=seq_len, example_input=example, optimizer=args.optimizer_name,
+        )  # fmt: skip
     note = (
-        f"memory: not modelled yet under cp={spec.cp} (each rank holds 1/{spec.cp} of every "
-        "sequence's activations; parameters are sharded over dp_shard x cp)"
+        f"peak with activations: the instant estimate does not model cp={spec.cp}; add "
+        "--simulate (--seq-len N --batch B) for each rank's simulated peak"
     )
     if args.json:
-        print(json.dumps({"mesh": json.loads(spec.to_json()), "memory": None, "note": note}))
+        out: dict[str, Any] = {"mesh": json.loads(spec.to_json())}
+        out["simulated"] = sim.to_dict() if sim is not None else None
+        print(json.dumps(out, indent=2))
         return 0
     print(spec)
-    print(note)
+    print(sim if sim is not None else note)
     return 0
 
 

@@ -230,12 +230,6 @@ def _resolve_config(
     changes: dict[str, Any] = {"sync_module_states": False}  # values are fake: nothing to sync
     if activation_checkpointing is not None:
         changes["activation_checkpointing"] = activation_checkpointing
-    if config.cp > 1:
-        raise NotImplementedError(
-            f"simulate_step: ParallelConfig.cp={config.cp} is not simulated yet: the "
-            "simulation does not model the sequence split (each rank's activations, the "
-            "all-to-all buffers, the attention mask). Simulate cp=1 for the layout without it."
-        )
     if config.compile:
         raise NotImplementedError(
             "simulate_step: ParallelConfig.compile is not simulated yet (compiling under "
@@ -276,11 +270,13 @@ def _simulate_here(
             reshard_after_forward=config.reshard_after_forward,
             tp=config.tp_size,
             ep=config.ep,
+            cp=config.cp,
         )
         # DeviceMesh reads its layout with .tolist(): build it before entering fake mode.
         mesh = spec.build("cpu")
         experts_mesh = spec.build_experts("cpu") if spec.ep > 1 else None
-        on_meta = spec.tp > 1 or spec.ep > 1
+        # wrap makes the cp mesh itself (a mesh of your own is refused with cp)
+        on_meta = spec.tp > 1 or spec.ep > 1 or spec.cp > 1
         if mesh is not None and not on_meta:
             config = dataclasses.replace(config, device_mesh=mesh)
         elif on_meta:  # the fake world has no nodes: fix the shard size resolved here

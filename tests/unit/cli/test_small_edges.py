@@ -251,17 +251,16 @@ def test_only_a_job_that_can_never_span_nodes_runs_standalone(
     assert "--standalone" not in got and got[got.index("--rdzv_endpoint") + 1] == "h:1"
 
 
-def test_plan_shows_the_context_parallel_layout_and_says_its_memory_is_not_modelled(capsys):
+@pytest.mark.heavy
+def test_plan_shows_the_context_parallel_layout_and_simulates_its_peak(capsys):
     argv = ["plan", "shardwise.testing.models:GPT", "--world", "8", "--cp", "2"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("full_shard: 1 replica group(s) x 4 shard rank(s) x cp 2 = world 8")
-    assert "memory: not modelled yet under cp=2" in out
+    assert "the instant estimate does not model cp=2; add --simulate" in out
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert (data["mesh"]["cp"], data["mesh"]["dp_shard"], data["memory"]) == (2, 4, None)
-    assert main([*argv, "--simulate"]) == 2
-    assert "--simulate with parallel.cp=2 is not built yet" in capsys.readouterr().err
+    assert (data["mesh"]["cp"], data["mesh"]["dp_shard"], data["simulated"]) == (2, 4, None)
     assert main([*argv, "parallel.cp=2"]) == 2  # the flag and the override both given
     assert "--cp and parallel.cp=... both given" in capsys.readouterr().err
     assert main(["plan", "shardwise.testing.models:GPT", "--world", "6", "--cp", "4"]) == 2

@@ -303,11 +303,23 @@ def test_context_attention_is_sdpa_outside_context_parallel():
     )
 
 
-def test_the_simulation_says_it_does_not_model_cp_yet():
-    from shardwise.testing.models import GPT
+@pytest.mark.heavy
+def test_the_simulation_holds_each_ranks_part_of_the_sequence():
+    """Each rank's activations shrink with cp (its 1/cp of every sequence); model states
+    stay those of full_shard over every rank (dp_shard x cp). Against a real run: in the cp
+    tier (tests/distributed/test_context_parallel.py)."""
 
-    with pytest.raises(NotImplementedError, match=r"cp=2 is not simulated yet.*sequence split"):
-        shardwise.simulate_step(GPT, ParallelConfig(cp=2), world=4, batch=1, seq_len=8)
+    def run(cp: int):  # type: ignore[no-untyped-def]
+        return shardwise.simulate_step(
+            llama, ParallelConfig(cp=cp), world=4, batch=1, seq_len=128, backend="gloo"
+        )
+
+    one, two, four = run(1), run(2), run(4)
+    for report in (two, four):
+        assert report.at_peak["params"] == one.at_peak["params"]  # sharded over all 4 ranks
+        assert report.at_peak["optimizer"] == one.at_peak["optimizer"]
+    assert 1.6 < one.at_peak["activations"] / two.at_peak["activations"] < 2.4
+    assert 1.6 < two.at_peak["activations"] / four.at_peak["activations"] < 2.4
 
 
 def test_documents_are_found_only_where_transformers_finds_them():
