@@ -2177,6 +2177,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "simulation_takes_every_row_as_packed",
+        "src/shardwise/memory/fake.py",
+        "        return None if isinstance(position_ids, FakeTensor) else original(position_ids)",
+        "        return original(position_ids)",
+        (
+            "tests/unit/memory/test_simulate.py::test_a_transformers_models_attention_is_simulated_as_it_runs",
+        ),
+    ),
+    Mutant(
         "cp_heads_checked_without_tp",
         "src/shardwise/parallelize/ulysses.py",
         "if isinstance(heads, int) and heads % (cp * tp):",

@@ -35,6 +35,7 @@ from shardwise.memory.fake import (
     loss_of,
     meta_copy,
     shaped_grouped_mm,
+    unpacked_rows,
 )
 
 __all__ = ["ActivationTrace", "BlockTrace", "trace_activations"]
@@ -169,7 +170,7 @@ def trace_activations(
             else contextlib.nullcontext()
         )
         saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with fake_mode, cast, shaped_grouped_mm(), saving:
+        with fake_mode, cast, shaped_grouped_mm(), unpacked_rows(), saving:
             inputs = (
                 example_input()
                 if example_input is not None

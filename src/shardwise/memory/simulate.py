@@ -51,6 +51,7 @@ from shardwise.memory.fake import (
     fake_world_patches,
     local_comm_hook,
     shaped_grouped_mm,
+    unpacked_rows,
     untracked_shape_inference,
 )
 from shardwise.memory.model_states import format_bytes
@@ -311,6 +312,7 @@ def _simulate_here(
             with (
                 backend_collectives(backend),
                 shaped_grouped_mm(),
+                unpacked_rows(),
                 untracked_shape_inference(fake_mode),
                 _routing(spec.ep, expert_load) as routing,
             ):
