@@ -19,6 +19,12 @@ the two variants are reported: they must agree.
 
     python bench/context.py                        # world 2 (cp 2) and 4 (cp 2 x dp 2)
     python bench/context.py --smoke                # tiny: seconds
+    python bench/context.py --scale                # Llama-3-8B at 128k tokens, simulated
+
+--scale: the Llama-3-8B shape (transformers, built on meta, use_cache=False) at 131,072
+tokens a row, one row per data-parallel rank, full_shard, bf16, AdamW, full activation
+checkpointing, simulated (`simulate_step`, fake tensors and a fake process group; each in a
+fresh subprocess) at 8 and 64 ranks with and without cp: each rank's peak and activations.
 
 Prints one JSON object on stdout (and --out).
 """
@@ -224,6 +230,58 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
+_SCALE_CHILD = """
+import json, sys, time
+import transformers
+from shardwise import ParallelConfig
+from shardwise.memory import simulate_step
+
+spec = json.loads(sys.argv[1])
+cfg = transformers.LlamaConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=spec["seq"],
+    rope_theta=500000.0, tie_word_embeddings=False, use_cache=False,
+)
+def build():
+    return transformers.LlamaForCausalLM(cfg)
+t0 = time.perf_counter()
+r = simulate_step(
+    build, ParallelConfig(mixed_precision="bf16", cp=spec["cp"]), world=spec["world"],
+    batch=1, seq_len=spec["seq"], activation_checkpointing="full",
+)
+wall = round(time.perf_counter() - t0, 1)
+print(json.dumps({"peak": r.peak, "at_peak": r.at_peak, "wall_s": wall}))
+"""
+SCALE = ((8, 1), (8, 2), (8, 4), (8, 8), (64, 1), (64, 8))
+GIB = 2**30
+
+
+def scale(seq: int, timeout_s: float) -> list[dict[str, Any]]:
+    import json
+    import subprocess
+    import sys
+
+    rows = []
+    for world, cp in SCALE:
+        spec = {"world": world, "cp": cp, "seq": seq}
+        out = subprocess.run(
+            [sys.executable, "-c", _SCALE_CHILD, json.dumps(spec)], capture_output=True,
+            text=True, timeout=timeout_s, env=common.child_env({}),
+        )  # fmt: skip
+        if out.returncode != 0:
+            rows.append({**spec, "error": out.stderr[-1500:]})
+            continue
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append({
+            **spec, "peak_GiB": round(got["peak"] / GIB, 2),
+            "activations_GiB": round(got["at_peak"].get("activations", 0) / GIB, 2),
+            "temporaries_GiB": round(got["at_peak"].get("temporaries", 0) / GIB, 2),
+            "wall_s": got["wall_s"],
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = common.arg_parser(__doc__)
     parser.add_argument("--worlds", default="2,4", help="world sizes, cp 2 each")
@@ -238,6 +296,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 steps")
+    parser.add_argument("--scale", action="store_true", help="Llama-3-8B at 128k, simulated")
+    parser.add_argument("--scale-seq", type=int, default=131072)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     base = BenchConfig(
@@ -249,11 +309,15 @@ def main() -> None:
         base = dataclasses.replace(
             base, hidden=32, layers=1, heads=4, seq=32, vocab=64, steps=2, warmup=1
         )
+    header = common.report_header("context", common.command_line("bench/context.py"))
+    if args.scale:
+        common.emit_json({**header, "scale": scale(args.scale_seq, args.timeout_s)},
+                         None if args.out is None else Path(args.out))  # fmt: skip
+        return
     results = {}
     for world in (int(w) for w in args.worlds.split(",")):
         cfg = dataclasses.replace(base, world=world, rows=2 * (world // base.cp))
         results[f"world{world}"] = run(cfg)
-    header = common.report_header("context", common.command_line("bench/context.py"))
     config = {k: v for k, v in dataclasses.asdict(base).items() if k not in ("world", "rows")}
     common.emit_json(
         {**header, "config": config, "results": results},
