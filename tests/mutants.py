@@ -2186,6 +2186,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "cp_experts_divided_by_dp_only",
+        "src/shardwise/parallelize/fsdp.py",
+        "        unit.set_gradient_divide_factor(float(spec.dp_size * spec.cp))",
+        "        unit.set_gradient_divide_factor(float(spec.dp_size))",
+        (
+            "tests/distributed/test_context_parallel.py::test_context_parallel_equals_one_process[moe_cp2_ep2]",
+        ),
+    ),
+    Mutant(
+        "cp_ep_group_without_its_cp_ranks",
+        "src/shardwise/distributed/mesh.py",
+        "        return self.dp_shard // (taken // self.cp if self.cp > 1 else taken)",
+        "        return self.dp_shard // taken",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_cp_ranks_sit_between_the_shard_ranks_and_tp",
+        ),
+    ),
+    Mutant(
         "cp_heads_checked_without_tp",
         "src/shardwise/parallelize/ulysses.py",
         "if isinstance(heads, int) and heads % (cp * tp):",

@@ -385,6 +385,8 @@ def _cases(root: str) -> dict[str, Any]:
     out["llama_cp2_padded"] = run_case("llama", batches(padded=True), cp=2)
     out["llama_cp2_recompute"] = run_case("llama", batches(), cp=2, activation_checkpointing="full")
     out["moe_cp2_router_loss"] = run_case("moe", batches(), cp=2)
+    out["moe_cp2_ep2"] = run_case("moe", batches(), cp=2, ep=2)  # 1 shard rank x 2 cp ranks
+    out["moe_cp2_ep4"] = run_case("moe", batches(), cp=2, ep=4)  # every rank: 1 expert each
     out["lora_cp2_adapters"] = run_case("lora", batches(), cp=2)
     out["plain_cp2"] = run_case("plain", plain_batches(), cp=2)
     out["engine"] = _engine_case()
@@ -426,6 +428,8 @@ CASES = [
     "llama_cp2_padded",
     "llama_cp2_recompute",
     "moe_cp2_router_loss",
+    "moe_cp2_ep2",
+    "moe_cp2_ep4",
     "lora_cp2_adapters",
     "plain_cp2",
 ]
@@ -454,6 +458,9 @@ def test_the_layout_is_real(results, case):  # type: ignore[no-untyped-def]
     assert layout["seen"] == [SEQ // cp, SEQ, features]
     assert f"x cp {cp}" in layout["mesh"]
     strategy = case.rsplit("cp2_", 1)[-1]
+    if strategy.startswith("ep"):  # an ep group takes whole cp groups
+        ep = int(strategy[2:])
+        assert f"experts: ep {ep} x {4 // ep} shard rank(s)" in layout["mesh"]
     if strategy == "tp2":  # tp splits the head's rows, FSDP shards them over dp_shard x cp
         assert layout["weight_mesh"] == ("dp_shard_cp", "tp")
         assert layout["weight_local_rows"] == VOCAB // 4
@@ -548,6 +555,7 @@ def _pp_case(family: str) -> dict[str, Any]:
 
 def _pp_cases() -> dict[str, Any]:
     out: dict[str, Any] = {family: _pp_case(family) for family in FAMILIES}
+    out["moe_cp2_ep2"] = run_case("moe", batches(), cp=2, ep=2)  # 4 shard ranks an expert
     model = shardwise.wrap(build("llama"), shardwise.ParallelConfig(**PP_FIELDS))
     info = shardwise.wrap_info(model)
     try:
@@ -596,3 +604,11 @@ def test_the_simulated_peak_is_within_5_percent_of_the_real_one(results, cp):  #
         seq_len=MEMORY_SEQ, backend="gloo",
     )  # fmt: skip
     assert abs(sim.peak / real - 1) <= 0.05, (sim.peak, real)
+
+
+def test_experts_under_cp_x_ep_at_world_8_equal_one_process(results8):  # type: ignore[no-untyped-def]
+    case = results8[0]["moe_cp2_ep2"]
+    worst = differences(case, reference("moe", batches()))
+    assert all(v < RTOL for v in worst.values()), worst
+    assert "4 shard rank(s) x cp 2" in case["layout"]["mesh"]
+    assert "experts: ep 2 x 4 shard rank(s)" in case["layout"]["mesh"]

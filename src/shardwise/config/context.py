@@ -65,7 +65,6 @@ def validate_cp(cfg: Any) -> None:
         "tp 'auto'": cfg.tp == "auto",
         "sequence_parallel": cfg.sequence_parallel,
         "loss_parallel": cfg.loss_parallel,
-        "ep": cfg.ep != 1,
         "strategy='auto'": cfg.strategy == "auto",
         "a device_mesh of your own": cfg.device_mesh is not None,
         "compile": cfg.compile not in (False, None),

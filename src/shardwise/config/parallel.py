@@ -259,8 +259,9 @@ class ParallelConfig:
     ranks of one group read the same rows; wrap's hook cuts them), and attention reads the
     whole sequence through `cp_style`. Parameters are sharded over dp_shard x cp, gradients
     reduced over both; with tp, Ulysses spreads the heads tp leaves; with pp, each whole
-    batch is cut before the schedule's micro-batches. 1: none. Not yet with ep,
-    sequence_parallel, loss_parallel or compile (an error says so)."""
+    batch is cut before the schedule's micro-batches; with ep, an ep group takes whole cp
+    groups (ep a multiple of cp). 1: none. Not yet with sequence_parallel, loss_parallel or
+    compile (an error says so)."""
     cp_style: CPStyle = "auto"
     """With cp > 1: 'ulysses' (an all-to-all gives each rank every position of 1/cp of the
     attention heads, which must divide by cp), 'ring' (not built yet: an error says so), or

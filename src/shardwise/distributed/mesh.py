@@ -81,12 +81,15 @@ class MeshSpec:
     def ep_borrows_tp(self) -> bool:
         """Whether each ep group takes whole tp groups (ep does not divide dp_shard): the
         tokens a tp group shares are then split over its ranks before they travel."""
-        return self.ep > 1 and self.dp_shard % self.ep != 0
+        return self.ep > 1 and self.cp == 1 and self.dp_shard % self.ep != 0
 
     @property
     def ep_shard(self) -> int:
-        """The ranks FSDP shards each expert over: what ep leaves of dp_shard."""
-        return self.dp_shard // (self.ep // self.tp if self.ep_borrows_tp else self.ep)
+        """The ranks FSDP shards each expert over: what ep leaves of dp_shard. Under cp an
+        ep group takes whole cp groups (ep // cp shard ranks with their cp ranks, which
+        hold other tokens of the same rows), as torchtitan's does."""
+        taken = self.ep // self.tp if self.ep_borrows_tp else self.ep
+        return self.dp_shard // (taken // self.cp if self.cp > 1 else taken)
 
     @property
     def is_2d(self) -> bool:
@@ -167,6 +170,15 @@ def dp_mesh(spec: MeshSpec, mesh: DeviceMesh) -> DeviceMesh:
     return mesh[(REPLICATE_DIM, SHARD_DIM)] if spec.is_2d else mesh[SHARD_DIM]
 
 
+def experts_dp_mesh(spec: MeshSpec, experts_mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks fully_shard shards each experts module over: what ep leaves of dp_shard,
+    and its replicas under a hybrid strategy (under cp an ep group holds whole cp groups,
+    so the cp ranks are not among them)."""
+    if spec.is_2d:
+        return experts_mesh[(REPLICATE_DIM, EXPERT_SHARD_DIM)]
+    return experts_mesh[EXPERT_SHARD_DIM]
+
+
 def _with_cp_ranks(spec: MeshSpec, mesh: DeviceMesh) -> DeviceMesh:
     import warnings
 
@@ -243,7 +255,15 @@ def resolve_mesh(
     position of it held by cp ranks."""
     if cp > 1:
         return _with_context(
-            strategy, dp_shard, world_size, local_world_size, reshard_after_forward, cp, tp, pp
+            strategy,
+            dp_shard,
+            world_size,
+            local_world_size,
+            reshard_after_forward,
+            cp,
+            tp,
+            pp,
+            ep,
         )
     if ep > 1:
         spec = resolve_mesh(
@@ -379,6 +399,7 @@ def _with_context(
     cp: int,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
 ) -> MeshSpec:
     """`cp` ranks for each data-parallel position of a world_size // cp layout (whose tp
     groups stay innermost)."""
@@ -412,9 +433,18 @@ def _with_context(
             tp=tp,
             pp=pp,
         )
+    if ep > 1 and (ep % cp or spec.dp_shard % (ep // cp) or tp > 1):
+        fits = [cp * d for d in divisors(spec.dp_shard)]
+        raise _refused(
+            f"ParallelConfig.ep={ep} with cp={cp}: an ep group takes whole cp groups (their "
+            f"ranks hold other tokens of the same rows), ep // cp ranks of dp_shard="
+            f"{spec.dp_shard} with their cp ranks"
+            + (", and not with tp yet" if tp > 1 else "")
+            + f". Choose ep in {fits if tp == 1 else [1]}."
+        )
     return MeshSpec(
         spec.strategy, spec.dp_replicate, spec.dp_shard, spec.reshard_after_forward,
-        spec.engine, spec.tp, spec.pp, cp=cp,
+        spec.engine, spec.tp, spec.pp, ep, cp=cp,
     )  # fmt: skip
 
 

@@ -26,11 +26,10 @@ from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import (
     CP_DIM,
     EP_DIM,
-    EXPERT_SHARD_DIM,
-    REPLICATE_DIM,
     TP_DIM,
     MeshSpec,
     dp_mesh,
+    experts_dp_mesh,
     from_user_mesh,
     resolve_mesh,
 )
@@ -416,9 +415,9 @@ def _apply_dimensions(
     runs = [c.module for c in state.chunks] if state is not None else [model]
     if experts is not None:  # 4a: the experts over what ep leaves, before their blocks
         assert experts_mesh is not None
-        dims = (REPLICATE_DIM, EXPERT_SHARD_DIM) if spec.is_2d else EXPERT_SHARD_DIM
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
-        shard_experts(list(experts.values()), config, spec, experts_mesh[dims], backend)
+        over = experts_dp_mesh(spec, experts_mesh)
+        shard_experts(list(experts.values()), config, spec, over, backend)
     for root in runs:  # 4
         own = plan if root is model else plan_wrap(root, config, reshard_after_forward=rf)
         apply_fsdp(root, config, info, spec, own, data_parallel, prepare=prepare)

@@ -180,20 +180,22 @@ def shard_experts(
     per rank (DeepSeek-V3's 4 experts per rank at ep 64 over 16 ranks: 4 times the
     bytes, in the shards and in every all-gather). Such experts are split on their
     second dimension instead (`expert_placement`), as torchtitan does."""
+    ranks = spec.ep_shard
     for module in modules:
         fully_shard(
             module,
             mesh=mesh,
             reshard_after_forward=spec.reshard_after_forward,
-            mp_policy=_experts_policy(config.precision, module, spec.ep_shard),
-            shard_placement_fn=functools.partial(expert_placement, ranks=spec.ep_shard),
+            mp_policy=_experts_policy(config.precision, module, ranks),
+            shard_placement_fn=functools.partial(expert_placement, ranks=ranks),
         )
         unit = cast(FSDPModule, module)
-        unit.set_gradient_divide_factor(float(spec.dp_size))
+        # every data-parallel and cp rank's tokens reach the experts: as many shares
+        unit.set_gradient_divide_factor(float(spec.dp_size * spec.cp))
         # gloo has no pre-multiplied sum: reduce by sums and divide apart. Not over a shard
         # group of one rank (ep == dp_shard), where no reduce-scatter runs: torch 2.13 then
         # divides by the factor in its copy and again after it (half the gradient).
-        if backend == "gloo" and spec.ep_shard > 1:
+        if backend == "gloo" and ranks > 1:
             unit.set_force_sum_reduction_for_comms(True)
 
 

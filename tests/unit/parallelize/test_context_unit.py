@@ -54,10 +54,10 @@ def test_every_cp_field_is_checked_and_what_is_not_built_is_refused():
         ParallelConfig(cp=2, strategy="ddp")
     assert ParallelConfig(cp=2, tp=2).tp == 2  # built: Ulysses over the heads tp leaves
     assert ParallelConfig(cp=2, pp=2).pp == 2  # built: the step cuts the whole batch
+    assert ParallelConfig(cp=2, ep=2).ep == 2  # built: an ep group takes whole cp groups
     unbuilt = [
         ({"tp": 2, "sequence_parallel": True}, "sequence_parallel"),
         ({"tp": 2, "loss_parallel": True}, "loss_parallel"),
-        ({"ep": 2}, "ep"),
         ({"strategy": "auto"}, "strategy='auto'"),
         ({"compile": True}, "compile"),
     ]
@@ -105,6 +105,17 @@ def test_cp_ranks_sit_between_the_shard_ranks_and_tp():
     hybrid_stages = resolve_mesh("hybrid_shard", -1, 8, cp=2, pp=2)
     assert (hybrid_stages.pp, hybrid_stages.dp_replicate, hybrid_stages.dp_shard) == (2, 2, 1)
     assert resolve_mesh("full_shard", -1, 16, cp=2, pp=2, tp=2).world_size == 16
+    # experts: an ep group is ep // cp shard ranks with their cp ranks
+    for world, ep, shard in ((4, 2, 2), (4, 4, 1), (8, 2, 4), (8, 4, 2), (8, 8, 1)):
+        experts = resolve_mesh("full_shard", -1, world, cp=2, ep=ep)
+        assert (experts.ep, experts.ep_shard, experts.ep_borrows_tp) == (ep, shard, False)
+    with pytest.raises(ValueError, match=r"ep=3 with cp=2: an ep group takes whole cp groups"
+                       r".*Choose ep in \[2, 4, 8\]"):  # fmt: skip
+        resolve_mesh("full_shard", -1, 8, cp=2, ep=3)
+    with pytest.raises(ValueError, match=r"ep=2 with cp=4.*Choose ep in \[4, 8\]"):
+        resolve_mesh("full_shard", -1, 8, cp=4, ep=2)
+    with pytest.raises(ValueError, match=r"ep=4 with cp=2.*and not with tp yet"):
+        resolve_mesh("full_shard", -1, 8, cp=2, ep=4, tp=2)
 
 
 # --- what Ulysses holds -----------------------------------------------------------------
