@@ -1179,8 +1179,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "experts_gradient_divided_by_the_ranks_that_shard_them",
         "src/shardwise/parallelize/fsdp.py",
-        "        unit.set_gradient_divide_factor(float(spec.dp_size))\n",
-        "        unit.set_gradient_divide_factor(float(spec.dp_size // spec.ep))\n",
+        "        unit.set_gradient_divide_factor(float(spec.dp_size * spec.cp))\n",
+        "        unit.set_gradient_divide_factor(float(spec.dp_size // spec.ep * spec.cp))\n",
         (
             "tests/distributed/test_expert_parallel.py::test_expert_parallel_trains_equal_to_one_process",
         ),
@@ -1188,7 +1188,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "sums_forced_over_a_shard_group_of_one",
         "src/shardwise/parallelize/fsdp.py",
-        '        if backend == "gloo" and spec.ep_shard > 1:\n',
+        '        if backend == "gloo" and ranks > 1:\n',
         '        if backend == "gloo":\n',
         (
             "tests/distributed/test_expert_parallel.py::test_expert_parallel_trains_equal_to_one_process",
@@ -2151,8 +2151,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cp_mesh_drops_the_stages",
         "src/shardwise/distributed/mesh.py",
-        "        spec.engine, spec.tp, spec.pp, cp=cp,",
-        "        spec.engine, spec.tp, cp=cp,",
+        "        spec.engine, spec.tp, spec.pp, ep, cp=cp,",
+        "        spec.engine, spec.tp, 1, ep, cp=cp,",
         (
             "tests/unit/parallelize/test_context_unit.py::test_cp_ranks_sit_between_the_shard_ranks_and_tp",
         ),
