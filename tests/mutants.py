@@ -2320,6 +2320,88 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/testing/test_compare_trajectories.py::test_a_batch_that_does_not_divide_over_the_ranks_is_refused",
         ),
     ),
+    # The third outside audit's survivors (issue 48).
+    Mutant(
+        "pp_zero_embedding_always_fp32",
+        "src/shardwise/parallelize/stages.py",
+        "_ZeroEmbedding(module.embedding_dim, module.weight.dtype)",
+        "_ZeroEmbedding(module.embedding_dim, torch.float32)",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_two_stages_of_a_bf16_model_give_its_loss",
+        ),
+    ),
+    Mutant(
+        "pp_split_duplicate_start_accepted",
+        "src/shardwise/plan/stages.py",
+        "    if starts != sorted(set(starts)):\n",
+        "    if starts != sorted(starts):\n",
+        (
+            "tests/unit/parallelize/test_pipeline_stages.py::test_a_given_split_is_followed_and_a_wrong_one_refused_by_name",
+        ),
+    ),
+    Mutant(
+        "ep_experts_need_3d_params",
+        "src/shardwise/parallelize/experts.py",
+        "    if any(p.dim() < 2 or p.shape[0] != n for p in params):\n",
+        "    if any(p.dim() < 3 or p.shape[0] != n for p in params):\n",
+        (
+            "tests/unit/parallelize/test_expert_plan.py::test_experts_with_per_expert_biases_are_found_and_checked",
+        ),
+    ),
+    Mutant(
+        "qlora_absmax_blocks_floor",
+        "src/shardwise/plan/quantized.py",
+        '        blocks = math.ceil(p.numel() / int(getattr(p, "blocksize", 64) or 64))\n',
+        '        blocks = p.numel() // int(getattr(p, "blocksize", 64) or 64)\n',
+        (
+            "tests/unit/plan/test_quantized.py::test_a_weight_whose_values_are_no_whole_number_of_blocks_is_counted_as_it_will_be",
+        ),
+    ),
+    Mutant(
+        "deepspeed_bfloat16_alias_is_fp16",
+        "src/shardwise/config/deepspeed.py",
+        '    preset = "fp16" if key == "fp16" else "bf16"\n',
+        '    preset = "bf16" if key == "bf16" else "fp16"\n',
+        (
+            "tests/unit/config/test_deepspeed.py::test_every_spelling_of_a_precision_block_means_its_dtype",
+        ),
+    ),
+    Mutant(
+        "runner_total_steps_floor",
+        "src/shardwise/train/runner.py",
+        "        by_epochs = math.ceil(batches_per_epoch / accumulate_steps) * config.max_epochs\n",
+        "        by_epochs = batches_per_epoch // accumulate_steps * config.max_epochs\n",
+        (
+            "tests/unit/train/test_runner.py::test_the_last_step_of_epochs_with_partial_windows_is_always_logged",
+        ),
+    ),
+    Mutant(
+        "parity_loss_rel_divides_by_candidate",
+        "src/shardwise/testing/parity.py",
+        "    loss_rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in pairs]\n",
+        "    loss_rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in pairs]\n",
+        (
+            "tests/unit/testing/test_compare_trajectories.py::test_a_loss_difference_is_measured_against_the_reference",
+        ),
+    ),
+    Mutant(
+        "ulysses_repeat_kv_cp_over_kv",
+        "src/shardwise/parallelize/ulysses.py",
+        "    times = cp // math.gcd(kv, cp)  # divides heads // kv, since cp divides heads\n",
+        "    times = cp // kv  # divides heads // kv, since cp divides heads\n",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_kv_heads_are_repeated_within_their_groups_at_sizes_that_are_not_powers_of_two",
+        ),
+    ),
+    Mutant(
+        "cp_mesh_local_world_not_divided",
+        "src/shardwise/distributed/mesh.py",
+        "            local_world_size=max(1, local // cp) if local % cp == 0 else None,\n",
+        "            local_world_size=local,\n",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_cp_ranks_sit_between_the_shard_ranks_and_tp",
+        ),
+    ),
 )
 
 

@@ -335,3 +335,18 @@ def test_without_a_world_size_a_total_batch_missing_a_factor_is_refused(given) -
             "gradient_accumulation_steps": 2}  # fmt: skip
     row = {r.key: r for r in translate_deepspeed(both).rows}["train_batch_size"]
     assert (row.became, row.verdict) == ("checked at launch", "exact")
+
+
+@pytest.mark.parametrize("key", ["bf16", "bfloat16", "fp16"])
+def test_every_spelling_of_a_precision_block_means_its_dtype(key) -> None:  # type: ignore[no-untyped-def]
+    """DeepSpeed reads "bfloat16" as "bf16" (third audit: read as fp16, a silent wrong)."""
+    want = "fp16" if key == "fp16" else "bf16"
+    translation = translate_deepspeed({"zero_optimization": {"stage": 3}, key: {"enabled": True}})
+    assert (
+        translation.config.parallel.precision
+        == translate_deepspeed(
+            {"zero_optimization": {"stage": 3}, want: {"enabled": True}}
+        ).config.parallel.precision
+    )
+    rows = {r.key: r for r in translation.rows}
+    assert rows[f"{key}.enabled"].became == f"parallel.mixed_precision='{want}'"

@@ -83,6 +83,9 @@ def test_cp_ranks_sit_between_the_shard_ranks_and_tp():
     assert (hybrid.dp_replicate, hybrid.dp_shard, hybrid.cp) == (2, 1, 2)
     wide = resolve_mesh("hybrid_shard", -1, 16, local_world_size=8, cp=2)
     assert (wide.dp_replicate, wide.dp_shard, wide.cp) == (2, 4, 2)  # a node's 4 x cp 2
+    # 4 ranks a node: a shard group of 2 x cp 2 fills one node; one of 4 would span two
+    narrow = resolve_mesh("hybrid_shard", -1, 16, local_world_size=4, cp=2)
+    assert (narrow.dp_replicate, narrow.dp_shard, narrow.cp) == (4, 2, 2)
     ones = resolve_mesh("hybrid_shard", 1, 8, cp=2)
     assert (ones.dp_replicate, ones.dp_shard) == (4, 1)
     replicas = resolve_mesh("no_shard", -1, 4, cp=2)
@@ -390,3 +393,23 @@ def test_a_layout_is_current_during_its_forward_and_its_recompute_only():
     q = torch.randn(1, 2, 4, 4)
     want = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     torch.testing.assert_close(shardwise.context_attention(q, q, q), want)
+
+
+@pytest.mark.parametrize(("heads", "kv", "cp"), [(12, 6, 4), (12, 4, 6), (12, 3, 4), (6, 2, 3)])
+def test_kv_heads_are_repeated_within_their_groups_at_sizes_that_are_not_powers_of_two(
+    heads, kv, cp
+):  # type: ignore[no-untyped-def]
+    """cp // kv and cp // gcd(kv, cp) agree at powers of two only (third audit)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, heads, 5, 4), torch.randn(1, kv, 5, 4)
+    v = torch.randn(1, kv, 5, 4)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    k2, v2 = _repeat_kv(k, heads, cp), _repeat_kv(v, heads, cp)
+    assert k2.shape[1] % cp == 0 and heads % k2.shape[1] == 0
+    per_q, per_kv = heads // cp, k2.shape[1] // cp
+    for r in range(cp):  # each rank's query heads read its own slice of the KV heads
+        part = F.scaled_dot_product_attention(
+            q[:, r * per_q : (r + 1) * per_q], k2[:, r * per_kv : (r + 1) * per_kv],
+            v2[:, r * per_kv : (r + 1) * per_kv], is_causal=True, enable_gqa=True,
+        )  # fmt: skip
+        torch.testing.assert_close(part, want[:, r * per_q : (r + 1) * per_q])

@@ -182,3 +182,21 @@ def test_a_plan_entry_for_a_parameter_the_experts_lack_is_refused() -> None:
     )
     with pytest.raises(ValueError, match=r"but the plan splits \['bias', 'down_proj'"):
         extra.check_covers(_Named("top_k_index"), "experts")
+
+
+def test_experts_with_per_expert_biases_are_found_and_checked() -> None:
+    """gpt-oss holds 2-D biases beside its 3-D weights, one row an expert (third audit:
+    taking only 3-D parameters would refuse it as having no experts)."""
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.GptOssForCausalLM(config)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj_bias.shape == (4, 32)  # the 2-D rows: one per expert
+    assert list(find_experts(model)) == ["model.layers.0.mlp.experts"]
+    assert set(check_expert_parallel(model, 2)) == {"model.layers.0.mlp.experts"}
+    with pytest.raises(ValueError, match=r"ep=3 does not divide model.layers.0.mlp.experts"):
+        check_expert_parallel(model, 3)

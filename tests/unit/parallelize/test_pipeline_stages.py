@@ -95,6 +95,8 @@ def test_a_given_split_is_followed_and_a_wrong_one_refused_by_name() -> None:
         plan_stages(llama(), 2, ("model.layers.9",))
     with pytest.raises(ValueError, match=r"must name blocks in increasing order"):
         plan_stages(llama(), 3, ("model.layers.3", "model.layers.2"))
+    with pytest.raises(ValueError, match=r"must name blocks in increasing order, each once"):
+        plan_stages(llama(), 3, ("model.layers.2", "model.layers.2"))  # an empty stage
     with pytest.raises(ValueError, match=r"'lm_head' is not a block of a ModuleList"):
         plan_stages(llama(), 2, ("lm_head",))
 
@@ -134,6 +136,18 @@ def test_two_stages_chained_give_the_whole_models_loss(make: object) -> None:
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
     expected, got = _chained(make, {"input_ids": ids, "labels": ids})
     assert torch.equal(got, expected)
+
+
+def llama_bf16() -> nn.Module:
+    return llama().to(torch.bfloat16)
+
+
+def test_two_stages_of_a_bf16_model_give_its_loss() -> None:
+    """The stand-in embedding on a later stage makes zeros of the model's dtype: in fp32 a
+    bf16 model's next stage would refuse them (third audit)."""
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    expected, got = _chained(llama_bf16, {"input_ids": ids, "labels": ids})
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
 def test_two_stages_of_our_gpt_give_its_loss() -> None:

@@ -247,3 +247,24 @@ def test_a_4bit_base_under_fully_shard_needs_torch_2_12(monkeypatch):
     assert len(_check(model_with(four_bit()), sharded=False)) == 1  # world 1: nothing sharded
     monkeypatch.setattr(quantized, "TORCH_VERSION", "2.12.0")
     assert len(_check(model_with(four_bit()), strategy="full_shard")) == 1
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_weight_whose_values_are_no_whole_number_of_blocks_is_counted_as_it_will_be(nested):
+    """100 values: two blocks of 64, the last one partly filled. Counted ahead (not
+    quantized yet) as the quantized layer really holds them (third audit: a floor counted
+    one block short where 96 x 64, a multiple of 64, could not tell)."""
+
+    def layer(quantize: bool):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        made = bnb.nn.Linear4bit(
+            10, 10, bias=False, compute_dtype=torch.float32, quant_type="nf4",
+            compress_statistics=nested,
+        )  # fmt: skip
+        return made.to("cpu") if quantize else made
+
+    real, ahead = layer(True).weight, layer(False).weight
+    assert stored_bytes(ahead) == stored_bytes(real) == {"uint8": 50}
+    assert quant_state_bytes(ahead) == quant_state_bytes(real)
+    blocks = quant_state_bytes(real).get("uint8" if nested else "float32", 0)
+    assert blocks == (2 if nested else 16 * 4 + 2 * 4)

@@ -92,3 +92,17 @@ def test_a_batch_that_does_not_divide_over_the_ranks_is_refused():
     parts = [split_batch((torch.arange(8), torch.arange(8) * 2), r, 4) for r in range(4)]
     assert [p[0].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert [p[1].tolist() for p in parts] == [[0, 2], [4, 6], [8, 10], [12, 14]]
+
+
+def test_a_loss_difference_is_measured_against_the_reference():
+    """|candidate - reference| / |reference|, as documented: a candidate below the reference
+    is judged as one above it would be (third audit: over the candidate, 1 against 2 read
+    as twice off)."""
+    ref = Trajectory([1.0, 2.0], {})
+    report = compare_trajectories(ref, Trajectory([1.0, 1.0], {}), rtol=0.75, check_params=False)
+    assert report.max_loss_rel == 0.5
+    report = compare_trajectories(ref, Trajectory([1.0, 3.0], {}), rtol=0.75, check_params=False)
+    assert report.max_loss_rel == 0.5
+    with pytest.raises(ParityError, match=r"loss diverges at step 1: 0\.90000000 vs reference "
+                       r"2\.00000000 \(rel 5\.50e-01 > rtol 5e-01\)"):  # fmt: skip
+        compare_trajectories(ref, Trajectory([1.0, 0.9], {}), rtol=0.5, check_params=False)

@@ -528,3 +528,19 @@ def test_the_ranks_of_a_tp_group_or_a_pipeline_read_the_same_rows(monkeypatch, t
     monkeypatch.setattr(runner_module, "wrap_info", lambda model: info)
     engine = SimpleNamespace(model=None)
     assert runner_module._data_parallel(engine, 3, 4) == expected  # type: ignore[arg-type]
+
+
+def test_the_last_step_of_epochs_with_partial_windows_is_always_logged(tmp_path):
+    """4 batches an epoch at accumulation 3: windows of 3 and 1, 2 steps an epoch, 4 in
+    all. Counted short (a floor: 1 an epoch), the run's last step was taken for an earlier
+    one, so its row was lost and another logged (third audit)."""
+    from shardwise.train.runner import _total_steps
+
+    summary = make_runner(
+        tmp_path, train=TrainConfig(accumulate_steps=3), batch_size=8, max_epochs=2, log_every=3
+    ).fit()
+    assert summary["steps"] == 4
+    assert [int(r["step"]) for r in rows(tmp_path) if r["split"] == "train"] == [3, 4]
+    assert _total_steps(RunnerConfig(max_epochs=2, max_steps=None), 4, 3) == 4
+    assert _total_steps(RunnerConfig(max_epochs=3, max_steps=5), 7, 2) == 5  # 4 an epoch
+    assert _total_steps(RunnerConfig(max_epochs=1, max_steps=None), 7, 2) == 4
