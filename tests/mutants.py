@@ -2402,6 +2402,25 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/parallelize/test_context_unit.py::test_cp_ranks_sit_between_the_shard_ranks_and_tp",
         ),
     ),
+    Mutant(
+        "cp_pp_micro_batch_ignores_its_rows_of_the_mask",
+        "src/shardwise/parallelize/ulysses.py",
+        "        rows=(kwargs.get(ROW_NAMES[0]), kwargs.get(ROW_NAMES[1])),\n",
+        "        rows=(None, None),\n",
+        (
+            "tests/distributed/test_context_parallel.py::test_pp_x_cp_x_dp_at_world_8_equals_one_process",
+        ),
+    ),
+    Mutant(
+        "cp_pp_layout_keeps_the_whole_batchs_mask",
+        "src/shardwise/parallelize/context.py",
+        "        if self.pipelined and (layout.documents is not None or layout.keep is not None):\n",
+        "        if False:\n",
+        (
+            "tests/unit/parallelize/test_context_unit.py::test_under_pp_each_micro_batch_carries_its_rows_of_the_mask_whole",
+            "tests/distributed/test_context_parallel.py::test_pp_x_cp_x_dp_at_world_8_equals_one_process",
+        ),
+    ),
 )
 
 

@@ -17,7 +17,10 @@ is shown real: a rank's q_proj sees 1/cp of each sequence while the attention's 
 the whole of it, and every parameter is sharded over dp_shard x cp. The negative controls
 (positions local to each chunk; labels handed to the model per chunk, which shifts inside
 them; the mean of per-chunk means; a model whose attention ignores shardwise) must fail.
-All cases run in one spawned group of 4.
+All cases run in one spawned group of 4. A second group of 8 runs pp 2 x cp 2 x dp 2 for
+every family on the same packed documents (and llama on the padded batch), where the
+schedule's micro-batches each carry their own rows of the mask, and experts under cp 2 x
+ep 2 over 4 shard ranks.
 """
 
 from __future__ import annotations
@@ -522,19 +525,13 @@ def test_a_cp2_checkpoint_loads_at_cp1_and_in_one_process_and_steps_on(results, 
 PP_FIELDS = {"cp": 2, "pp": 2, "pp_microbatches": 2}
 
 
-def whole_rows() -> list[dict[str, torch.Tensor]]:
-    """One document a row (the schedule's micro-batches would each need their own mask:
-    packed documents under pp x cp are refused, and shown refused below)."""
-    return [{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batches()]
-
-
-def _pp_case(family: str) -> dict[str, Any]:
+def _pp_case(family: str, data: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     model = shardwise.wrap(build(family), shardwise.ParallelConfig(**PP_FIELDS))
     info = shardwise.wrap_info(model)
     assert info is not None
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, grads = [], {}
-    for step, batch in enumerate(whole_rows()):
+    for step, batch in enumerate(data):
         opt.zero_grad(set_to_none=True)
         loss = shardwise.pipeline_step(model, _rows(batch, info))
         if step == 0:
@@ -554,15 +551,9 @@ def _pp_case(family: str) -> dict[str, Any]:
 
 
 def _pp_cases() -> dict[str, Any]:
-    out: dict[str, Any] = {family: _pp_case(family) for family in FAMILIES}
+    out: dict[str, Any] = {family: _pp_case(family, batches()) for family in FAMILIES}
+    out["llama_padded"] = _pp_case("llama", batches(padded=True))
     out["moe_cp2_ep2"] = run_case("moe", batches(), cp=2, ep=2)  # 4 shard ranks an expert
-    model = shardwise.wrap(build("llama"), shardwise.ParallelConfig(**PP_FIELDS))
-    info = shardwise.wrap_info(model)
-    try:
-        shardwise.pipeline_step(model, _rows(batches()[0], info))  # packed documents
-        out["documents"] = "no error"
-    except NotImplementedError as exc:
-        out["documents"] = str(exc)
     return out
 
 
@@ -571,13 +562,16 @@ def results8() -> list[dict[str, Any]]:
     return run_distributed(_pp_cases, 8, timeout_s=900)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, "llama_padded"])
 def test_pp_x_cp_x_dp_at_world_8_equals_one_process(results8, family):  # type: ignore[no-untyped-def]
+    """Packed documents (and a padded batch): each micro-batch's attention masks its own
+    rows' documents and padding."""
     merged: dict[str, Any] = {"losses": results8[0][family]["losses"], "grads": {}, "params": {}}
     for rank in results8:  # each stage holds its own layers' parameters
         merged["grads"].update(rank[family]["grads"])
         merged["params"].update(rank[family]["params"])
-    ref = reference(family, whole_rows())
+    padded = family.endswith("_padded")
+    ref = reference(family.removesuffix("_padded"), batches(padded=padded))
     assert set(merged["params"]) == set(ref["params"])
     worst = differences(merged, ref)
     assert all(v < RTOL for v in worst.values()), (family, worst)
@@ -587,11 +581,6 @@ def test_pp_x_cp_x_dp_at_world_8_equals_one_process(results8, family):  # type: 
     stage_layers = {r[family]["stage"]: {n.split(".")[2] for n in r[family]["params"]
                                          if n.startswith("model.layers.")} for r in results8}  # fmt: skip
     assert stage_layers == {0: {"0"}, 1: {"1"}}  # each stage holds only its own layer
-
-
-def test_packed_documents_under_pp_x_cp_are_refused_by_name(results8):  # type: ignore[no-untyped-def]
-    assert all("cp=2 with pp and packed documents is not built yet" in r["documents"]
-               for r in results8)  # fmt: skip
 
 
 @pytest.mark.parametrize("cp", [2, 4])

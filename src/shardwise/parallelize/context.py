@@ -51,6 +51,9 @@ IGNORE_INDEX = -100
 TARGET_NAMES = ("labels", "targets", "target")
 _SEQUENCE_NAMES = ("input_ids", "inputs_embeds")
 _CACHE_NAMES = ("past_key_values", "cache")  # transformers 5 renamed the first
+ROW_NAMES = ("shardwise_cp_documents", "shardwise_cp_keep")
+"""Under pp, the keywords that carry each micro-batch's rows of `ContextLayout.documents`
+and `.keep` to its attention calls (a transformers model passes them down)."""
 
 
 @dataclass(eq=False)
@@ -216,6 +219,11 @@ class Cutter:
                 if isinstance(value, torch.Tensor) and value.dim() >= 2:
                     if value.shape[1] == seq_len:
                         store[name] = _cut(value, seq_len, cp, self.index)
+        if self.pipelined and (layout.documents is not None or layout.keep is not None):
+            # The schedule cuts the batch into micro-batches after this: each one's rows of
+            # the mask travel with it, whole, as keywords its attention calls receive.
+            extra[ROW_NAMES[0]], extra[ROW_NAMES[1]] = layout.documents, layout.keep
+            layout.documents = layout.keep = None
         if "use_cache" in params:  # a cache of each rank's chunk would serve nothing
             arguments["use_cache"] = False
         elif extra_name and self.transformers:
@@ -245,13 +253,14 @@ class Cutter:
             documents = None
         mask = arguments.get("attention_mask")
         keep = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-        if self.pipelined and (documents is not None or keep is not None):
-            what = "packed documents" if documents is not None else "a 2-D attention mask"
+        if self.pipelined and keep is not None and not self.transformers:
             raise refused(
                 NotImplementedError(
-                    f"ParallelConfig.cp={self.size} with pp and {what} is not built yet: the "
-                    "schedule cuts the batch into micro-batches, each with its own mask. Use "
-                    "rows of one document with no padding mask under pp, or pp=1."
+                    f"ParallelConfig.cp={self.size} with pp and a 2-D attention mask is built "
+                    f"for transformers models only: {type(module).__name__} calls "
+                    "shardwise.context_attention, which takes no rows of a mask, and the "
+                    "schedule cuts the batch into micro-batches. Give no padding mask under "
+                    "pp, or use pp=1."
                 )
             )
         return ContextLayout(self.group, self.size, self.index, seq_len, documents, keep)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.distributed.worker_errors import refused
-from shardwise.parallelize.context import ContextLayout, current_layout
+from shardwise.parallelize.context import ROW_NAMES, ContextLayout, current_layout
 
 __all__ = [
     "ATTENTION_NAME",
@@ -87,11 +87,17 @@ def _repeat_kv(x: torch.Tensor, heads: int, cp: int) -> torch.Tensor:
 
 
 def _mask(
-    layout: ContextLayout, causal: bool, window: int | None, device: torch.device
+    layout: ContextLayout,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+    rows: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.Tensor | None:
     """(B or 1, 1, S, S) booleans, True where a query may read a key; None where SDPA's own
-    `is_causal` (or no mask) is the same."""
-    documents, keep = layout.documents, layout.keep
+    `is_causal` (or no mask) is the same. `rows`: a pipeline micro-batch's documents and
+    kept keys, in place of the layout's."""
+    documents = rows[0] if rows[0] is not None else layout.documents
+    keep = rows[1] if rows[1] is not None else layout.keep
     if documents is None and keep is None and not window:
         return None
     n = layout.seq_len
@@ -119,14 +125,17 @@ def ulysses_attention(
     scale: float | None = None,
     window: int | None = None,
     dropout_p: float = 0.0,
+    rows: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.Tensor:
     """Attention over the whole sequence for this rank's positions: (B, H, S/cp, D) query,
-    (B, Hkv, S/cp, D) key and value in, (B, H, S/cp, D) out."""
+    (B, Hkv, S/cp, D) key and value in, (B, H, S/cp, D) out. `rows`: under pp, this
+    micro-batch's (B, S) document ids and kept keys (the layout holds the whole batch's
+    only without pp)."""
     heads, cp = query.shape[1], layout.size
     layout.attention_calls += 1
     key, value = _repeat_kv(key, heads, cp), _repeat_kv(value, heads, cp)
     q, k, v = (_heads_to_sequence(t, layout) for t in (query, key, value))
-    mask = _mask(layout, causal, window, q.device)
+    mask = _mask(layout, causal, window, q.device, rows)
     out = F.scaled_dot_product_attention(
         q,
         k,
@@ -219,6 +228,7 @@ def _transformers_attention(
         scale=scaling,
         window=sliding_window,
         dropout_p=dropout if module.training else 0.0,
+        rows=(kwargs.get(ROW_NAMES[0]), kwargs.get(ROW_NAMES[1])),
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -290,6 +290,50 @@ def test_what_the_hook_cannot_cut_is_refused_with_the_fix():
         _cut(masked, input_ids=ids, labels=ids, position_ids=ids)
 
 
+def test_under_pp_each_micro_batch_carries_its_rows_of_the_mask_whole():
+    """The pipeline's schedule cuts the batch into micro-batches after the cutter: the
+    documents and kept keys travel as keywords (uncut, one row per row), not in the layout
+    every micro-batch shares; a model of your own, whose attention takes no keywords, is
+    refused a padding mask under pp."""
+    ids = torch.arange(2 * SEQ).view(2, SEQ)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7]])
+    model = llama()
+    signature = inspect.signature(type(model).forward)
+    cutter = Cutter(None, 2, 1, True, pipelined=True)
+    got = cutter.keywords(model, signature, dict(input_ids=ids, position_ids=positions,
+                                                 use_cache=False))  # fmt: skip
+    documents, keep = got[context.ROW_NAMES[0]], got[context.ROW_NAMES[1]]
+    assert documents.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1], [0] * SEQ] and keep is None
+    assert torch.equal(got["input_ids"], ids[:, 4:])  # the rest is cut
+    layout = context.current_layout()
+    assert layout is not None and layout.documents is None and layout.keep is None
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, :3] = 0
+    got = cutter.keywords(model, signature, dict(input_ids=ids, attention_mask=mask))
+    assert got[context.ROW_NAMES[0]] is None and torch.equal(got[context.ROW_NAMES[1]], mask)
+    assert torch.equal(got["attention_mask"], mask[:, 4:])
+    one = cutter.keywords(model, signature, dict(input_ids=ids, use_cache=False))
+    assert context.ROW_NAMES[0] not in one and context.ROW_NAMES[1] not in one  # one document
+    plain = Cutter(None, 2, 0, False, pipelined=True)
+    plain_signature = inspect.signature(MaskedPlain.forward)
+    plain.keywords(MaskedPlain(), plain_signature, dict(input_ids=ids))  # no mask: fine
+    with pytest.raises(NotImplementedError, match=r"cp=2 with pp and a 2-D attention mask is "
+                       r"built for transformers models only: MaskedPlain"):  # fmt: skip
+        plain.keywords(MaskedPlain(), plain_signature, dict(input_ids=ids, attention_mask=mask))
+    # a micro-batch's rows are the mask, not the layout's (which holds no rows under pp)
+    rows = documents[:1], None
+    whole = ContextLayout(None, 2, 0, SEQ, None, None)  # type: ignore[arg-type]
+    got_mask = _mask(whole, True, None, torch.device("cpu"), rows)
+    assert got_mask is not None and got_mask.shape == (1, 1, SEQ, SEQ)
+    assert torch.equal(got_mask, _mask(ContextLayout(None, 2, 0, SEQ, documents[:1], None),  # type: ignore[arg-type]
+                                       True, None, torch.device("cpu")))  # fmt: skip
+
+
+class MaskedPlain(nn.Module):
+    def forward(self, input_ids, position_ids=None, attention_mask=None):  # type: ignore[no-untyped-def]
+        return input_ids
+
+
 def test_a_forward_whose_attention_ignores_shardwise_is_refused_once():
     cutter = Cutter(None, 2, 0, False)
     model = Plain()
