@@ -211,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="print the wrap plan and per-rank memory, built on the meta device"
     )
     plan.add_argument(
-        "target", help="MODULE:FACTORY that returns the model, e.g. shardwise.testing.models:GPT"
+        "target",
+        help="MODULE:FACTORY that returns the model, e.g. shardwise.testing.models:GPT or "
+        "path/to/models.py:build",
     )
     plan.add_argument("--world", type=int, required=True, help="world size to plan for")
     plan.add_argument(

@@ -26,14 +26,15 @@ def _load_factory(target: str) -> Any:
             f"{target!r} is not MODULE:FACTORY, e.g. shardwise.testing.models:GPT or "
             "mypkg.model:build"
         )
-    import importlib
 
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # the current directory imports, as with python -m
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import {module_name!r}: {exc}") from None
+        raise ValueError(
+            f"cannot import {module_name!r}: {exc}{_path_hint(module_name, attr)}"
+        ) from None
     except Exception as exc:  # the user's module failed while importing
         raise UserCodeError(_user_error(f"importing {module_name!r}", exc)) from exc
     factory = module
@@ -44,6 +45,41 @@ def _load_factory(target: str) -> Any:
     if not callable(factory):
         raise ValueError(f"{target} is not callable")
     return _reported(factory, target)
+
+
+def _import(name: str) -> Any:
+    """A dotted module name, or the path of a .py file (its folder joins sys.path, so its
+    own imports of its neighbours work, as `python path/to/file.py` does)."""
+    import importlib
+    import importlib.util
+
+    if not name.endswith(".py"):
+        return importlib.import_module(name)
+    path = os.path.abspath(name)
+    if not os.path.isfile(path):
+        raise ImportError(f"no file {name}")
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(stem, path)
+    assert spec is not None and spec.loader is not None  # a .py file always has both
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _path_hint(name: str, attr: str) -> str:
+    """For a module name that reads as a path: the two forms that work."""
+    if "/" not in name and "\\" not in name and not name.endswith(".py"):
+        return ""
+    stem = name.removesuffix(".py")
+    dotted = stem.replace("\\", "/").strip("/").replace("/", ".")
+    return (
+        f". MODULE is a dotted module name ({dotted}:{attr}, importable from the current "
+        f"directory) or the path of a .py file ({stem}.py:{attr})"
+    )
 
 
 class UserCodeError(RuntimeError):

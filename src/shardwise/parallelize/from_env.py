@@ -12,6 +12,7 @@ refused it before starting anything; a worker refuses it the same way).
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -57,7 +58,7 @@ def engine_values_from_env(
             "launched with has no optimizer block to build one from. Pass one, or a factory "
             "such as lambda params: torch.optim.AdamW(params, lr=3e-4)."
         )
-    if optimizer is not None and launched.optimizer:
+    if optimizer is not None and launched.optimizer and os.environ.get("RANK", "0") == "0":
         warnings.warn(  # DeepSpeed does the same with a client optimizer, and logs it
             f"Engine: the script's optimizer is used, not the optimizer block of the "
             f"{launched.source} file it was launched with (as DeepSpeed does when the script "
