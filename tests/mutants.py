@@ -2421,6 +2421,42 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_context_parallel.py::test_pp_x_cp_x_dp_at_world_8_equals_one_process",
         ),
     ),
+    Mutant(
+        "plan_target_path_not_imported_as_a_file",
+        "src/shardwise/cli/plan.py",
+        '    if not name.endswith(".py"):\n        return importlib.import_module(name)\n',
+        "    if True:\n        return importlib.import_module(name)\n",
+        (
+            "tests/unit/cli/test_plan_targets.py::test_a_path_to_a_py_file_is_imported_with_its_neighbours",
+        ),
+    ),
+    Mutant(
+        "plan_target_neighbours_not_importable",
+        "src/shardwise/cli/plan.py",
+        "    if folder not in sys.path:\n        sys.path.insert(0, folder)\n",
+        "    if False:\n        sys.path.insert(0, folder)\n",
+        (
+            "tests/unit/cli/test_plan_targets.py::test_a_path_to_a_py_file_is_imported_with_its_neighbours",
+        ),
+    ),
+    Mutant(
+        "plan_path_hint_only_for_py_names",
+        "src/shardwise/cli/plan.py",
+        '    if "/" not in name and "\\\\" not in name and not name.endswith(".py"):\n',
+        '    if not name.endswith(".py"):\n',
+        (
+            "tests/unit/cli/test_plan_targets.py::test_a_target_that_reads_as_a_path_gets_both_forms",
+        ),
+    ),
+    Mutant(
+        "scripts_optimizer_said_by_every_rank",
+        "src/shardwise/parallelize/from_env.py",
+        ' and os.environ.get("RANK", "0") == "0":\n',
+        ":\n",
+        (
+            "tests/unit/train/test_rank_zero_lines.py::test_the_scripts_optimizer_over_the_files_is_said_by_rank_0_only",
+        ),
+    ),
 )
 
 
