@@ -1434,8 +1434,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "deepspeed_adam_read_as_torch_adam",
         "src/shardwise/config/deepspeed.py",
-        'decoupled = params.pop("adam_w_mode", True)',
-        'decoupled = params.pop("adam_w_mode", False)',
+        'name = "adamw" if params.get("adam_w_mode", True) else "adam"',
+        'name = "adamw" if params.get("adam_w_mode", False) else "adam"',
         ("tests/unit/config/test_deepspeed.py::test_each_row_says_how_faithful_it_is",),
     ),
     Mutant(
@@ -2400,6 +2400,62 @@ MUTANTS: tuple[Mutant, ...] = (
         "            local_world_size=local,\n",
         (
             "tests/unit/parallelize/test_context_unit.py::test_cp_ranks_sit_between_the_shard_ranks_and_tp",
+        ),
+    ),
+    # Issue 50 (a newcomer's first foreign file): did-you-mean at every level, every key named.
+    Mutant(
+        "foreign_unknown_key_without_guess",
+        "src/shardwise/config/foreign_checks.py",
+        '    return f"not {what} {noun} shardwise reads" + (f".{hint}" if hint else "")\n',
+        '    return f"not {what} {noun} shardwise reads"\n',
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+            "tests/unit/config/test_accelerate.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+            "tests/unit/config/test_torchtitan.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+        ),
+    ),
+    Mutant(
+        "deepspeed_misspelt_enabled_passes_as_no_effect",
+        "src/shardwise/config/deepspeed.py",
+        "            if sub in _PRECISION_KEYS:\n",
+        "            if True:\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+        ),
+    ),
+    Mutant(
+        "deepspeed_schedule_params_unnamed",
+        "src/shardwise/config/deepspeed.py",
+        '        out.rows.append(Row(where, raw, f"{kind}\'s {param}={got[param]}", "exact", why))\n',
+        "        pass\n",
+        ("tests/unit/config/test_deepspeed.py::test_every_key_read_is_named_in_the_table",),
+    ),
+    Mutant(
+        "torchtitan_misspelt_checkpoint_key_passes",
+        "src/shardwise/config/torchtitan.py",
+        '        if key not in _KNOWN["activation_checkpoint"]:\n',
+        "        if False:\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+        ),
+    ),
+    Mutant(
+        "accelerate_inline_deepspeed_keys_unnamed",
+        "src/shardwise/config/accelerate.py",
+        "        out.rows.append(_inline_row(sub, value, given))\n",
+        "        pass\n",
+        (
+            "tests/unit/config/test_accelerate.py::test_every_key_read_is_named_in_the_table",
+            "tests/unit/config/test_accelerate.py::test_the_inline_deepspeed_keys_are_named_and_refused_beside_a_file",
+        ),
+    ),
+    Mutant(
+        "accelerate_guess_drops_the_prefix",
+        "src/shardwise/config/accelerate.py",
+        '            prefix = "parallelism_config_" if key.startswith("parallelism_config_") else ""\n',
+        '            prefix = ""\n',
+        (
+            "tests/unit/config/test_accelerate.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
         ),
     ),
 )

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardwise.config.foreign_checks import unknown_key
 from shardwise.config.run_file import ConfigError
 from shardwise.config.translation import Row, Translation, Verdict
 
@@ -70,9 +71,9 @@ def translate_torchtitan(source: str | Path | Mapping[str, object]) -> Translati
         elif section in _REFUSED_SECTIONS:
             out.rows.append(Row(section, "...", "-", "refused", _REFUSED_SECTIONS[section]))
         else:
-            out.rows.append(
-                Row(section, "...", "-", "refused", "not a torchtitan section shardwise reads")
-            )
+            known = [*handlers, *_OWN_SECTIONS, *_REFUSED_SECTIONS]
+            why = unknown_key(section, known, "a torchtitan", noun="section")
+            out.rows.append(Row(section, "...", "-", "refused", why))
     _defaults(out)
     return out
 
@@ -134,11 +135,45 @@ def _load(source: str | Path | Mapping[str, object]) -> dict[str, Any]:
         raise ConfigError(f"{path} is not TOML: {exc}") from None
 
 
+_KNOWN = {
+    "parallelism": (
+        "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
+        "pipeline_parallel_degree", "fsdp_reshard_after_forward", "enable_sequence_parallel",
+        "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size", "num_pp_microbatches",
+        "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+        "pipeline_parallel_layers_per_stage", "module_fqns_per_model_part",
+        "context_parallel_degree", "expert_tensor_parallel_degree", "expert_parallel_degree",
+        "enable_async_tensor_parallel", "enable_fsdp_symm_mem", "context_parallel_load_balancer",
+        "context_parallel_rotate_method", "spmd_backend", "pipeline_parallel_schedule_csv",
+        "disable_loss_parallel",
+    ),
+    "training": (
+        "mixed_precision_param", "mixed_precision_reduce", "max_norm", "local_batch_size",
+        "batch_size", "steps", "enable_cpu_offload", "dtype", "seq_len", "max_context_length",
+        "dataset", "dataset_path", "gc_freq", "gc_debug", "disable_cuda_graphs",
+        "mixed_precision_output",
+    ),
+    "optimizer": ("name", "beta1", "beta2", "lr", "eps", "weight_decay", "implementation"),
+    "activation_checkpoint": (
+        "mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
+        "early_stop", "memory_budget", "visualize_memory_budget_pareto", "preserve_rng_state",
+        "determinism_check", "debug",
+    ),
+    "compile": ("enable", "backend", "components"),
+    "lr_scheduler": ("warmup_steps", "decay_ratio", "decay_type", "min_lr_factor", "lr_min"),
+}  # fmt: skip
+"""The keys of each section shardwise reads (what a misspelt key is compared with)."""
+
+
 def _unknown(out: Translation, key: str, value: object) -> None:
-    out.rows.append(Row(key, value, "-", "refused", "not a key shardwise reads"))
+    section, name = key.split(".", 1)
+    article = "an" if section[0] in "aeio" else "a"
+    why = unknown_key(name, _KNOWN[section], f"{article} [{section}]")
+    out.rows.append(Row(key, value, "-", "refused", why))
 
 
 def _parallelism(out: Translation, p: dict[str, Any]) -> None:
+    given = dict(p)
     replicate = int(p.pop("data_parallel_replicate_degree", 1))
     shard = int(p.pop("data_parallel_shard_degree", -1))
     tp = int(p.pop("tensor_parallel_degree", 1))
@@ -182,8 +217,15 @@ def _parallelism(out: Translation, p: dict[str, Any]) -> None:
                 "torchtitan turns sequence parallel on by default",
             )
         )
-    if pp > 1:
-        out.parallel["pp"] = pp
+        if "enable_sequence_parallel" in given:
+            value = given["enable_sequence_parallel"]
+            out.rows.append(Row("parallelism.enable_sequence_parallel", value,
+                                f"parallel.sequence_parallel={sp}", "exact"))  # fmt: skip
+    elif "tensor_parallel_degree" in given:
+        out.rows.append(Row("parallelism.tensor_parallel_degree", tp, "parallel.tp=1", "exact"))
+    if pp > 1 or "pipeline_parallel_degree" in given:
+        if pp > 1:
+            out.parallel["pp"] = pp
         out.rows.append(
             Row("parallelism.pipeline_parallel_degree", pp, f"parallel.pp={pp}", "exact")
         )
@@ -326,6 +368,15 @@ def _training(out: Translation, t: dict[str, Any]) -> None:
 
 def _checkpointing(out: Translation, a: dict[str, Any]) -> None:
     mode = a.pop("mode", "none")
+    if "selective_ac_option" in a and mode != "selective":
+        value = a.pop("selective_ac_option")
+        why = "read with mode 'selective' only"
+        out.rows.append(Row("activation_checkpoint.selective_ac_option", value, "-", "no effect",
+                            why))  # fmt: skip
+    if "selective_ac_option" in a:
+        value = a["selective_ac_option"]
+        out.rows.append(Row("activation_checkpoint.selective_ac_option", value,
+                            "read with activation_checkpoint.mode", "exact"))  # fmt: skip
     option = a.pop("selective_ac_option", "2")
     if mode in ("none", "full"):
         out.parallel["activation_checkpointing"] = mode
@@ -360,19 +411,22 @@ def _checkpointing(out: Translation, a: dict[str, Any]) -> None:
             )
         )
     for key, value in a.items():
-        out.rows.append(
-            Row(
-                f"activation_checkpoint.{key}",
-                value,
-                "-",
-                "no effect",
-                "a detail of torchtitan's own checkpointing wrapper",
-            )
-        )
+        where = f"activation_checkpoint.{key}"
+        if key not in _KNOWN["activation_checkpoint"]:
+            _unknown(out, where, value)
+            continue
+        why = "a detail of torchtitan's own checkpointing wrapper"
+        out.rows.append(Row(where, value, "-", "no effect", why))
 
 
 def _compile(out: Translation, c: dict[str, Any]) -> None:
     enable = bool(c.pop("enable", False))
+    if "backend" in c:
+        value = c["backend"]
+        became = f"parallel.compile={str(value)!r}" if enable else "-"
+        verdict: Verdict = "exact" if enable else "no effect"
+        out.rows.append(Row("compile.backend", value, became, verdict,
+                            "" if enable else "compile is off"))  # fmt: skip
     backend = str(c.pop("backend", "inductor"))
     out.parallel["compile"] = backend if enable else False
     out.rows.append(
@@ -385,9 +439,11 @@ def _compile(out: Translation, c: dict[str, Any]) -> None:
         )
     )
     for key, value in c.items():
-        out.rows.append(
-            Row(f"compile.{key}", value, "-", "no effect", "shardwise compiles the planned blocks")
-        )
+        if key not in _KNOWN["compile"]:
+            _unknown(out, f"compile.{key}", value)
+            continue
+        why = "shardwise compiles the planned blocks"
+        out.rows.append(Row(f"compile.{key}", value, "-", "no effect", why))
 
 
 def _optimizer(out: Translation, o: dict[str, Any]) -> None:
@@ -413,6 +469,12 @@ def _optimizer(out: Translation, o: dict[str, Any]) -> None:
 
 
 def _scheduler(out: Translation, s: dict[str, Any]) -> None:
+    for key, value in s.items():
+        where = f"lr_scheduler.{key}"
+        if key not in _KNOWN["lr_scheduler"]:
+            _unknown(out, where, value)
+        else:
+            out.rows.append(Row(where, value, "read with lr_scheduler (its row below)", "exact"))
     warmup = int(s.get("warmup_steps", 0))
     decay = s.get("decay_ratio")
     if warmup == 0 and decay is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _refusals import assert_refused
+from _refusals import assert_refused, unnamed_keys
 
 from shardwise.cli.main import main
 from shardwise.config.accelerate import translate_accelerate
@@ -246,3 +246,65 @@ def test_a_sequence_split_becomes_context_parallel(tmp_path, key, verdict, said)
     assert translation.config.parallel.cp == 2
     assert (row.became, row.verdict) == ("parallel.cp=2", verdict) and said in row.note
     assert rows["parallelism_config.parallelism_config_cp_backend"].verdict == "no effect"
+
+
+# --------------------------------------------------------------------------- issue 50: a newcomer
+
+
+def test_a_misspelt_key_names_the_closest_key_of_its_level() -> None:
+    translation = translate_accelerate({
+        "distributed_typ": "FSDP",
+        "distributed_type": "FSDP",
+        "fsdp_config": {"fsdp_sharding_stratgy": 1},
+        "parallelism_config": {"parallelism_config_dp_shrd_size": 2, "tp_sze": 2},
+        "dynamo_config": {"dynamo_backnd": "inductor"},
+        "xyzzy": 1,
+    })  # fmt: skip
+    assert {r.key: r.note for r in translation.refused} == {
+        "distributed_typ": "not an Accelerate key shardwise reads. Did you mean "
+        "'distributed_type'?",
+        "fsdp_config.fsdp_sharding_stratgy": "not an fsdp_config key shardwise reads. Did you "
+        "mean 'fsdp_sharding_strategy'?",
+        "parallelism_config.parallelism_config_dp_shrd_size": "not a parallelism_config key "
+        "shardwise reads. Did you mean 'parallelism_config_dp_shard_size'?",
+        "parallelism_config.tp_sze": "not a parallelism_config key shardwise reads. Did you "
+        "mean 'tp_size'?",
+        "dynamo_config.dynamo_backnd": "not a dynamo_config key shardwise reads. Did you mean "
+        "'dynamo_backend'?",
+        "xyzzy": "not an Accelerate key shardwise reads",
+    }
+    inline = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stag": 3}}
+    assert {r.key: r.note for r in translate_accelerate(inline).refused} == {
+        "deepspeed_config.zero_stag": "not a deepspeed_config key shardwise reads. Did you "
+        "mean 'zero_stage'?"
+    }
+
+
+def test_the_inline_deepspeed_keys_are_named_and_refused_beside_a_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import yaml
+
+    rows = {r.key: r for r in translate_accelerate(yaml.safe_load(DS_INLINE)).rows}
+    assert rows["deepspeed_config.zero_stage"].became == (
+        "read as zero_optimization.stage (its row below)"
+    )
+    assert rows["deepspeed_config.zero3_init_flag"].verdict == "no effect"
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    both = {"distributed_type": "DEEPSPEED",
+            "deepspeed_config": {"deepspeed_config_file": "ds.json", "zero_stage": 2}}  # fmt: skip
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(json.dumps(both))
+    assert_refused(
+        translate_accelerate(path),
+        {"deepspeed_config.zero_stage": "beside deepspeed_config_file, which decides "
+         "(Accelerate refuses both)"},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("text", [FSDP1, FSDP1_NUMBERED, FSDP2, HSDP_TP, DS_INLINE, DDP],
+                         ids=["fsdp1", "numbered", "fsdp2", "hsdp_tp", "ds_inline", "ddp"])  # fmt: skip
+def test_every_key_read_is_named_in_the_table(text) -> None:  # type: ignore[no-untyped-def]
+    import yaml
+
+    data = yaml.safe_load(text)
+    translation = translate_accelerate(data)
+    assert unnamed_keys(translation, data) == [], translation.table()

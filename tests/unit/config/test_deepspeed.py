@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from _refusals import assert_refused
+from _refusals import assert_refused, unnamed_keys
 
 from shardwise.cli.main import main
 from shardwise.config.deepspeed import translate_deepspeed
@@ -350,3 +350,50 @@ def test_every_spelling_of_a_precision_block_means_its_dtype(key) -> None:  # ty
     )
     rows = {r.key: r for r in translation.rows}
     assert rows[f"{key}.enabled"].became == f"parallel.mixed_precision='{want}'"
+
+
+# --------------------------------------------------------------------------- issue 50: a newcomer
+
+
+def test_a_misspelt_key_names_the_closest_key_of_its_level() -> None:
+    """Each level the reader walks compares a key it does not read with its own keys: the
+    top, ZeRO, a precision block on and off (a misspelt 'enabled' leaves bf16 off, so it
+    must be refused, not listed as having no effect), the optimizer and scheduler blocks
+    and their params. A key near none of them gets no guess."""
+    translation = translate_deepspeed({
+        "zero_optimisation": {"stage": 3},
+        "zero_optimization": {"stage": 2, "overlap_com": True},
+        "bf16": {"enabeld": True},
+        "fp16": {"enabled": True, "loss_scal": 0},
+        "optimizer": {"type": "AdamW", "parms": {}, "params": {"weight_decy": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}},
+        "xyzzy": 1,
+    })  # fmt: skip
+    assert {r.key: r.note for r in translation.refused} == {
+        "zero_optimisation": "not a DeepSpeed key shardwise reads. Did you mean "
+        "'zero_optimization'?",
+        "zero_optimization.overlap_com": "not a ZeRO key shardwise reads. Did you mean "
+        "'overlap_comm'?",
+        "bf16.enabeld": "not a bf16 key shardwise reads. Did you mean 'enabled'?",
+        "fp16.loss_scal": "not an fp16 key shardwise reads. Did you mean 'loss_scale'?",
+        "optimizer.parms": "not an optimizer key shardwise reads. Did you mean 'params'?",
+        "optimizer.params.weight_decy": "not an optimizer parameter shardwise reads. Did you "
+        "mean 'weight_decay'?",
+        "scheduler.params.warmup_num_step": "not a WarmupLR parameter shardwise reads. Did you "
+        "mean 'warmup_num_steps'?",
+        "xyzzy": "not a DeepSpeed key shardwise reads",
+    }
+
+
+@pytest.mark.parametrize(
+    "data",
+    [HF_ZERO3, HF_ZERO2, ZERO3_BF16, ZERO1_FP16, ZERO_OFFLOAD, DECAY, COSINE,
+     {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False,
+                                               "torch_adam": True}}},
+     {"bf16": {"enabled": False, "immediate_grad_update": True}}],
+    ids=["hf_zero3", "hf_zero2", "zero3_bf16", "zero1_fp16", "offload", "decay", "cosine",
+         "adam_modes", "bf16_off"],
+)  # fmt: skip
+def test_every_key_read_is_named_in_the_table(data) -> None:  # type: ignore[no-untyped-def]
+    translation = translate_deepspeed(data, world=2)
+    assert unnamed_keys(translation, data) == [], translation.table()

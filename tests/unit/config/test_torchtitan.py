@@ -6,7 +6,7 @@ file's own."""
 from __future__ import annotations
 
 import pytest
-from _refusals import assert_refused
+from _refusals import assert_refused, unnamed_keys
 
 from shardwise.cli.main import main
 from shardwise.config.torchtitan import translate_torchtitan
@@ -246,3 +246,68 @@ def test_the_optimizer_is_torchtitans_whatever_the_file_leaves_out() -> None:
     assert translate_torchtitan(tomllib.loads(other_beta)).optimizer["betas"] == (0.8, 0.95)
     nothing = translate_torchtitan(tomllib.loads(DDP)).optimizer  # no [optimizer] section
     assert nothing == {**full, "lr": 8e-4}
+
+
+# --------------------------------------------------------------------------- issue 50: a newcomer
+
+
+def test_a_misspelt_key_names_the_closest_key_of_its_level() -> None:
+    translation = translate_torchtitan({
+        "parallelsim": {},
+        "parallelism": {"tensor_paralel_degree": 2},
+        "training": {"local_bach_size": 2},
+        "optimizer": {"weight_decy": 0.1},
+        "activation_checkpoint": {"mdoe": "full"},  # was 'no effect': checkpointing lost
+        "compile": {"enabel": True},
+        "lr_scheduler": {"warmup_step": 2},
+        "xyzzy": {},
+    })  # fmt: skip
+    assert {r.key: r.note for r in translation.refused} == {
+        "parallelsim": "not a torchtitan section shardwise reads. Did you mean 'parallelism'?",
+        "parallelism.tensor_paralel_degree": "not a [parallelism] key shardwise reads. Did you "
+        "mean 'tensor_parallel_degree'?",
+        "training.local_bach_size": "not a [training] key shardwise reads. Did you mean "
+        "'local_batch_size'?",
+        "optimizer.weight_decy": "not an [optimizer] key shardwise reads. Did you mean "
+        "'weight_decay'?",
+        "activation_checkpoint.mdoe": "not an [activation_checkpoint] key shardwise reads. Did "
+        "you mean 'mode'?",
+        "compile.enabel": "not a [compile] key shardwise reads. Did you mean 'enable'?",
+        "lr_scheduler.warmup_step": "not a [lr_scheduler] key shardwise reads. Did you mean "
+        "'warmup_steps'?",
+        "xyzzy": "not a torchtitan section shardwise reads",
+    }
+
+
+@pytest.mark.parametrize("text", [FSDP, HSDP_TP, PIPELINE, DDP, OWN + """
+[parallelism]
+pipeline_parallel_degree = 2
+pipeline_parallel_microbatch_size = 2
+tensor_parallel_degree = 2
+enable_sequence_parallel = false
+
+[activation_checkpoint]
+mode = "full"
+selective_ac_option = "2"
+preserve_rng_state = true
+
+[compile]
+enable = true
+backend = "aot_eager"
+
+[optimizer]
+beta1 = 0.8
+beta2 = 0.9
+
+[lr_scheduler]
+warmup_steps = 0
+"""], ids=["fsdp", "hsdp_tp", "pipeline", "ddp", "each_key"])  # fmt: skip
+def test_every_key_read_is_named_in_the_table(text) -> None:  # type: ignore[no-untyped-def]
+    import tomllib
+
+    data = tomllib.loads(text)
+    translation = translate_torchtitan(data)
+    for section in ("job", "metrics", "model", "checkpoint"):
+        data.pop(section, None)  # torchtitan's own sections: one row for each, named
+        assert section not in text or section in {r.key for r in translation.rows}
+    assert unnamed_keys(translation, data) == [], translation.table()
