@@ -2458,6 +2458,24 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/config/test_accelerate.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
         ),
     ),
+    Mutant(
+        "refusal_prints_the_whole_value",
+        "src/shardwise/config/translation.py",
+        '    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."\n',
+        "    return text\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_refusal_shows_the_key_and_the_reason_not_the_whole_block",
+        ),
+    ),
+    Mutant(
+        "refusal_cuts_a_value_of_exactly_the_limit",
+        "src/shardwise/config/translation.py",
+        '    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."\n',
+        '    return text if len(text) < _SHOWN else text[: _SHOWN - 3] + "..."\n',
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_refusal_shows_the_key_and_the_reason_not_the_whole_block",
+        ),
+    ),
 )
 
 

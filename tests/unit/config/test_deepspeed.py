@@ -385,6 +385,20 @@ def test_a_misspelt_key_names_the_closest_key_of_its_level() -> None:
     }
 
 
+def test_a_refusal_shows_the_key_and_the_reason_not_the_whole_block() -> None:
+    block = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+    with pytest.raises(ConfigError) as exc:
+        translate_deepspeed({"zero_optimisation": block}).config  # noqa: B018
+    assert str(exc.value) == (
+        "this DeepSpeed config cannot mean the same in shardwise; refused:\n"
+        "  zero_optimisation = {'stage': 3, 'overlap_comm': True, 'c...: not a DeepSpeed key "
+        "shardwise reads. Did you mean 'zero_optimization'?"
+    )
+    with pytest.raises(ConfigError) as short:  # a value of 40 characters is shown whole
+        translate_deepspeed({"zero_optimisation": {"stage": 3, "overlap_comm": 1234567890}}).config  # noqa: B018
+    assert "= {'stage': 3, 'overlap_comm': 1234567890}: not" in str(short.value)
+
+
 @pytest.mark.parametrize(
     "data",
     [HF_ZERO3, HF_ZERO2, ZERO3_BF16, ZERO1_FP16, ZERO_OFFLOAD, DECAY, COSINE,
