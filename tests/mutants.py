@@ -2476,6 +2476,43 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/config/test_deepspeed.py::test_a_refusal_shows_the_key_and_the_reason_not_the_whole_block",
         ),
     ),
+    Mutant(
+        "foreign_file_of_another_kind_read_anyway",
+        "src/shardwise/config/foreign_checks.py",
+        "        if kind == tool or not found:\n",
+        "        if True:\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_file_of_another_kind_is_named_in_one_line",
+            "tests/unit/config/test_accelerate.py::test_a_file_of_another_kind_is_named_in_one_line",
+            "tests/unit/config/test_torchtitan.py::test_a_file_of_another_kind_is_named_in_one_line",
+        ),
+    ),
+    Mutant(
+        "foreign_kind_ignores_the_tools_own_keys",
+        "src/shardwise/config/foreign_checks.py",
+        "    if keys & set(_SIGNS[tool]):\n        return\n",
+        "",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_deepspeed_file_with_a_stray_key_of_another_kind_is_read_as_deepspeeds",
+        ),
+    ),
+    Mutant(
+        "foreign_suffix_of_another_tool_parsed_anyway",
+        "src/shardwise/config/foreign_checks.py",
+        "    if other is None or suffix in _TAKES[tool]:\n",
+        "    if True:\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_file_of_another_kind_is_named_in_one_line",
+            "tests/unit/config/test_torchtitan.py::test_a_file_of_another_kind_is_named_in_one_line",
+        ),
+    ),
+    Mutant(
+        "accelerate_json_config_refused",
+        "src/shardwise/config/foreign_checks.py",
+        '    "Accelerate": (".yaml", ".yml", ".json"),  # Accelerate reads a JSON config too\n',
+        '    "Accelerate": (".yaml", ".yml"),\n',
+        ("tests/unit/config/test_accelerate.py::test_a_file_of_another_kind_is_named_in_one_line",),
+    ),
 )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.config.deepspeed import translate_deepspeed
-from shardwise.config.foreign_checks import unknown_key
+from shardwise.config.foreign_checks import check_kind, check_suffix, unknown_key
 from shardwise.config.names import normalize_strategy
 from shardwise.config.run_file import ConfigError, read_yaml
 from shardwise.config.translation import Row, Translation, Verdict
@@ -48,6 +48,8 @@ _SIZES = ("dp_shard_size", "dp_replicate_size", "tp_size", "cp_size", "sp_size",
 def translate_accelerate(source: str | Path | Mapping[str, object]) -> Translation:
     """Read an Accelerate config (see the module docstring)."""
     data, base = _load(source)
+    label = "the config given" if isinstance(source, Mapping) else str(source)
+    check_kind(data, "Accelerate", label)
     out = Translation(source="Accelerate")
     kind = str(data.get("distributed_type", "NO"))
     for key, value in data.items():
@@ -80,6 +82,7 @@ def _load(source: str | Path | Mapping[str, object]) -> tuple[dict[str, Any], Pa
     if isinstance(source, Mapping):
         return dict(source), None
     path = Path(source)
+    check_suffix(path, "Accelerate")
     try:
         data = read_yaml(path.read_text(), path)
     except OSError as exc:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from shardwise.config.deepspeed_schedules import SCHEDULE_PARAMS, deepspeed_lr
-from shardwise.config.foreign_checks import unknown_key
+from shardwise.config.foreign_checks import check_kind, check_suffix, unknown_key
 from shardwise.config.run_file import ConfigError
 from shardwise.config.translation import Row, Translation, Verdict
 
@@ -126,6 +126,9 @@ def translate_deepspeed(
     """Read a DeepSpeed config (see the module docstring). `world` (the number of ranks)
     lets train_batch_size be checked against micro-batch x accumulation x ranks."""
     data = _load(source)
+    check_kind(
+        data, "DeepSpeed", "the config given" if isinstance(source, Mapping) else str(source)
+    )
     out = Translation(source="DeepSpeed", rows=[])
     known = [*_TOP, *_NO_EFFECT_TOP, *_REFUSED_TOP]
     for key, value in data.items():
@@ -160,6 +163,7 @@ def _load(source: str | Path | Mapping[str, object]) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
     path = Path(source)
+    check_suffix(path, "DeepSpeed")
     try:
         data = json.loads(path.read_text())
     except OSError as exc:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardwise.config.foreign_checks import unknown_key
+from shardwise.config.foreign_checks import check_kind, check_suffix, unknown_key
 from shardwise.config.run_file import ConfigError
 from shardwise.config.translation import Row, Translation, Verdict
 
@@ -51,6 +51,9 @@ _SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved_
 def translate_torchtitan(source: str | Path | Mapping[str, object]) -> Translation:
     """Read a torchtitan config (see the module docstring)."""
     data = _load(source)
+    check_kind(
+        data, "torchtitan", "the config given" if isinstance(source, Mapping) else str(source)
+    )
     out = Translation(source="torchtitan")
     handlers = {
         "parallelism": _parallelism,
@@ -127,6 +130,7 @@ def _load(source: str | Path | Mapping[str, object]) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
     path = Path(source)
+    check_suffix(path, "torchtitan")
     try:
         return tomllib.loads(path.read_text())
     except OSError as exc:

@@ -308,3 +308,33 @@ def test_every_key_read_is_named_in_the_table(text) -> None:  # type: ignore[no-
     data = yaml.safe_load(text)
     translation = translate_accelerate(data)
     assert unnamed_keys(translation, data) == [], translation.table()
+
+
+def test_a_file_of_another_kind_is_named_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    torchtitan = {"parallelism": {"tensor_parallel_degree": 2}, "training": {"steps": 10}}
+    with pytest.raises(ConfigError) as exc:
+        translate_accelerate(torchtitan)
+    assert str(exc.value) == (
+        "the config given is a torchtitan config (it has parallelism, training), not an "
+        "Accelerate config: read it as torchtitan's (a .toml file, --from)."
+    )
+    path = tmp_path / "ds_config.yaml"  # a DeepSpeed config written out as YAML
+    path.write_text("zero_optimization:\n  stage: 3\ntrain_micro_batch_size_per_gpu: 4\n")
+    with pytest.raises(ConfigError) as exc:
+        translate_accelerate(path)
+    assert str(exc.value) == (
+        f"{path} is a DeepSpeed config (it has zero_optimization, "
+        "train_micro_batch_size_per_gpu), not an Accelerate config: read it as DeepSpeed's "
+        "(a .json file, --deepspeed or --from)."
+    )
+    as_json = tmp_path / "accelerate.json"  # Accelerate reads a JSON config too
+    as_json.write_text(json.dumps({"distributed_type": "MULTI_GPU"}))
+    assert translate_accelerate(as_json).parallel["strategy"] == "ddp"
+    run_file = tmp_path / "run.yaml"  # a shardwise run file
+    run_file.write_text("parallel:\n  strategy: full_shard\ntrain:\n  accumulate_steps: 2\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"run.yaml is a shardwise run file \(it has parallel, "
+        r"train\), not an Accelerate config: give it to the script as --config",
+    ):
+        translate_accelerate(run_file)

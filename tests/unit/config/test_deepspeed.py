@@ -399,6 +399,54 @@ def test_a_refusal_shows_the_key_and_the_reason_not_the_whole_block() -> None:
     assert "= {'stage': 3, 'overlap_comm': 1234567890}: not" in str(short.value)
 
 
+MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}
+
+
+def test_a_file_of_another_kind_is_named_in_one_line(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MODEL_CONFIG))
+    assert main(["config", "show", "--from", str(path)]) == 2
+    got = capsys.readouterr()
+    assert got.out == ""  # no table of refusals
+    assert got.err == (
+        f"shardwise config: error: {path} is a transformers model config (it has model_type, "
+        "architectures), not a DeepSpeed config: the script builds the model from it "
+        "(from_pretrained); give shardwise the training config (a DeepSpeed .json, an "
+        "Accelerate .yaml or a torchtitan .toml).\n"
+    )
+    run_file = {"parallel": {"strategy": "ddp"}, "runner": {"max_steps": 3}}
+    with pytest.raises(ConfigError) as exc:
+        translate_deepspeed(run_file)
+    assert str(exc.value) == (
+        "the config given is a shardwise run file (it has parallel, runner), not a DeepSpeed "
+        "config: give it to the script as --config FILE (shardwise.load_config reads it)."
+    )
+    accelerate = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP"}
+    with pytest.raises(ConfigError) as exc:
+        translate_deepspeed(accelerate)
+    assert str(exc.value) == (
+        "the config given is an Accelerate config (it has distributed_type, "
+        "compute_environment), not a DeepSpeed config: read it as Accelerate's (a .yaml "
+        "file, --accelerate-config or --from)."
+    )
+    yaml = tmp_path / "default_config.yaml"  # the other tool's suffix, before its contents
+    yaml.write_text("distributed_type: FSDP\n")
+    with pytest.raises(ConfigError) as exc:
+        translate_deepspeed(yaml)
+    assert str(exc.value) == (
+        f"{yaml}: a .yaml file is an Accelerate config to shardwise, not a DeepSpeed one "
+        "(.json): read it with shardwise.translate_accelerate (shardwise run --from picks the "
+        "reader by the suffix)."
+    )
+
+
+def test_a_deepspeed_file_with_a_stray_key_of_another_kind_is_read_as_deepspeeds() -> None:
+    # Both halves of the condition: another kind's key *and* none of DeepSpeed's own.
+    translation = translate_deepspeed({"zero_optimization": {"stage": 2}, "model_type": "x"})
+    assert {r.key for r in translation.refused} == {"model_type"}
+    assert translate_deepspeed({"optimizer": {"type": "SGD"}}).optimizer == {"name": "sgd"}
+
+
 @pytest.mark.parametrize(
     "data",
     [HF_ZERO3, HF_ZERO2, ZERO3_BF16, ZERO1_FP16, ZERO_OFFLOAD, DECAY, COSINE,

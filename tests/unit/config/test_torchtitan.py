@@ -9,6 +9,7 @@ import pytest
 from _refusals import assert_refused, unnamed_keys
 
 from shardwise.cli.main import main
+from shardwise.config.run_file import ConfigError
 from shardwise.config.torchtitan import translate_torchtitan
 
 OWN = """[job]
@@ -311,3 +312,21 @@ def test_every_key_read_is_named_in_the_table(text) -> None:  # type: ignore[no-
         data.pop(section, None)  # torchtitan's own sections: one row for each, named
         assert section not in text or section in {r.key for r in translation.rows}
     assert unnamed_keys(translation, data) == [], translation.table()
+
+
+def test_a_file_of_another_kind_is_named_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError) as exc:
+        translate_torchtitan({"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0})
+    assert str(exc.value) == (
+        "the config given is a DeepSpeed config (it has zero_optimization, gradient_clipping), "
+        "not a torchtitan config: read it as DeepSpeed's (a .json file, --deepspeed or --from)."
+    )
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"zero_optimization": {"stage": 3}}')
+    with pytest.raises(ConfigError) as exc:
+        translate_torchtitan(path)
+    assert str(exc.value) == (
+        f"{path}: a .json file is a DeepSpeed config to shardwise, not a torchtitan one "
+        "(.toml): read it with shardwise.translate_deepspeed (shardwise run --from picks the "
+        "reader by the suffix)."
+    )
