@@ -447,6 +447,15 @@ def test_a_deepspeed_file_with_a_stray_key_of_another_kind_is_read_as_deepspeeds
     assert translate_deepspeed({"optimizer": {"type": "SGD"}}).optimizer == {"name": "sgd"}
 
 
+def test_a_flag_that_agrees_with_the_suffix_passes_the_check() -> None:
+    from shardwise.config.foreign import check_flag
+
+    for flag, name in [("--deepspeed", "ds.json"), ("--accelerate-config", "a.yaml"),
+                       ("--accelerate-config", "a.yml"), ("--from", "a.yaml"),
+                       ("--from", "ds.json"), ("--from", "job.toml")]:  # fmt: skip
+        check_flag(flag, name)  # no error
+
+
 @pytest.mark.parametrize(
     "data",
     [HF_ZERO3, HF_ZERO2, ZERO3_BF16, ZERO1_FP16, ZERO_OFFLOAD, DECAY, COSINE,
