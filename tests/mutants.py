@@ -2513,6 +2513,24 @@ MUTANTS: tuple[Mutant, ...] = (
         '    "Accelerate": (".yaml", ".yml"),\n',
         ("tests/unit/config/test_accelerate.py::test_a_file_of_another_kind_is_named_in_one_line",),
     ),
+    Mutant(
+        "foreign_flag_ignored_for_deepspeed",
+        "src/shardwise/config/foreign.py",
+        '    named = {"--deepspeed": "DeepSpeed", "--accelerate-config": "Accelerate"}.get(flag)\n',
+        '    named = {"--accelerate-config": "Accelerate"}.get(flag)\n',
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_flag_and_a_suffix_that_disagree_stop_the_launch",
+        ),
+    ),
+    Mutant(
+        "cli_flag_never_checked",
+        "src/shardwise/cli/main.py",
+        "            check_flag(args.source_flag, args.source)\n",
+        "            pass\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_flag_and_a_suffix_that_disagree_stop_the_launch",
+        ),
+    ),
 )
 
 

@@ -447,6 +447,31 @@ def test_a_deepspeed_file_with_a_stray_key_of_another_kind_is_read_as_deepspeeds
     assert translate_deepspeed({"optimizer": {"type": "SGD"}}).optimizer == {"name": "sgd"}
 
 
+@pytest.mark.parametrize(
+    ("flag", "name", "message"),
+    [
+        ("--deepspeed", "acc.yaml", "a .yaml file is read as an Accelerate config, and "
+         "--deepspeed names a DeepSpeed one (.json). Pass it with --accelerate-config, or give "
+         "the DeepSpeed config as .json."),
+        ("--deepspeed", "job.toml", "a .toml file is read as a torchtitan config, and "
+         "--deepspeed names a DeepSpeed one (.json). Pass it with --from, or give the DeepSpeed "
+         "config as .json."),
+        ("--accelerate-config", "ds.json", "a .json file is read as a DeepSpeed config, and "
+         "--accelerate-config names an Accelerate one (.yaml or .yml). Pass it with "
+         "--deepspeed, or give the Accelerate config as .yaml or .yml."),
+    ],
+)  # fmt: skip
+def test_a_flag_and_a_suffix_that_disagree_stop_the_launch(
+    tmp_path, capsys, flag, name, message
+) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / name
+    path.write_text("{}")
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('started')\n")
+    assert main(["run", "--nproc", "1", flag, str(path), str(script)]) == 2
+    assert capsys.readouterr().err == f"shardwise run: error: {flag} {path}: {message}\n"
+
+
 def test_a_flag_that_agrees_with_the_suffix_passes_the_check() -> None:
     from shardwise.config.foreign import check_flag
 
