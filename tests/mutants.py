@@ -2531,6 +2531,24 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/config/test_deepspeed.py::test_a_flag_and_a_suffix_that_disagree_stop_the_launch",
         ),
     ),
+    Mutant(
+        "parallel_config_from_env_none_without_a_file",
+        "src/shardwise/config/parallel.py",
+        "        return launched.config.parallel if launched is not None else cls()\n",
+        "        return launched.config.parallel if launched is not None else None  # type: ignore[return-value]\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_parallel_config_from_env_is_the_launched_files_layout",
+        ),
+    ),
+    Mutant(
+        "parallel_config_from_env_ignores_the_file",
+        "src/shardwise/config/parallel.py",
+        "        return launched.config.parallel if launched is not None else cls()\n",
+        "        return cls()\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_parallel_config_from_env_is_the_launched_files_layout",
+        ),
+    ),
 )
 
 

@@ -481,6 +481,21 @@ def test_a_flag_that_agrees_with_the_suffix_passes_the_check() -> None:
         check_flag(flag, name)  # no error
 
 
+def test_parallel_config_from_env_is_the_launched_files_layout(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import shardwise
+
+    monkeypatch.delenv("SHARDWISE_FROM", raising=False)
+    assert shardwise.ParallelConfig.from_env() == shardwise.ParallelConfig()  # as wrap(model)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    monkeypatch.setenv("SHARDWISE_FROM", str(path))
+    got = shardwise.ParallelConfig.from_env()
+    assert (got.strategy, got.mixed_precision) == ("full_shard", "bf16")
+    path.write_text(json.dumps({"zero_optimisation": {"stage": 3}}))
+    with pytest.raises(ConfigError, match=r"zero_optimisation = \{'stage': 3\}: not a DeepSpeed"):
+        shardwise.ParallelConfig.from_env()
+
+
 @pytest.mark.parametrize(
     "data",
     [HF_ZERO3, HF_ZERO2, ZERO3_BF16, ZERO1_FP16, ZERO_OFFLOAD, DECAY, COSINE,
