@@ -2549,6 +2549,42 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/config/test_deepspeed.py::test_parallel_config_from_env_is_the_launched_files_layout",
         ),
     ),
+    Mutant(
+        "torchtitan_microbatch_size_taken_as_the_count",
+        "src/shardwise/config/torchtitan.py",
+        "    count = local // int(size)\n",
+        "    count = int(size)\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_the_micro_batch_size_becomes_the_count_of_micro_batches",
+        ),
+    ),
+    Mutant(
+        "torchtitan_microbatch_remainder_unchecked",
+        "src/shardwise/config/torchtitan.py",
+        "    if int(size) < 1 or local % int(size) != 0:\n",
+        "    if int(size) < 1:\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused",
+        ),
+    ),
+    Mutant(
+        "torchtitan_local_batch_default_not_torchtitans",
+        "src/shardwise/config/torchtitan.py",
+        "_LOCAL_BATCH = 8\n",
+        "_LOCAL_BATCH = 16\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_the_micro_batch_size_becomes_the_count_of_micro_batches",
+        ),
+    ),
+    Mutant(
+        "torchtitan_microbatch_count_disagreement_passes",
+        "src/shardwise/config/torchtitan.py",
+        '    if "num_pp_microbatches" in p and int(p["num_pp_microbatches"]) != count:\n',
+        "    if False:\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused",
+        ),
+    ),
 )
 
 

@@ -77,6 +77,7 @@ def translate_torchtitan(source: str | Path | Mapping[str, object]) -> Translati
             known = [*handlers, *_OWN_SECTIONS, *_REFUSED_SECTIONS]
             why = unknown_key(section, known, "a torchtitan", noun="section")
             out.rows.append(Row(section, "...", "-", "refused", why))
+    _microbatches(out, data)
     _defaults(out)
     return out
 
@@ -248,9 +249,7 @@ def _parallelism(out: Translation, p: dict[str, Any]) -> None:
                 Row(where, value, f"parallel.pp_schedule='{_SCHEDULES[value]}'", "exact")
             )
         elif key in ("pipeline_parallel_microbatch_size", "num_pp_microbatches"):
-            if key == "num_pp_microbatches" and int(value) > 1:
-                out.parallel["pp_microbatches"] = int(value)
-            out.rows.append(Row(where, value, "parallel.pp_microbatches", "exact"))
+            pass  # read in _microbatches, once the local batch is known
         elif key in (
             "pipeline_parallel_first_stage_less_layers",
             "pipeline_parallel_last_stage_less_layers",
@@ -299,6 +298,58 @@ def _parallelism(out: Translation, p: dict[str, Any]) -> None:
             out.rows.append(Row(where, value, "-", "no effect", why))
         else:
             _unknown(out, where, value)
+
+
+_LOCAL_BATCH = 8
+"""torchtitan's training.local_batch_size where the file is silent (shardwise's too)."""
+
+
+def _microbatches(out: Translation, data: dict[str, Any]) -> None:
+    """torchtitan splits each local batch into local_batch_size // microbatch_size pipeline
+    micro-batches, and refuses a micro-batch size that does not divide the batch."""
+    p = data.get("parallelism")
+    p = p if isinstance(p, Mapping) else {}
+    pp = int(p.get("pipeline_parallel_degree", 1))
+    if "num_pp_microbatches" in p:
+        count = int(p["num_pp_microbatches"])
+        if count > 1 and pp > 1:
+            out.parallel["pp_microbatches"] = count
+        out.rows.append(Row("parallelism.num_pp_microbatches", count,
+                            f"parallel.pp_microbatches={count}", "exact"))  # fmt: skip
+    if "pipeline_parallel_microbatch_size" not in p:
+        return
+    key, size = (
+        "parallelism.pipeline_parallel_microbatch_size",
+        p["pipeline_parallel_microbatch_size"],
+    )
+    if pp == 1:
+        out.rows.append(Row(key, size, "-", "no effect", "pp is 1"))
+        return
+    training = data.get("training")
+    training = training if isinstance(training, Mapping) else {}
+    local_key = next((k for k in ("local_batch_size", "batch_size") if k in training), None)
+    local = int(training[local_key]) if local_key else _LOCAL_BATCH
+    named = (
+        f"training.{local_key}={local}"
+        if local_key
+        else f"training.local_batch_size={local} (torchtitan's default)"
+    )
+    if int(size) < 1 or local % int(size) != 0:
+        divisors = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
+        why = (
+            f"does not divide {named} (torchtitan refuses it too); give a divisor of {local} "
+            f"({divisors})"
+        )
+        out.rows.append(Row(key, size, "-", "refused", why))
+        return
+    count = local // int(size)
+    if "num_pp_microbatches" in p and int(p["num_pp_microbatches"]) != count:
+        why = f"{named} // {size} = {count} micro-batches, and num_pp_microbatches says otherwise"
+        out.rows.append(Row(key, size, "-", "refused", why))
+        return
+    out.parallel["pp_microbatches"] = count
+    out.rows.append(Row(key, size, f"parallel.pp_microbatches={count}", "exact",
+                        f"{named} // {size}, as torchtitan splits the local batch"))  # fmt: skip
 
 
 def _training(out: Translation, t: dict[str, Any]) -> None:

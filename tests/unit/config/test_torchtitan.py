@@ -280,6 +280,51 @@ def test_a_misspelt_key_names_the_closest_key_of_its_level() -> None:
     }
 
 
+def _pipeline(local: int | None, size: int, pp: int = 2, **more: int) -> dict:  # type: ignore[type-arg]
+    training = {} if local is None else {"local_batch_size": local}
+    parallelism = {"pipeline_parallel_degree": pp, "pipeline_parallel_microbatch_size": size}
+    return {"parallelism": {**parallelism, **more}, "training": training}
+
+
+@pytest.mark.parametrize(
+    ("local", "size", "count"),
+    [(12, 2, 6), (12, 4, 3), (None, 4, 2), (8, 8, 1)],  # None: torchtitan's local batch, 8
+)
+def test_the_micro_batch_size_becomes_the_count_of_micro_batches(local, size, count) -> None:  # type: ignore[no-untyped-def]
+    # Values where the count differs from the size, from pp and from shardwise's 2 x pp.
+    translation = translate_torchtitan(_pipeline(local, size))
+    assert translation.parallel["pp_microbatches"] == count, translation.table()
+    row = {r.key: r for r in translation.rows}["parallelism.pipeline_parallel_microbatch_size"]
+    named = f"training.local_batch_size={local}" if local else (
+        "training.local_batch_size=8 (torchtitan's default)")  # fmt: skip
+    assert (row.became, row.note) == (
+        f"parallel.pp_microbatches={count}",
+        f"{named} // {size}, as torchtitan splits the local batch",
+    )
+
+
+def test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused() -> None:
+    with pytest.raises(ConfigError) as exc:
+        translate_torchtitan(_pipeline(8, 3)).config  # noqa: B018
+    assert str(exc.value) == (
+        "this torchtitan config cannot mean the same in shardwise; refused:\n"
+        "  parallelism.pipeline_parallel_microbatch_size = 3: does not divide "
+        "training.local_batch_size=8 (torchtitan refuses it too); give a divisor of 8 "
+        "(1, 2, 4, 8)"
+    )
+    assert_refused(translate_torchtitan(_pipeline(None, 3)), {
+        "parallelism.pipeline_parallel_microbatch_size": "does not divide "
+        "training.local_batch_size=8 (torchtitan's default) (torchtitan refuses it too)"})  # fmt: skip
+    assert_refused(translate_torchtitan(_pipeline(12, 2, num_pp_microbatches=4)), {
+        "parallelism.pipeline_parallel_microbatch_size": "training.local_batch_size=12 // 2 = 6 "
+        "micro-batches, and num_pp_microbatches says otherwise"})  # fmt: skip
+    one = translate_torchtitan(_pipeline(8, 3, pp=1))  # pp 1: no micro-batches at all
+    assert "pp_microbatches" not in one.parallel and not one.refused
+    assert {r.key: r for r in one.rows}["parallelism.pipeline_parallel_microbatch_size"].note == (
+        "pp is 1"
+    )
+
+
 @pytest.mark.parametrize("text", [FSDP, HSDP_TP, PIPELINE, DDP, OWN + """
 [parallelism]
 pipeline_parallel_degree = 2
