@@ -1434,8 +1434,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "deepspeed_adam_read_as_torch_adam",
         "src/shardwise/config/deepspeed.py",
-        'decoupled = params.pop("adam_w_mode", True)',
-        'decoupled = params.pop("adam_w_mode", False)',
+        'name = "adamw" if params.get("adam_w_mode", True) else "adam"',
+        'name = "adamw" if params.get("adam_w_mode", False) else "adam"',
         ("tests/unit/config/test_deepspeed.py::test_each_row_says_how_faithful_it_is",),
     ),
     Mutant(
@@ -2455,6 +2455,189 @@ MUTANTS: tuple[Mutant, ...] = (
         ":\n",
         (
             "tests/unit/train/test_rank_zero_lines.py::test_the_scripts_optimizer_over_the_files_is_said_by_rank_0_only",
+        ),
+    ),
+    # Issue 50 (a newcomer's first foreign file): did-you-mean at every level, every key named.
+    Mutant(
+        "foreign_unknown_key_without_guess",
+        "src/shardwise/config/foreign_checks.py",
+        '    return f"not {what} {noun} shardwise reads" + (f".{hint}" if hint else "")\n',
+        '    return f"not {what} {noun} shardwise reads"\n',
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+            "tests/unit/config/test_accelerate.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+            "tests/unit/config/test_torchtitan.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+        ),
+    ),
+    Mutant(
+        "deepspeed_misspelt_enabled_passes_as_no_effect",
+        "src/shardwise/config/deepspeed.py",
+        "            if sub in _PRECISION_KEYS:\n",
+        "            if True:\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+        ),
+    ),
+    Mutant(
+        "deepspeed_schedule_params_unnamed",
+        "src/shardwise/config/deepspeed.py",
+        '        out.rows.append(Row(where, raw, f"{kind}\'s {param}={got[param]}", "exact", why))\n',
+        "        pass\n",
+        ("tests/unit/config/test_deepspeed.py::test_every_key_read_is_named_in_the_table",),
+    ),
+    Mutant(
+        "torchtitan_misspelt_checkpoint_key_passes",
+        "src/shardwise/config/torchtitan.py",
+        '        if key not in _KNOWN["activation_checkpoint"]:\n',
+        "        if False:\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+        ),
+    ),
+    Mutant(
+        "accelerate_inline_deepspeed_keys_unnamed",
+        "src/shardwise/config/accelerate.py",
+        "        out.rows.append(_inline_row(sub, value, given))\n",
+        "        pass\n",
+        (
+            "tests/unit/config/test_accelerate.py::test_every_key_read_is_named_in_the_table",
+            "tests/unit/config/test_accelerate.py::test_the_inline_deepspeed_keys_are_named_and_refused_beside_a_file",
+        ),
+    ),
+    Mutant(
+        "accelerate_guess_drops_the_prefix",
+        "src/shardwise/config/accelerate.py",
+        '            prefix = "parallelism_config_" if key.startswith("parallelism_config_") else ""\n',
+        '            prefix = ""\n',
+        (
+            "tests/unit/config/test_accelerate.py::test_a_misspelt_key_names_the_closest_key_of_its_level",
+        ),
+    ),
+    Mutant(
+        "refusal_prints_the_whole_value",
+        "src/shardwise/config/translation.py",
+        '    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."\n',
+        "    return text\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_refusal_shows_the_key_and_the_reason_not_the_whole_block",
+        ),
+    ),
+    Mutant(
+        "refusal_cuts_a_value_of_exactly_the_limit",
+        "src/shardwise/config/translation.py",
+        '    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."\n',
+        '    return text if len(text) < _SHOWN else text[: _SHOWN - 3] + "..."\n',
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_refusal_shows_the_key_and_the_reason_not_the_whole_block",
+        ),
+    ),
+    Mutant(
+        "foreign_file_of_another_kind_read_anyway",
+        "src/shardwise/config/foreign_checks.py",
+        "        if kind == tool or not found:\n",
+        "        if True:\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_file_of_another_kind_is_named_in_one_line",
+            "tests/unit/config/test_accelerate.py::test_a_file_of_another_kind_is_named_in_one_line",
+            "tests/unit/config/test_torchtitan.py::test_a_file_of_another_kind_is_named_in_one_line",
+        ),
+    ),
+    Mutant(
+        "foreign_kind_ignores_the_tools_own_keys",
+        "src/shardwise/config/foreign_checks.py",
+        "    if keys & set(_SIGNS[tool]):\n        return\n",
+        "",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_deepspeed_file_with_a_stray_key_of_another_kind_is_read_as_deepspeeds",
+        ),
+    ),
+    Mutant(
+        "foreign_suffix_of_another_tool_parsed_anyway",
+        "src/shardwise/config/foreign_checks.py",
+        "    if other is None or suffix in _TAKES[tool]:\n",
+        "    if True:\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_file_of_another_kind_is_named_in_one_line",
+            "tests/unit/config/test_torchtitan.py::test_a_file_of_another_kind_is_named_in_one_line",
+        ),
+    ),
+    Mutant(
+        "accelerate_json_config_refused",
+        "src/shardwise/config/foreign_checks.py",
+        '    "Accelerate": (".yaml", ".yml", ".json"),  # Accelerate reads a JSON config too\n',
+        '    "Accelerate": (".yaml", ".yml"),\n',
+        ("tests/unit/config/test_accelerate.py::test_a_file_of_another_kind_is_named_in_one_line",),
+    ),
+    Mutant(
+        "foreign_flag_ignored_for_deepspeed",
+        "src/shardwise/config/foreign.py",
+        '    named = {"--deepspeed": "DeepSpeed", "--accelerate-config": "Accelerate"}.get(flag)\n',
+        '    named = {"--accelerate-config": "Accelerate"}.get(flag)\n',
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_flag_and_a_suffix_that_disagree_stop_the_launch",
+        ),
+    ),
+    Mutant(
+        "cli_flag_never_checked",
+        "src/shardwise/cli/main.py",
+        "            check_flag(args.source_flag, args.source)\n",
+        "            pass\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_a_flag_and_a_suffix_that_disagree_stop_the_launch",
+        ),
+    ),
+    Mutant(
+        "parallel_config_from_env_none_without_a_file",
+        "src/shardwise/config/parallel.py",
+        "        return launched.config.parallel if launched is not None else cls()\n",
+        "        return launched.config.parallel if launched is not None else None  # type: ignore[return-value]\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_parallel_config_from_env_is_the_launched_files_layout",
+        ),
+    ),
+    Mutant(
+        "parallel_config_from_env_ignores_the_file",
+        "src/shardwise/config/parallel.py",
+        "        return launched.config.parallel if launched is not None else cls()\n",
+        "        return cls()\n",
+        (
+            "tests/unit/config/test_deepspeed.py::test_parallel_config_from_env_is_the_launched_files_layout",
+        ),
+    ),
+    Mutant(
+        "torchtitan_microbatch_size_taken_as_the_count",
+        "src/shardwise/config/torchtitan.py",
+        "    count = local // int(size)\n",
+        "    count = int(size)\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_the_micro_batch_size_becomes_the_count_of_micro_batches",
+        ),
+    ),
+    Mutant(
+        "torchtitan_microbatch_remainder_unchecked",
+        "src/shardwise/config/torchtitan.py",
+        "    if int(size) < 1 or local % int(size) != 0:\n",
+        "    if int(size) < 1:\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused",
+        ),
+    ),
+    Mutant(
+        "torchtitan_local_batch_default_not_torchtitans",
+        "src/shardwise/config/torchtitan.py",
+        "_LOCAL_BATCH = 8\n",
+        "_LOCAL_BATCH = 16\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_the_micro_batch_size_becomes_the_count_of_micro_batches",
+        ),
+    ),
+    Mutant(
+        "torchtitan_microbatch_count_disagreement_passes",
+        "src/shardwise/config/torchtitan.py",
+        '    if "num_pp_microbatches" in p and int(p["num_pp_microbatches"]) != count:\n',
+        "    if False:\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused",
         ),
     ),
 )

@@ -33,6 +33,15 @@ from shardwise.config.run_file import REFERENCE_PAGE
 from shardwise.memory.model_states import format_bytes
 
 
+class _SourceFlag(argparse.Action):
+    """Store the file of --from/--deepspeed/--accelerate-config, and which flag named it
+    (the flag must agree with the suffix that picks the reader: `check_flag`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        setattr(namespace, self.dest, values)
+        namespace.source_flag = option_string
+
+
 def _plot(args: argparse.Namespace) -> int:
     from shardwise.train.plot import plot_run
 
@@ -194,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--deepspeed",
         "--accelerate-config",
         dest="source",
+        action=_SourceFlag,
         default=None,
         metavar="FILE",
         help="another tool's config (DeepSpeed .json, Accelerate .yaml, torchtitan .toml), "
@@ -392,6 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if getattr(args, "source_flag", None):  # `--deepspeed file.yaml`: one line, nothing run
+            from shardwise.config.foreign import check_flag
+
+            check_flag(args.source_flag, args.source)
         code = int(args.func(args))
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code

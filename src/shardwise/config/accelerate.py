@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.config.deepspeed import translate_deepspeed
+from shardwise.config.foreign_checks import check_kind, check_suffix, unknown_key
 from shardwise.config.names import normalize_strategy
 from shardwise.config.run_file import ConfigError, read_yaml
 from shardwise.config.translation import Row, Translation, Verdict
@@ -33,11 +34,22 @@ _LAUNCH = {
 _STRATEGIES = {"1": "full_shard", "2": "shard_grad_op", "3": "no_shard", "4": "hybrid_shard",
                "5": "hybrid_shard_zero2"}  # fmt: skip
 _PREFETCH = {"BACKWARD_PRE": "pre", "BACKWARD_POST": "post", "NO_PREFETCH": None}
+_TOP = ("distributed_type", "fsdp_config", "deepspeed_config", "mixed_precision",
+        "parallelism_config", "dynamo_config")  # fmt: skip
+_FSDP = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward",
+         "fsdp_offload_params", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
+         "fsdp_min_num_params", "fsdp_backward_prefetch", "fsdp_forward_prefetch",
+         "fsdp_sync_module_states", "fsdp_activation_checkpointing", "fsdp_use_orig_params",
+         "fsdp_cpu_ram_efficient_loading", "fsdp_state_dict_type")  # fmt: skip
+_SIZES = ("dp_shard_size", "dp_replicate_size", "tp_size", "cp_size", "sp_size", "cp_backend",
+          "cp_comm_strategy", "sp_backend")  # fmt: skip
 
 
 def translate_accelerate(source: str | Path | Mapping[str, object]) -> Translation:
     """Read an Accelerate config (see the module docstring)."""
     data, base = _load(source)
+    label = "the config given" if isinstance(source, Mapping) else str(source)
+    check_kind(data, "Accelerate", label)
     out = Translation(source="Accelerate")
     kind = str(data.get("distributed_type", "NO"))
     for key, value in data.items():
@@ -59,9 +71,8 @@ def translate_accelerate(source: str | Path | Mapping[str, object]) -> Translati
                     "a launch setting: give it to shardwise run / torchrun")
             )  # fmt: skip
         else:
-            out.rows.append(
-                Row(key, value, "-", "refused", "not an Accelerate key shardwise reads")
-            )
+            why = unknown_key(key, [*_TOP, *_LAUNCH], "an Accelerate")
+            out.rows.append(Row(key, value, "-", "refused", why))
     if "distributed_type" not in data:
         _distributed(out, kind)
     return out
@@ -71,6 +82,7 @@ def _load(source: str | Path | Mapping[str, object]) -> tuple[dict[str, Any], Pa
     if isinstance(source, Mapping):
         return dict(source), None
     path = Path(source)
+    check_suffix(path, "Accelerate")
     try:
         data = read_yaml(path.read_text(), path)
     except OSError as exc:
@@ -161,9 +173,8 @@ def _fsdp(out: Translation, block: object, kind: str) -> None:
             )
             out.rows.append(Row(key, value, "-", "no effect", why))
         else:
-            out.rows.append(
-                Row(key, value, "-", "refused", "not an fsdp_config key shardwise reads")
-            )
+            why = unknown_key(sub, _FSDP, "an fsdp_config")
+            out.rows.append(Row(key, value, "-", "refused", why))
 
 
 def _wrap(out: Translation, key: str, sub: str, value: object, block: Mapping[str, Any]) -> None:
@@ -225,7 +236,10 @@ def _deepspeed(
         out.rows.append(Row("deepspeed_config", block, "-", "no effect", why))
         return
     file = block.get("deepspeed_config_file")
-    if file not in (None, "none"):
+    given = file not in (None, "none")
+    for sub, value in block.items():
+        out.rows.append(_inline_row(sub, value, given))
+    if given:
         path = Path(str(file))
         inner = translate_deepspeed(path if path.is_absolute() or base is None else base / path)
     else:
@@ -236,6 +250,46 @@ def _deepspeed(
     for name in ("parallel", "train", "runner", "optimizer"):
         getattr(out, name).update(getattr(inner, name))
     out.schedule = inner.schedule
+
+
+_INLINE = {  # Accelerate's inline key: the DeepSpeed key it stands for
+    "zero_stage": "zero_optimization.stage",
+    "offload_optimizer_device": "zero_optimization.offload_optimizer",
+    "offload_param_device": "zero_optimization.offload_param",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+}
+_INLINE_NO_EFFECT = {
+    "zero3_init_flag": "build the model under shardwise.init_empty(): each rank fills only its "
+    "shards",
+    "zero3_save_16bit_model": "shardwise.export_weights writes whole weights from any checkpoint",
+    "offload_optimizer_nvme_path": "read with offload_optimizer_device (NVMe is not built)",
+    "offload_param_nvme_path": "read with offload_param_device (NVMe is not built)",
+    "deepspeed_moe_layer_cls_names": "ZeRO-3 leaf modules of DeepSpeed MoE; parallel.ep "
+    "places a transformers MoE's experts",
+    "deepspeed_multinode_launcher": "a launch setting: give it to shardwise run / torchrun",
+    "deepspeed_hostfile": "a launch setting: give it to shardwise run / torchrun",
+    "deepspeed_inclusion_filter": "a launch setting: give it to shardwise run / torchrun",
+    "deepspeed_exclusion_filter": "a launch setting: give it to shardwise run / torchrun",
+}
+
+
+def _inline_row(sub: str, value: object, file_given: bool) -> Row:
+    """The row of one key of Accelerate's deepspeed_config block."""
+    key = f"deepspeed_config.{sub}"
+    if sub == "deepspeed_config_file":
+        if not file_given:
+            return Row(key, value, "-", "exact", "none: the inline keys are read")
+        return Row(key, value, "read as DeepSpeed's (its rows below)", "exact")
+    if sub in _INLINE and file_given:
+        why = "beside deepspeed_config_file, which decides (Accelerate refuses both)"
+        return Row(key, value, "-", "refused", why)
+    if sub in _INLINE:
+        return Row(key, value, f"read as {_INLINE[sub]} (its row below)", "exact")
+    if sub in _INLINE_NO_EFFECT:
+        return Row(key, value, "-", "no effect", _INLINE_NO_EFFECT[sub])
+    known = ["deepspeed_config_file", *_INLINE, *_INLINE_NO_EFFECT]
+    return Row(key, value, "-", "refused", unknown_key(sub, known, "a deepspeed_config"))
 
 
 def _inline(block: Mapping[str, Any], precision: object) -> dict[str, Any]:
@@ -276,8 +330,10 @@ def _parallelism(out: Translation, block: object) -> None:
             out.rows.append(Row(where, value, "-", "no effect", "a communication choice; "
                                 "shardwise's Ulysses computes the same attention"))  # fmt: skip
         else:
-            out.rows.append(Row(where, value, "-", "refused",
-                                "not a parallelism_config key shardwise reads"))  # fmt: skip
+            prefix = "parallelism_config_" if key.startswith("parallelism_config_") else ""
+            known = [prefix + size for size in _SIZES]
+            why = unknown_key(key, known, "a parallelism_config")
+            out.rows.append(Row(where, value, "-", "refused", why))
 
 
 def _sequence_split(out: Translation, where: str, name: str, value: int, sizes: dict) -> None:  # type: ignore[type-arg]
@@ -300,11 +356,24 @@ def _sequence_split(out: Translation, where: str, name: str, value: int, sizes: 
                             "same attention; the heads must divide by cp"))  # fmt: skip
 
 
+_DYNAMO_NO_EFFECT = ("dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
+                     "dynamo_use_regional_compilation")  # fmt: skip
+
+
 def _dynamo(out: Translation, block: object) -> None:
-    backend = block.get("dynamo_backend", "NO") if isinstance(block, Mapping) else "NO"
+    subs = dict(block) if isinstance(block, Mapping) else {}
+    backend = subs.get("dynamo_backend", "NO")
+    key = "dynamo_config.dynamo_backend"
     if str(backend).upper() == "NO":
-        out.rows.append(Row("dynamo_config", block, "parallel.compile=False", "exact"))
-        return
-    out.parallel["compile"] = str(backend).lower()
-    out.rows.append(Row("dynamo_config", block, f"parallel.compile='{str(backend).lower()}'",
-                        "exact", "torch.compile on each planned block"))  # fmt: skip
+        out.rows.append(Row(key, backend, "parallel.compile=False", "exact"))
+    else:
+        out.parallel["compile"] = str(backend).lower()
+        out.rows.append(Row(key, backend, f"parallel.compile='{str(backend).lower()}'",
+                            "exact", "torch.compile on each planned block"))  # fmt: skip
+    for sub, value in subs.items():
+        if sub in _DYNAMO_NO_EFFECT:
+            why = "shardwise compiles each planned block with torch.compile's defaults"
+            out.rows.append(Row(f"dynamo_config.{sub}", value, "-", "no effect", why))
+        elif sub != "dynamo_backend":
+            why = unknown_key(sub, ["dynamo_backend", *_DYNAMO_NO_EFFECT], "a dynamo_config")
+            out.rows.append(Row(f"dynamo_config.{sub}", value, "-", "refused", why))

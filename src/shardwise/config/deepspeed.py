@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from shardwise.config.deepspeed_schedules import deepspeed_lr
+from shardwise.config.deepspeed_schedules import SCHEDULE_PARAMS, deepspeed_lr
+from shardwise.config.foreign_checks import check_kind, check_suffix, unknown_key
 from shardwise.config.run_file import ConfigError
 from shardwise.config.translation import Row, Translation, Verdict
 
@@ -125,34 +126,44 @@ def translate_deepspeed(
     """Read a DeepSpeed config (see the module docstring). `world` (the number of ranks)
     lets train_batch_size be checked against micro-batch x accumulation x ranks."""
     data = _load(source)
+    check_kind(
+        data, "DeepSpeed", "the config given" if isinstance(source, Mapping) else str(source)
+    )
     out = Translation(source="DeepSpeed", rows=[])
+    known = [*_TOP, *_NO_EFFECT_TOP, *_REFUSED_TOP]
     for key, value in data.items():
         handler = _TOP.get(key)
         if handler is not None:
             handler(out, key, value)
         else:
-            out.rows.append(_listed(key, value, _NO_EFFECT_TOP, _REFUSED_TOP, "a DeepSpeed"))
+            out.rows.append(_listed(key, value, _NO_EFFECT_TOP, _REFUSED_TOP, "a DeepSpeed", known))
     _batch(out, data, world)
     return out
 
 
 def _listed(
-    key: str, value: object, no_effect: dict[str, str], refused: dict[str, str], what: str
+    key: str,
+    value: object,
+    no_effect: dict[str, str],
+    refused: dict[str, str],
+    what: str,
+    known: list[str],
 ) -> Row:
     """The row of a key a handler does not read: listed as no effect or refused, with the
-    reason, or refused as unknown."""
+    reason, or refused as unknown, naming the closest of the `known` keys of its level."""
     name = key.rsplit(".", 1)[-1]
     if name in no_effect:
         return Row(key, value, "-", "no effect", no_effect[name])
     if name in refused:
         return Row(key, value, "-", "refused", refused[name])
-    return Row(key, value, "-", "refused", f"not {what} key shardwise reads")
+    return Row(key, value, "-", "refused", unknown_key(name, known, what))
 
 
 def _load(source: str | Path | Mapping[str, object]) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
     path = Path(source)
+    check_suffix(path, "DeepSpeed")
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
@@ -251,14 +262,29 @@ def _batch(out: Translation, data: Mapping[str, Any], world: int | None) -> None
         )
 
 
+_SCALER = ("loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale")
+_NO_EFFECT_PRECISION = ("auto_cast", "immediate_grad_update", "check_grad_overflow")
+_PRECISION_KEYS = ("enabled", "loss_scale", "initial_scale_power", *_SCALER, *_NO_EFFECT_PRECISION)
+
+
+def _unknown_precision(key: str, sub: str) -> str:
+    block = key.split(".")[0]
+    return unknown_key(sub, _PRECISION_KEYS, f"{'an' if block == 'fp16' else 'a'} {block}")
+
+
 def _precision(out: Translation, key: str, value: object) -> None:
     block = value if isinstance(value, Mapping) else {"enabled": value}
     enabled, note = _auto(block.get("enabled", False), False)
     if not enabled:
         out.rows.append(Row(f"{key}.enabled", block.get("enabled"), "fp32", "exact", note))
         for sub, sub_value in block.items():
-            if sub != "enabled":
-                out.rows.append(Row(f"{key}.{sub}", sub_value, "-", "no effect", f"{key} is off"))
+            name = f"{key}.{sub}"
+            if sub == "enabled":
+                continue
+            if sub in _PRECISION_KEYS:
+                out.rows.append(Row(name, sub_value, "-", "no effect", f"{key} is off"))
+            else:  # a misspelt "enabled" leaves the block off: say so, never pass it by
+                out.rows.append(Row(name, sub_value, "-", "refused", _unknown_precision(name, sub)))
         return
     preset = "fp16" if key == "fp16" else "bf16"
     if out.parallel.get("mixed_precision", preset) != preset:
@@ -299,7 +325,7 @@ def _loss_scale(out: Translation, key: str, sub: str, value: object) -> None:
     elif sub == "initial_scale_power":
         out.train["init_scale"] = 2.0 ** int(value)  # type: ignore[call-overload]
         out.rows.append(Row(key, value, f"train.init_scale=2**{value}", "exact"))
-    elif sub in ("loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale"):
+    elif sub in _SCALER:
         out.rows.append(
             Row(
                 key,
@@ -310,10 +336,10 @@ def _loss_scale(out: Translation, key: str, sub: str, value: object) -> None:
                 "halves it on each overflow, with no floor or hysteresis",
             )
         )
-    elif sub in ("auto_cast", "immediate_grad_update", "check_grad_overflow"):
+    elif sub in _NO_EFFECT_PRECISION:
         out.rows.append(Row(key, value, "-", "no effect", "FSDP2's mixed precision casts"))
     else:
-        out.rows.append(Row(key, value, "-", "refused", "not a key shardwise reads"))
+        out.rows.append(Row(key, value, "-", "refused", _unknown_precision(key, sub)))
 
 
 def _comm_dtype(out: Translation, key: str, value: object) -> None:
@@ -374,7 +400,16 @@ def _zero(out: Translation, key: str, value: object) -> None:
         if sub in ("offload_optimizer", "offload_param"):
             _offload(out, name, sub, sub_value, stage)
         else:
-            out.rows.append(_listed(name, sub_value, _NO_EFFECT_ZERO, _REFUSED_ZERO, "a"))
+            known = [
+                "stage",
+                "offload_optimizer",
+                "offload_param",
+                *_NO_EFFECT_ZERO,
+                *_REFUSED_ZERO,
+            ]
+            out.rows.append(
+                _listed(name, sub_value, _NO_EFFECT_ZERO, _REFUSED_ZERO, "a ZeRO", known)
+            )
 
 
 def _offload(out: Translation, key: str, sub: str, value: object, stage: int) -> None:
@@ -403,6 +438,19 @@ def _offload(out: Translation, key: str, sub: str, value: object, stage: int) ->
 
 
 _TORCH_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd"}
+_OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "momentum")
+
+
+def _block_keys(out: Translation, key: str, block: Mapping[str, Any]) -> None:
+    """Rows for the keys of an optimizer or scheduler block besides its type and params."""
+    for sub, value in block.items():
+        if sub not in ("type", "params"):
+            why = unknown_key(
+                sub, ("type", "params"), f"{'an' if key == 'optimizer' else 'a'} {key}"
+            )
+            out.rows.append(Row(f"{key}.{sub}", value, "-", "refused", why))
+
+
 _DEEPSPEED_ONLY = ("onebitadam", "onebitlamb", "zerooneadam", "lamb", "lion", "muadam")
 
 
@@ -422,18 +470,26 @@ def _optimizer(out: Translation, key: str, value: object) -> None:
     note = ""
     if kind == "adam":
         # DeepSpeed's Adam decays weights decoupled unless adam_w_mode is false.
-        decoupled = params.pop("adam_w_mode", True)
-        params.pop("torch_adam", None)
-        name = "adamw" if decoupled else "adam"
-        note = "DeepSpeed's Adam is AdamW unless adam_w_mode is false" if decoupled else ""
+        name = "adamw" if params.get("adam_w_mode", True) else "adam"
+        note = "DeepSpeed's Adam is AdamW unless adam_w_mode is false" if name == "adamw" else ""
     out.optimizer["name"] = name
     out.rows.append(
         Row(f"{key}.type", block.get("type"), f"optimizer.name='{name}'", "exact", note)
     )
+    _block_keys(out, key, block)
     for param, raw in params.items():
         where = f"{key}.params.{param}"
-        if param not in ("lr", "betas", "eps", "weight_decay", "momentum"):
-            out.rows.append(Row(where, raw, "-", "refused", "not a parameter shardwise passes"))
+        if kind == "adam" and param == "adam_w_mode":
+            out.rows.append(Row(where, raw, f"optimizer.name='{name}'", "exact", "with type Adam"))
+            continue
+        if kind == "adam" and param == "torch_adam":
+            why = "a kernel choice: torch's Adam computes the same step"
+            out.rows.append(Row(where, raw, "-", "no effect", why))
+            continue
+        if param not in _OPTIMIZER_PARAMS:
+            known = [*_OPTIMIZER_PARAMS, *(("adam_w_mode", "torch_adam") if kind == "adam" else ())]
+            why = unknown_key(param, known, "an optimizer", noun="parameter")
+            out.rows.append(Row(where, raw, "-", "refused", why))
             continue
         got, why = _auto(raw, _AUTO.get(param))
         got = tuple(got) if param == "betas" else got
@@ -459,17 +515,26 @@ def _scheduler(out: Translation, key: str, value: object) -> None:
             )
         )
         return
+    _block_keys(out, key, block)
     got: dict[str, Any] = {}
     for param, raw in params.items():
         where = f"{key}.params.{param}"
+        if param not in SCHEDULE_PARAMS:
+            why = unknown_key(param, SCHEDULE_PARAMS, f"a {kind}", noun="parameter")
+            out.rows.append(Row(where, raw, "-", "refused", why))
+            continue
         if raw == "auto" and param == "total_num_steps":
             why = "the Trainer's step count, which only a running Trainer knows; give the number"
             out.rows.append(Row(where, raw, "-", "refused", why))
             continue
         if raw == "auto" and param == "warmup_max_lr":  # the Trainer's lr: the optimizer's
             got[param] = None
+            out.rows.append(
+                Row(where, raw, "the optimizer's lr", "exact", "'auto': the Trainer's lr")
+            )
             continue
-        got[param], _ = _auto(raw, _AUTO.get(param))
+        got[param], why = _auto(raw, _AUTO.get(param))
+        out.rows.append(Row(where, raw, f"{kind}'s {param}={got[param]}", "exact", why))
     if any(r.verdict == "refused" and r.key.startswith(f"{key}.") for r in out.rows):
         return
     try:

@@ -13,24 +13,26 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["deepspeed_lr"]
+__all__ = ["SCHEDULE_PARAMS", "deepspeed_lr"]
+
+SCHEDULE_PARAMS = (
+    "warmup_min_lr",
+    "warmup_max_lr",
+    "warmup_num_steps",
+    "warmup_type",
+    "total_num_steps",
+    "warmup_min_ratio",
+    "cos_min_ratio",
+    "last_batch_iteration",
+)
+"""The parameters of WarmupLR, WarmupDecayLR and WarmupCosineLR, together."""
 
 
 def deepspeed_lr(kind: str, p: dict[str, Any]) -> Callable[[int, float], float]:
     """DeepSpeed's lr at optimizer step s, given the optimizer's lr (deepspeed/runtime/
     lr_schedules.py): the scheduler steps after each optimizer step, so step s runs at
     the lr of iteration s - 1, and the constructor's, iteration -1, for step 0."""
-    known = {
-        "warmup_min_lr",
-        "warmup_max_lr",
-        "warmup_num_steps",
-        "warmup_type",
-        "total_num_steps",
-        "warmup_min_ratio",
-        "cos_min_ratio",
-        "last_batch_iteration",
-    }
-    unknown = sorted(set(p) - known)
+    unknown = sorted(set(p) - set(SCHEDULE_PARAMS))
     if unknown:
         raise ValueError(f"{kind} has no parameter {unknown[0]!r}")
     warm = max(2, int(p.get("warmup_num_steps", 1000)))

@@ -5,7 +5,8 @@ Owns: field definitions, the accepted spellings of each field (our names, torch'
 not need to know the world size. Errors are raised when the config is built, before
 any process group exists.
 
-Must not: read environment variables, touch torch.distributed, or know the world size
+Must not: read environment variables (`ParallelConfig.from_env` asks
+parallelize/from_env.py, as `wrap` does), touch torch.distributed, or know the world size
 (that is distributed/mesh.py's job, when the config meets a running job).
 """
 
@@ -355,6 +356,25 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         validate_parallel_config(self)
+
+    @classmethod
+    def from_env(cls) -> ParallelConfig:
+        """The layout of the file `shardwise run --from FILE` (or `--deepspeed`,
+        `--accelerate-config`) launched this script with, at the job's world size; a
+        ConfigError naming every refused key, as at launch.
+
+        Without such a file, the default `ParallelConfig()`, not None: that is what
+        `wrap(model)` given no config takes, so `wrap(model, ParallelConfig.from_env())`
+        is `wrap(model)`, and the script runs unchanged as `python train.py`. A script that
+        must know whether a file was given asks `shardwise.translation_from_env()` (None
+        then).
+        """
+        # The launcher's variables are read where wrap reads them (parallelize/from_env.py,
+        # through distributed/), not here: one path, so the two cannot disagree.
+        from shardwise.parallelize.from_env import translation_from_env
+
+        launched = translation_from_env()
+        return launched.config.parallel if launched is not None else cls()
 
     @property
     def precision(self) -> Precision:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardwise.config.foreign_checks import check_kind, check_suffix, unknown_key
 from shardwise.config.run_file import ConfigError
 from shardwise.config.translation import Row, Translation, Verdict
 
@@ -50,6 +51,9 @@ _SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved_
 def translate_torchtitan(source: str | Path | Mapping[str, object]) -> Translation:
     """Read a torchtitan config (see the module docstring)."""
     data = _load(source)
+    check_kind(
+        data, "torchtitan", "the config given" if isinstance(source, Mapping) else str(source)
+    )
     out = Translation(source="torchtitan")
     handlers = {
         "parallelism": _parallelism,
@@ -70,9 +74,10 @@ def translate_torchtitan(source: str | Path | Mapping[str, object]) -> Translati
         elif section in _REFUSED_SECTIONS:
             out.rows.append(Row(section, "...", "-", "refused", _REFUSED_SECTIONS[section]))
         else:
-            out.rows.append(
-                Row(section, "...", "-", "refused", "not a torchtitan section shardwise reads")
-            )
+            known = [*handlers, *_OWN_SECTIONS, *_REFUSED_SECTIONS]
+            why = unknown_key(section, known, "a torchtitan", noun="section")
+            out.rows.append(Row(section, "...", "-", "refused", why))
+    _microbatches(out, data)
     _defaults(out)
     return out
 
@@ -126,6 +131,7 @@ def _load(source: str | Path | Mapping[str, object]) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
     path = Path(source)
+    check_suffix(path, "torchtitan")
     try:
         return tomllib.loads(path.read_text())
     except OSError as exc:
@@ -134,11 +140,45 @@ def _load(source: str | Path | Mapping[str, object]) -> dict[str, Any]:
         raise ConfigError(f"{path} is not TOML: {exc}") from None
 
 
+_KNOWN = {
+    "parallelism": (
+        "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
+        "pipeline_parallel_degree", "fsdp_reshard_after_forward", "enable_sequence_parallel",
+        "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size", "num_pp_microbatches",
+        "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+        "pipeline_parallel_layers_per_stage", "module_fqns_per_model_part",
+        "context_parallel_degree", "expert_tensor_parallel_degree", "expert_parallel_degree",
+        "enable_async_tensor_parallel", "enable_fsdp_symm_mem", "context_parallel_load_balancer",
+        "context_parallel_rotate_method", "spmd_backend", "pipeline_parallel_schedule_csv",
+        "disable_loss_parallel",
+    ),
+    "training": (
+        "mixed_precision_param", "mixed_precision_reduce", "max_norm", "local_batch_size",
+        "batch_size", "steps", "enable_cpu_offload", "dtype", "seq_len", "max_context_length",
+        "dataset", "dataset_path", "gc_freq", "gc_debug", "disable_cuda_graphs",
+        "mixed_precision_output",
+    ),
+    "optimizer": ("name", "beta1", "beta2", "lr", "eps", "weight_decay", "implementation"),
+    "activation_checkpoint": (
+        "mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
+        "early_stop", "memory_budget", "visualize_memory_budget_pareto", "preserve_rng_state",
+        "determinism_check", "debug",
+    ),
+    "compile": ("enable", "backend", "components"),
+    "lr_scheduler": ("warmup_steps", "decay_ratio", "decay_type", "min_lr_factor", "lr_min"),
+}  # fmt: skip
+"""The keys of each section shardwise reads (what a misspelt key is compared with)."""
+
+
 def _unknown(out: Translation, key: str, value: object) -> None:
-    out.rows.append(Row(key, value, "-", "refused", "not a key shardwise reads"))
+    section, name = key.split(".", 1)
+    article = "an" if section[0] in "aeio" else "a"
+    why = unknown_key(name, _KNOWN[section], f"{article} [{section}]")
+    out.rows.append(Row(key, value, "-", "refused", why))
 
 
 def _parallelism(out: Translation, p: dict[str, Any]) -> None:
+    given = dict(p)
     replicate = int(p.pop("data_parallel_replicate_degree", 1))
     shard = int(p.pop("data_parallel_shard_degree", -1))
     tp = int(p.pop("tensor_parallel_degree", 1))
@@ -182,8 +222,15 @@ def _parallelism(out: Translation, p: dict[str, Any]) -> None:
                 "torchtitan turns sequence parallel on by default",
             )
         )
-    if pp > 1:
-        out.parallel["pp"] = pp
+        if "enable_sequence_parallel" in given:
+            value = given["enable_sequence_parallel"]
+            out.rows.append(Row("parallelism.enable_sequence_parallel", value,
+                                f"parallel.sequence_parallel={sp}", "exact"))  # fmt: skip
+    elif "tensor_parallel_degree" in given:
+        out.rows.append(Row("parallelism.tensor_parallel_degree", tp, "parallel.tp=1", "exact"))
+    if pp > 1 or "pipeline_parallel_degree" in given:
+        if pp > 1:
+            out.parallel["pp"] = pp
         out.rows.append(
             Row("parallelism.pipeline_parallel_degree", pp, f"parallel.pp={pp}", "exact")
         )
@@ -202,9 +249,7 @@ def _parallelism(out: Translation, p: dict[str, Any]) -> None:
                 Row(where, value, f"parallel.pp_schedule='{_SCHEDULES[value]}'", "exact")
             )
         elif key in ("pipeline_parallel_microbatch_size", "num_pp_microbatches"):
-            if key == "num_pp_microbatches" and int(value) > 1:
-                out.parallel["pp_microbatches"] = int(value)
-            out.rows.append(Row(where, value, "parallel.pp_microbatches", "exact"))
+            pass  # read in _microbatches, once the local batch is known
         elif key in (
             "pipeline_parallel_first_stage_less_layers",
             "pipeline_parallel_last_stage_less_layers",
@@ -253,6 +298,58 @@ def _parallelism(out: Translation, p: dict[str, Any]) -> None:
             out.rows.append(Row(where, value, "-", "no effect", why))
         else:
             _unknown(out, where, value)
+
+
+_LOCAL_BATCH = 8
+"""torchtitan's training.local_batch_size where the file is silent (shardwise's too)."""
+
+
+def _microbatches(out: Translation, data: dict[str, Any]) -> None:
+    """torchtitan splits each local batch into local_batch_size // microbatch_size pipeline
+    micro-batches, and refuses a micro-batch size that does not divide the batch."""
+    p = data.get("parallelism")
+    p = p if isinstance(p, Mapping) else {}
+    pp = int(p.get("pipeline_parallel_degree", 1))
+    if "num_pp_microbatches" in p:
+        count = int(p["num_pp_microbatches"])
+        if count > 1 and pp > 1:
+            out.parallel["pp_microbatches"] = count
+        out.rows.append(Row("parallelism.num_pp_microbatches", count,
+                            f"parallel.pp_microbatches={count}", "exact"))  # fmt: skip
+    if "pipeline_parallel_microbatch_size" not in p:
+        return
+    key, size = (
+        "parallelism.pipeline_parallel_microbatch_size",
+        p["pipeline_parallel_microbatch_size"],
+    )
+    if pp == 1:
+        out.rows.append(Row(key, size, "-", "no effect", "pp is 1"))
+        return
+    training = data.get("training")
+    training = training if isinstance(training, Mapping) else {}
+    local_key = next((k for k in ("local_batch_size", "batch_size") if k in training), None)
+    local = int(training[local_key]) if local_key else _LOCAL_BATCH
+    named = (
+        f"training.{local_key}={local}"
+        if local_key
+        else f"training.local_batch_size={local} (torchtitan's default)"
+    )
+    if int(size) < 1 or local % int(size) != 0:
+        divisors = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
+        why = (
+            f"does not divide {named} (torchtitan refuses it too); give a divisor of {local} "
+            f"({divisors})"
+        )
+        out.rows.append(Row(key, size, "-", "refused", why))
+        return
+    count = local // int(size)
+    if "num_pp_microbatches" in p and int(p["num_pp_microbatches"]) != count:
+        why = f"{named} // {size} = {count} micro-batches, and num_pp_microbatches says otherwise"
+        out.rows.append(Row(key, size, "-", "refused", why))
+        return
+    out.parallel["pp_microbatches"] = count
+    out.rows.append(Row(key, size, f"parallel.pp_microbatches={count}", "exact",
+                        f"{named} // {size}, as torchtitan splits the local batch"))  # fmt: skip
 
 
 def _training(out: Translation, t: dict[str, Any]) -> None:
@@ -326,6 +423,15 @@ def _training(out: Translation, t: dict[str, Any]) -> None:
 
 def _checkpointing(out: Translation, a: dict[str, Any]) -> None:
     mode = a.pop("mode", "none")
+    if "selective_ac_option" in a and mode != "selective":
+        value = a.pop("selective_ac_option")
+        why = "read with mode 'selective' only"
+        out.rows.append(Row("activation_checkpoint.selective_ac_option", value, "-", "no effect",
+                            why))  # fmt: skip
+    if "selective_ac_option" in a:
+        value = a["selective_ac_option"]
+        out.rows.append(Row("activation_checkpoint.selective_ac_option", value,
+                            "read with activation_checkpoint.mode", "exact"))  # fmt: skip
     option = a.pop("selective_ac_option", "2")
     if mode in ("none", "full"):
         out.parallel["activation_checkpointing"] = mode
@@ -360,19 +466,22 @@ def _checkpointing(out: Translation, a: dict[str, Any]) -> None:
             )
         )
     for key, value in a.items():
-        out.rows.append(
-            Row(
-                f"activation_checkpoint.{key}",
-                value,
-                "-",
-                "no effect",
-                "a detail of torchtitan's own checkpointing wrapper",
-            )
-        )
+        where = f"activation_checkpoint.{key}"
+        if key not in _KNOWN["activation_checkpoint"]:
+            _unknown(out, where, value)
+            continue
+        why = "a detail of torchtitan's own checkpointing wrapper"
+        out.rows.append(Row(where, value, "-", "no effect", why))
 
 
 def _compile(out: Translation, c: dict[str, Any]) -> None:
     enable = bool(c.pop("enable", False))
+    if "backend" in c:
+        value = c["backend"]
+        became = f"parallel.compile={str(value)!r}" if enable else "-"
+        verdict: Verdict = "exact" if enable else "no effect"
+        out.rows.append(Row("compile.backend", value, became, verdict,
+                            "" if enable else "compile is off"))  # fmt: skip
     backend = str(c.pop("backend", "inductor"))
     out.parallel["compile"] = backend if enable else False
     out.rows.append(
@@ -385,9 +494,11 @@ def _compile(out: Translation, c: dict[str, Any]) -> None:
         )
     )
     for key, value in c.items():
-        out.rows.append(
-            Row(f"compile.{key}", value, "-", "no effect", "shardwise compiles the planned blocks")
-        )
+        if key not in _KNOWN["compile"]:
+            _unknown(out, f"compile.{key}", value)
+            continue
+        why = "shardwise compiles the planned blocks"
+        out.rows.append(Row(f"compile.{key}", value, "-", "no effect", why))
 
 
 def _optimizer(out: Translation, o: dict[str, Any]) -> None:
@@ -413,6 +524,12 @@ def _optimizer(out: Translation, o: dict[str, Any]) -> None:
 
 
 def _scheduler(out: Translation, s: dict[str, Any]) -> None:
+    for key, value in s.items():
+        where = f"lr_scheduler.{key}"
+        if key not in _KNOWN["lr_scheduler"]:
+            _unknown(out, where, value)
+        else:
+            out.rows.append(Row(where, value, "read with lr_scheduler (its row below)", "exact"))
     warmup = int(s.get("warmup_steps", 0))
     decay = s.get("decay_ratio")
     if warmup == 0 and decay is None:

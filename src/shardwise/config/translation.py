@@ -28,6 +28,16 @@ Tool = Literal["DeepSpeed", "Accelerate", "torchtitan"]
 """The tools whose configuration files shardwise reads."""
 
 
+_SHOWN = 40
+"""The most characters of a refused value that an error prints: the key and the reason
+are the message, not a whole block of the file."""
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+
+
 @dataclass(frozen=True)
 class Row:
     """One key read: what it became and how faithfully."""
@@ -68,7 +78,7 @@ class Translation:
     def config(self) -> Config:
         """The shardwise Config; a ConfigError naming every refused key if any was."""
         if self.refused:
-            lines = [f"  {r.key} = {r.value!r}: {r.note}" for r in self.refused]
+            lines = [f"  {r.key} = {_short(r.value)}: {r.note}" for r in self.refused]
             raise ConfigError(
                 f"this {self.source} config cannot mean the same in shardwise; refused:\n"
                 + "\n".join(lines)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _refusals import assert_refused
+from _refusals import assert_refused, unnamed_keys
 
 from shardwise.cli.main import main
 from shardwise.config.accelerate import translate_accelerate
@@ -246,3 +246,95 @@ def test_a_sequence_split_becomes_context_parallel(tmp_path, key, verdict, said)
     assert translation.config.parallel.cp == 2
     assert (row.became, row.verdict) == ("parallel.cp=2", verdict) and said in row.note
     assert rows["parallelism_config.parallelism_config_cp_backend"].verdict == "no effect"
+
+
+# --------------------------------------------------------------------------- issue 50: a newcomer
+
+
+def test_a_misspelt_key_names_the_closest_key_of_its_level() -> None:
+    translation = translate_accelerate({
+        "distributed_typ": "FSDP",
+        "distributed_type": "FSDP",
+        "fsdp_config": {"fsdp_sharding_stratgy": 1},
+        "parallelism_config": {"parallelism_config_dp_shrd_size": 2, "tp_sze": 2},
+        "dynamo_config": {"dynamo_backnd": "inductor"},
+        "xyzzy": 1,
+    })  # fmt: skip
+    assert {r.key: r.note for r in translation.refused} == {
+        "distributed_typ": "not an Accelerate key shardwise reads. Did you mean "
+        "'distributed_type'?",
+        "fsdp_config.fsdp_sharding_stratgy": "not an fsdp_config key shardwise reads. Did you "
+        "mean 'fsdp_sharding_strategy'?",
+        "parallelism_config.parallelism_config_dp_shrd_size": "not a parallelism_config key "
+        "shardwise reads. Did you mean 'parallelism_config_dp_shard_size'?",
+        "parallelism_config.tp_sze": "not a parallelism_config key shardwise reads. Did you "
+        "mean 'tp_size'?",
+        "dynamo_config.dynamo_backnd": "not a dynamo_config key shardwise reads. Did you mean "
+        "'dynamo_backend'?",
+        "xyzzy": "not an Accelerate key shardwise reads",
+    }
+    inline = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stag": 3}}
+    assert {r.key: r.note for r in translate_accelerate(inline).refused} == {
+        "deepspeed_config.zero_stag": "not a deepspeed_config key shardwise reads. Did you "
+        "mean 'zero_stage'?"
+    }
+
+
+def test_the_inline_deepspeed_keys_are_named_and_refused_beside_a_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import yaml
+
+    rows = {r.key: r for r in translate_accelerate(yaml.safe_load(DS_INLINE)).rows}
+    assert rows["deepspeed_config.zero_stage"].became == (
+        "read as zero_optimization.stage (its row below)"
+    )
+    assert rows["deepspeed_config.zero3_init_flag"].verdict == "no effect"
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    both = {"distributed_type": "DEEPSPEED",
+            "deepspeed_config": {"deepspeed_config_file": "ds.json", "zero_stage": 2}}  # fmt: skip
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(json.dumps(both))
+    assert_refused(
+        translate_accelerate(path),
+        {"deepspeed_config.zero_stage": "beside deepspeed_config_file, which decides "
+         "(Accelerate refuses both)"},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("text", [FSDP1, FSDP1_NUMBERED, FSDP2, HSDP_TP, DS_INLINE, DDP],
+                         ids=["fsdp1", "numbered", "fsdp2", "hsdp_tp", "ds_inline", "ddp"])  # fmt: skip
+def test_every_key_read_is_named_in_the_table(text) -> None:  # type: ignore[no-untyped-def]
+    import yaml
+
+    data = yaml.safe_load(text)
+    translation = translate_accelerate(data)
+    assert unnamed_keys(translation, data) == [], translation.table()
+
+
+def test_a_file_of_another_kind_is_named_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    torchtitan = {"parallelism": {"tensor_parallel_degree": 2}, "training": {"steps": 10}}
+    with pytest.raises(ConfigError) as exc:
+        translate_accelerate(torchtitan)
+    assert str(exc.value) == (
+        "the config given is a torchtitan config (it has parallelism, training), not an "
+        "Accelerate config: read it as torchtitan's (a .toml file, --from)."
+    )
+    path = tmp_path / "ds_config.yaml"  # a DeepSpeed config written out as YAML
+    path.write_text("zero_optimization:\n  stage: 3\ntrain_micro_batch_size_per_gpu: 4\n")
+    with pytest.raises(ConfigError) as exc:
+        translate_accelerate(path)
+    assert str(exc.value) == (
+        f"{path} is a DeepSpeed config (it has zero_optimization, "
+        "train_micro_batch_size_per_gpu), not an Accelerate config: read it as DeepSpeed's "
+        "(a .json file, --deepspeed or --from)."
+    )
+    as_json = tmp_path / "accelerate.json"  # Accelerate reads a JSON config too
+    as_json.write_text(json.dumps({"distributed_type": "MULTI_GPU"}))
+    assert translate_accelerate(as_json).parallel["strategy"] == "ddp"
+    run_file = tmp_path / "run.yaml"  # a shardwise run file
+    run_file.write_text("parallel:\n  strategy: full_shard\ntrain:\n  accumulate_steps: 2\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"run.yaml is a shardwise run file \(it has parallel, "
+        r"train\), not an Accelerate config: give it to the script as --config",
+    ):
+        translate_accelerate(run_file)

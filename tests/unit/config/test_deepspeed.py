@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from _refusals import assert_refused
+from _refusals import assert_refused, unnamed_keys
 
 from shardwise.cli.main import main
 from shardwise.config.deepspeed import translate_deepspeed
@@ -350,3 +350,161 @@ def test_every_spelling_of_a_precision_block_means_its_dtype(key) -> None:  # ty
     )
     rows = {r.key: r for r in translation.rows}
     assert rows[f"{key}.enabled"].became == f"parallel.mixed_precision='{want}'"
+
+
+# --------------------------------------------------------------------------- issue 50: a newcomer
+
+
+def test_a_misspelt_key_names_the_closest_key_of_its_level() -> None:
+    """Each level the reader walks compares a key it does not read with its own keys: the
+    top, ZeRO, a precision block on and off (a misspelt 'enabled' leaves bf16 off, so it
+    must be refused, not listed as having no effect), the optimizer and scheduler blocks
+    and their params. A key near none of them gets no guess."""
+    translation = translate_deepspeed({
+        "zero_optimisation": {"stage": 3},
+        "zero_optimization": {"stage": 2, "overlap_com": True},
+        "bf16": {"enabeld": True},
+        "fp16": {"enabled": True, "loss_scal": 0},
+        "optimizer": {"type": "AdamW", "parms": {}, "params": {"weight_decy": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}},
+        "xyzzy": 1,
+    })  # fmt: skip
+    assert {r.key: r.note for r in translation.refused} == {
+        "zero_optimisation": "not a DeepSpeed key shardwise reads. Did you mean "
+        "'zero_optimization'?",
+        "zero_optimization.overlap_com": "not a ZeRO key shardwise reads. Did you mean "
+        "'overlap_comm'?",
+        "bf16.enabeld": "not a bf16 key shardwise reads. Did you mean 'enabled'?",
+        "fp16.loss_scal": "not an fp16 key shardwise reads. Did you mean 'loss_scale'?",
+        "optimizer.parms": "not an optimizer key shardwise reads. Did you mean 'params'?",
+        "optimizer.params.weight_decy": "not an optimizer parameter shardwise reads. Did you "
+        "mean 'weight_decay'?",
+        "scheduler.params.warmup_num_step": "not a WarmupLR parameter shardwise reads. Did you "
+        "mean 'warmup_num_steps'?",
+        "xyzzy": "not a DeepSpeed key shardwise reads",
+    }
+
+
+def test_a_refusal_shows_the_key_and_the_reason_not_the_whole_block() -> None:
+    block = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+    with pytest.raises(ConfigError) as exc:
+        translate_deepspeed({"zero_optimisation": block}).config  # noqa: B018
+    assert str(exc.value) == (
+        "this DeepSpeed config cannot mean the same in shardwise; refused:\n"
+        "  zero_optimisation = {'stage': 3, 'overlap_comm': True, 'c...: not a DeepSpeed key "
+        "shardwise reads. Did you mean 'zero_optimization'?"
+    )
+    with pytest.raises(ConfigError) as short:  # a value of 40 characters is shown whole
+        translate_deepspeed({"zero_optimisation": {"stage": 3, "overlap_comm": 1234567890}}).config  # noqa: B018
+    assert "= {'stage': 3, 'overlap_comm': 1234567890}: not" in str(short.value)
+
+
+MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}
+
+
+def test_a_file_of_another_kind_is_named_in_one_line(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MODEL_CONFIG))
+    assert main(["config", "show", "--from", str(path)]) == 2
+    got = capsys.readouterr()
+    assert got.out == ""  # no table of refusals
+    assert got.err == (
+        f"shardwise config: error: {path} is a transformers model config (it has model_type, "
+        "architectures), not a DeepSpeed config: the script builds the model from it "
+        "(from_pretrained); give shardwise the training config (a DeepSpeed .json, an "
+        "Accelerate .yaml or a torchtitan .toml).\n"
+    )
+    run_file = {"parallel": {"strategy": "ddp"}, "runner": {"max_steps": 3}}
+    with pytest.raises(ConfigError) as exc:
+        translate_deepspeed(run_file)
+    assert str(exc.value) == (
+        "the config given is a shardwise run file (it has parallel, runner), not a DeepSpeed "
+        "config: give it to the script as --config FILE (shardwise.load_config reads it)."
+    )
+    accelerate = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP"}
+    with pytest.raises(ConfigError) as exc:
+        translate_deepspeed(accelerate)
+    assert str(exc.value) == (
+        "the config given is an Accelerate config (it has distributed_type, "
+        "compute_environment), not a DeepSpeed config: read it as Accelerate's (a .yaml "
+        "file, --accelerate-config or --from)."
+    )
+    yaml = tmp_path / "default_config.yaml"  # the other tool's suffix, before its contents
+    yaml.write_text("distributed_type: FSDP\n")
+    with pytest.raises(ConfigError) as exc:
+        translate_deepspeed(yaml)
+    assert str(exc.value) == (
+        f"{yaml}: a .yaml file is an Accelerate config to shardwise, not a DeepSpeed one "
+        "(.json): read it with shardwise.translate_accelerate (shardwise run --from picks the "
+        "reader by the suffix)."
+    )
+
+
+def test_a_deepspeed_file_with_a_stray_key_of_another_kind_is_read_as_deepspeeds() -> None:
+    # Both halves of the condition: another kind's key *and* none of DeepSpeed's own.
+    translation = translate_deepspeed({"zero_optimization": {"stage": 2}, "model_type": "x"})
+    assert {r.key for r in translation.refused} == {"model_type"}
+    assert translate_deepspeed({"optimizer": {"type": "SGD"}}).optimizer == {"name": "sgd"}
+
+
+@pytest.mark.parametrize(
+    ("flag", "name", "message"),
+    [
+        ("--deepspeed", "acc.yaml", "a .yaml file is read as an Accelerate config, and "
+         "--deepspeed names a DeepSpeed one (.json). Pass it with --accelerate-config, or give "
+         "the DeepSpeed config as .json."),
+        ("--deepspeed", "job.toml", "a .toml file is read as a torchtitan config, and "
+         "--deepspeed names a DeepSpeed one (.json). Pass it with --from, or give the DeepSpeed "
+         "config as .json."),
+        ("--accelerate-config", "ds.json", "a .json file is read as a DeepSpeed config, and "
+         "--accelerate-config names an Accelerate one (.yaml or .yml). Pass it with "
+         "--deepspeed, or give the Accelerate config as .yaml or .yml."),
+    ],
+)  # fmt: skip
+def test_a_flag_and_a_suffix_that_disagree_stop_the_launch(
+    tmp_path, capsys, flag, name, message
+) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / name
+    path.write_text("{}")
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('started')\n")
+    assert main(["run", "--nproc", "1", flag, str(path), str(script)]) == 2
+    assert capsys.readouterr().err == f"shardwise run: error: {flag} {path}: {message}\n"
+
+
+def test_a_flag_that_agrees_with_the_suffix_passes_the_check() -> None:
+    from shardwise.config.foreign import check_flag
+
+    for flag, name in [("--deepspeed", "ds.json"), ("--accelerate-config", "a.yaml"),
+                       ("--accelerate-config", "a.yml"), ("--from", "a.yaml"),
+                       ("--from", "ds.json"), ("--from", "job.toml")]:  # fmt: skip
+        check_flag(flag, name)  # no error
+
+
+def test_parallel_config_from_env_is_the_launched_files_layout(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import shardwise
+
+    monkeypatch.delenv("SHARDWISE_FROM", raising=False)
+    assert shardwise.ParallelConfig.from_env() == shardwise.ParallelConfig()  # as wrap(model)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    monkeypatch.setenv("SHARDWISE_FROM", str(path))
+    got = shardwise.ParallelConfig.from_env()
+    assert (got.strategy, got.mixed_precision) == ("full_shard", "bf16")
+    path.write_text(json.dumps({"zero_optimisation": {"stage": 3}}))
+    with pytest.raises(ConfigError, match=r"zero_optimisation = \{'stage': 3\}: not a DeepSpeed"):
+        shardwise.ParallelConfig.from_env()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [HF_ZERO3, HF_ZERO2, ZERO3_BF16, ZERO1_FP16, ZERO_OFFLOAD, DECAY, COSINE,
+     {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False,
+                                               "torch_adam": True}}},
+     {"bf16": {"enabled": False, "immediate_grad_update": True}}],
+    ids=["hf_zero3", "hf_zero2", "zero3_bf16", "zero1_fp16", "offload", "decay", "cosine",
+         "adam_modes", "bf16_off"],
+)  # fmt: skip
+def test_every_key_read_is_named_in_the_table(data) -> None:  # type: ignore[no-untyped-def]
+    translation = translate_deepspeed(data, world=2)
+    assert unnamed_keys(translation, data) == [], translation.table()

@@ -6,9 +6,10 @@ file's own."""
 from __future__ import annotations
 
 import pytest
-from _refusals import assert_refused
+from _refusals import assert_refused, unnamed_keys
 
 from shardwise.cli.main import main
+from shardwise.config.run_file import ConfigError
 from shardwise.config.torchtitan import translate_torchtitan
 
 OWN = """[job]
@@ -246,3 +247,131 @@ def test_the_optimizer_is_torchtitans_whatever_the_file_leaves_out() -> None:
     assert translate_torchtitan(tomllib.loads(other_beta)).optimizer["betas"] == (0.8, 0.95)
     nothing = translate_torchtitan(tomllib.loads(DDP)).optimizer  # no [optimizer] section
     assert nothing == {**full, "lr": 8e-4}
+
+
+# --------------------------------------------------------------------------- issue 50: a newcomer
+
+
+def test_a_misspelt_key_names_the_closest_key_of_its_level() -> None:
+    translation = translate_torchtitan({
+        "parallelsim": {},
+        "parallelism": {"tensor_paralel_degree": 2},
+        "training": {"local_bach_size": 2},
+        "optimizer": {"weight_decy": 0.1},
+        "activation_checkpoint": {"mdoe": "full"},  # was 'no effect': checkpointing lost
+        "compile": {"enabel": True},
+        "lr_scheduler": {"warmup_step": 2},
+        "xyzzy": {},
+    })  # fmt: skip
+    assert {r.key: r.note for r in translation.refused} == {
+        "parallelsim": "not a torchtitan section shardwise reads. Did you mean 'parallelism'?",
+        "parallelism.tensor_paralel_degree": "not a [parallelism] key shardwise reads. Did you "
+        "mean 'tensor_parallel_degree'?",
+        "training.local_bach_size": "not a [training] key shardwise reads. Did you mean "
+        "'local_batch_size'?",
+        "optimizer.weight_decy": "not an [optimizer] key shardwise reads. Did you mean "
+        "'weight_decay'?",
+        "activation_checkpoint.mdoe": "not an [activation_checkpoint] key shardwise reads. Did "
+        "you mean 'mode'?",
+        "compile.enabel": "not a [compile] key shardwise reads. Did you mean 'enable'?",
+        "lr_scheduler.warmup_step": "not a [lr_scheduler] key shardwise reads. Did you mean "
+        "'warmup_steps'?",
+        "xyzzy": "not a torchtitan section shardwise reads",
+    }
+
+
+def _pipeline(local: int | None, size: int, pp: int = 2, **more: int) -> dict:  # type: ignore[type-arg]
+    training = {} if local is None else {"local_batch_size": local}
+    parallelism = {"pipeline_parallel_degree": pp, "pipeline_parallel_microbatch_size": size}
+    return {"parallelism": {**parallelism, **more}, "training": training}
+
+
+@pytest.mark.parametrize(
+    ("local", "size", "count"),
+    [(12, 2, 6), (12, 4, 3), (None, 4, 2), (8, 8, 1)],  # None: torchtitan's local batch, 8
+)
+def test_the_micro_batch_size_becomes_the_count_of_micro_batches(local, size, count) -> None:  # type: ignore[no-untyped-def]
+    # Values where the count differs from the size, from pp and from shardwise's 2 x pp.
+    translation = translate_torchtitan(_pipeline(local, size))
+    assert translation.parallel["pp_microbatches"] == count, translation.table()
+    row = {r.key: r for r in translation.rows}["parallelism.pipeline_parallel_microbatch_size"]
+    named = f"training.local_batch_size={local}" if local else (
+        "training.local_batch_size=8 (torchtitan's default)")  # fmt: skip
+    assert (row.became, row.note) == (
+        f"parallel.pp_microbatches={count}",
+        f"{named} // {size}, as torchtitan splits the local batch",
+    )
+
+
+def test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused() -> None:
+    with pytest.raises(ConfigError) as exc:
+        translate_torchtitan(_pipeline(8, 3)).config  # noqa: B018
+    assert str(exc.value) == (
+        "this torchtitan config cannot mean the same in shardwise; refused:\n"
+        "  parallelism.pipeline_parallel_microbatch_size = 3: does not divide "
+        "training.local_batch_size=8 (torchtitan refuses it too); give a divisor of 8 "
+        "(1, 2, 4, 8)"
+    )
+    assert_refused(translate_torchtitan(_pipeline(None, 3)), {
+        "parallelism.pipeline_parallel_microbatch_size": "does not divide "
+        "training.local_batch_size=8 (torchtitan's default) (torchtitan refuses it too)"})  # fmt: skip
+    assert_refused(translate_torchtitan(_pipeline(12, 2, num_pp_microbatches=4)), {
+        "parallelism.pipeline_parallel_microbatch_size": "training.local_batch_size=12 // 2 = 6 "
+        "micro-batches, and num_pp_microbatches says otherwise"})  # fmt: skip
+    one = translate_torchtitan(_pipeline(8, 3, pp=1))  # pp 1: no micro-batches at all
+    assert "pp_microbatches" not in one.parallel and not one.refused
+    assert {r.key: r for r in one.rows}["parallelism.pipeline_parallel_microbatch_size"].note == (
+        "pp is 1"
+    )
+
+
+@pytest.mark.parametrize("text", [FSDP, HSDP_TP, PIPELINE, DDP, OWN + """
+[parallelism]
+pipeline_parallel_degree = 2
+pipeline_parallel_microbatch_size = 2
+tensor_parallel_degree = 2
+enable_sequence_parallel = false
+
+[activation_checkpoint]
+mode = "full"
+selective_ac_option = "2"
+preserve_rng_state = true
+
+[compile]
+enable = true
+backend = "aot_eager"
+
+[optimizer]
+beta1 = 0.8
+beta2 = 0.9
+
+[lr_scheduler]
+warmup_steps = 0
+"""], ids=["fsdp", "hsdp_tp", "pipeline", "ddp", "each_key"])  # fmt: skip
+def test_every_key_read_is_named_in_the_table(text) -> None:  # type: ignore[no-untyped-def]
+    import tomllib
+
+    data = tomllib.loads(text)
+    translation = translate_torchtitan(data)
+    for section in ("job", "metrics", "model", "checkpoint"):
+        data.pop(section, None)  # torchtitan's own sections: one row for each, named
+        assert section not in text or section in {r.key for r in translation.rows}
+    assert unnamed_keys(translation, data) == [], translation.table()
+
+
+def test_a_file_of_another_kind_is_named_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError) as exc:
+        translate_torchtitan({"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0})
+    assert str(exc.value) == (
+        "the config given is a DeepSpeed config (it has zero_optimization, gradient_clipping), "
+        "not a torchtitan config: read it as DeepSpeed's (a .json file, --deepspeed or --from)."
+    )
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"zero_optimization": {"stage": 3}}')
+    with pytest.raises(ConfigError) as exc:
+        translate_torchtitan(path)
+    assert str(exc.value) == (
+        f"{path}: a .json file is a DeepSpeed config to shardwise, not a torchtitan one "
+        "(.toml): read it with shardwise.translate_deepspeed (shardwise run --from picks the "
+        "reader by the suffix)."
+    )
