@@ -2640,6 +2640,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/config/test_torchtitan.py::test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused",
         ),
     ),
+    Mutant(
+        "torchtitan_silent_micro_batches_take_shardwises_default",
+        "src/shardwise/config/torchtitan.py",
+        '    elif pp > 1 and "num_pp_microbatches" not in p:\n',
+        "    elif False:\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_file_silent_on_micro_batches_takes_torchtitans_micro_batches_of_one_row",
+        ),
+    ),
 )
 
 

@@ -304,6 +304,10 @@ _LOCAL_BATCH = 8
 """torchtitan's training.local_batch_size where the file is silent (shardwise's too)."""
 
 
+_MICROBATCH_SIZE = 1
+"""torchtitan's parallelism.pipeline_parallel_microbatch_size where the file is silent."""
+
+
 def _microbatches(out: Translation, data: dict[str, Any]) -> None:
     """torchtitan splits each local batch into local_batch_size // microbatch_size pipeline
     micro-batches, and refuses a micro-batch size that does not divide the batch."""
@@ -316,12 +320,14 @@ def _microbatches(out: Translation, data: dict[str, Any]) -> None:
             out.parallel["pp_microbatches"] = count
         out.rows.append(Row("parallelism.num_pp_microbatches", count,
                             f"parallel.pp_microbatches={count}", "exact"))  # fmt: skip
-    if "pipeline_parallel_microbatch_size" not in p:
+    key = "parallelism.pipeline_parallel_microbatch_size"
+    if "pipeline_parallel_microbatch_size" in p:
+        size = p["pipeline_parallel_microbatch_size"]
+    elif pp > 1 and "num_pp_microbatches" not in p:
+        size = _MICROBATCH_SIZE  # the file is silent: torchtitan's micro-batches of 1 row
+        key = f"{key} (torchtitan's default)"
+    else:
         return
-    key, size = (
-        "parallelism.pipeline_parallel_microbatch_size",
-        p["pipeline_parallel_microbatch_size"],
-    )
     if pp == 1:
         out.rows.append(Row(key, size, "-", "no effect", "pp is 1"))
         return

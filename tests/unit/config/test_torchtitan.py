@@ -303,6 +303,27 @@ def test_the_micro_batch_size_becomes_the_count_of_micro_batches(local, size, co
     )
 
 
+@pytest.mark.parametrize(("local", "count"), [(12, 12), (None, 8), (6, 6)])
+def test_a_file_silent_on_micro_batches_takes_torchtitans_micro_batches_of_one_row(
+    local, count
+) -> None:  # type: ignore[no-untyped-def]
+    # torchtitan's micro-batch size defaults to 1: local_batch_size micro-batches, not
+    # shardwise's own 2 x pp (which at pp 2 and pp 3 gives 4 and 6).
+    for pp in (2, 3):
+        data = _pipeline(local, 1, pp=pp)
+        del data["parallelism"]["pipeline_parallel_microbatch_size"]
+        translation = translate_torchtitan(data)
+        assert translation.parallel["pp_microbatches"] == count, translation.table()
+        key = "parallelism.pipeline_parallel_microbatch_size (torchtitan's default)"
+        row = {r.key: r for r in translation.rows}[key]
+        assert (row.value, row.became) == (1, f"parallel.pp_microbatches={count}")
+    flat = _pipeline(local, 1, pp=1)
+    del flat["parallelism"]["pipeline_parallel_microbatch_size"]
+    one = translate_torchtitan(flat)  # pp 1: no micro-batches, and no row for them
+    assert "pp_microbatches" not in one.parallel
+    assert not any("microbatch" in r.key for r in one.rows)
+
+
 def test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused() -> None:
     with pytest.raises(ConfigError) as exc:
         translate_torchtitan(_pipeline(8, 3)).config  # noqa: B018
