@@ -2649,6 +2649,73 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/config/test_torchtitan.py::test_a_file_silent_on_micro_batches_takes_torchtitans_micro_batches_of_one_row",
         ),
     ),
+    Mutant(
+        "estimate_no_shard_holds_no_unsharded_copies",
+        "src/shardwise/memory/model_states.py",
+        '        if strategy == "ddp" or world_size == 1:\n',
+        '        if strategy == "ddp" or shard == 1:\n',
+        (
+            "tests/unit/memory/test_autoplan.py::test_the_moments_of_a_step_at_sizes_where_the_wrong_ones_differ",
+            "tests/unit/memory/test_autoplan.py::test_instant_estimate_within_ten_percent_of_the_simulation",
+        ),
+    ),
+    Mutant(
+        "estimate_fsdp_update_as_ddps",
+        "src/shardwise/memory/model_states.py",
+        '            "optimizer_step": held + (3 if ddp else 2) * s.grads,\n',
+        '            "optimizer_step": held + 3 * s.grads,\n',
+        (
+            "tests/unit/memory/test_autoplan.py::test_the_moments_of_a_step_at_sizes_where_the_wrong_ones_differ",
+            "tests/unit/memory/test_autoplan.py::test_instant_estimate_within_ten_percent_of_the_simulation",
+        ),
+    ),
+    Mutant(
+        "estimate_fsdp_update_without_temporaries",
+        "src/shardwise/memory/model_states.py",
+        '            "optimizer_step": held + (3 if ddp else 2) * s.grads,\n',
+        '            "optimizer_step": held + (3 if ddp else 1) * s.grads,\n',
+        (
+            "tests/unit/memory/test_autoplan.py::test_the_moments_of_a_step_at_sizes_where_the_wrong_ones_differ",
+            "tests/unit/memory/test_autoplan.py::test_instant_estimate_within_ten_percent_of_the_simulation",
+        ),
+    ),
+    Mutant(
+        "estimate_root_gathered_once",
+        "src/shardwise/memory/model_states.py",
+        "                root_gather=root if sharded and spec.reshard_after_forward else 0,\n",
+        "                root_gather=0,\n",
+        (
+            "tests/unit/memory/test_autoplan.py::test_the_moments_of_a_step_at_sizes_where_the_wrong_ones_differ",
+            "tests/unit/memory/test_autoplan.py::test_instant_estimate_within_ten_percent_of_the_simulation",
+        ),
+    ),
+    Mutant(
+        "estimate_root_reduce_counts_its_shard_twice",
+        "src/shardwise/memory/model_states.py",
+        "round(root_numel * (root_width + 4)) - -(-root_grads // shard) if sharded else 0",
+        "round(root_numel * (root_width + 4)) if sharded else 0",
+        (
+            "tests/unit/memory/test_autoplan.py::test_the_moments_of_a_step_at_sizes_where_the_wrong_ones_differ",
+        ),
+    ),
+    Mutant(
+        "estimate_gap_marked_only_above",
+        "src/shardwise/memory/auto.py",
+        "            if abs(r.estimate - r.simulated) > ESTIMATE_TOLERANCE * r.simulated:\n",
+        "            if r.estimate - r.simulated > ESTIMATE_TOLERANCE * r.simulated:\n",
+        (
+            "tests/unit/memory/test_autoplan.py::test_a_row_whose_estimate_is_off_the_simulation_says_which_to_trust",
+        ),
+    ),
+    Mutant(
+        "auto_says_not_simulated_without_the_simulation",
+        "src/shardwise/memory/auto.py",
+        "            if simulate and estimate is not None and estimate > _SKIP_ABOVE * limit:\n",
+        "            if estimate is not None and estimate > _SKIP_ABOVE * limit:\n",
+        (
+            "tests/unit/memory/test_autoplan.py::test_without_the_simulation_no_row_says_it_was_not_simulated",
+        ),
+    ),
 )
 
 

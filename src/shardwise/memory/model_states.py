@@ -41,6 +41,13 @@ class MemoryEstimate:
     unit_buffers: int = 0
     """During backward, FSDP also holds the next unit's all-gather (prefetch) and one
     unit's unsharded gradients for its reduce-scatter (fp32): the largest unit's."""
+    root_gather: int = 0
+    """Resharding after forward, the root unit is gathered again for backward: its
+    all-gather buffer and its unsharded parameters are held together for a moment."""
+    root_reduce: int = 0
+    """Sharding over more than one rank, the root unit's unsharded gradients (in the
+    compute dtype) and their fp32 copy for its reduce-scatter, at the end of backward, less
+    its sharded gradients (not yet there)."""
 
     @property
     def model_states(self) -> int:
@@ -118,6 +125,12 @@ def estimate_memory(
 
     units = [round(compute_bytes(u.bytes_by_dtype) * share[u.fqn]) for u in plan.units]
     root = units[-1] if units else 0
+    last = plan.units[-1] if plan.units else None
+    root_numel = round(last.trainable_params * share[last.fqn]) if last else 0
+    root_grads = round(last.trainable_bytes * share[last.fqn]) if last else 0
+    root_width = compute_dtype_bytes or (
+        last.trainable_bytes / last.trainable_params if last and last.trainable_params else 4
+    )
     largest = max(units[:-1], default=0)
     # FSDP2 reduce-scatters the gradients of trainable parameters only (a frozen base has none).
     largest_numel = max(
@@ -132,13 +145,12 @@ def estimate_memory(
         except ValueError:
             continue  # e.g. hybrid at a world size with no 2-D mesh
         shard = spec.dp_shard
-        if strategy == "ddp":
-            gathered = 0  # DDP computes on its full replica
-        elif shard == 1:
-            gathered = 0
-        elif spec.reshard_after_forward:
+        sharded = strategy != "ddp" and shard > 1
+        if strategy == "ddp" or world_size == 1:
+            gathered = 0  # DDP computes on its full replica; one process wraps nothing
+        elif sharded and spec.reshard_after_forward:
             gathered = largest + root
-        else:
+        else:  # FSDP keeps unsharded copies even over one shard rank (no_shard)
             gathered = sum(units)
         out.append(
             MemoryEstimate(
@@ -152,8 +164,12 @@ def estimate_memory(
                 gathered=gathered,
                 unit_buffers=(
                     (largest if spec.reshard_after_forward else 0) + 4 * largest_numel
-                    if strategy != "ddp" and shard > 1
+                    if sharded
                     else 0
+                ),
+                root_gather=root if sharded and spec.reshard_after_forward else 0,
+                root_reduce=(
+                    round(root_numel * (root_width + 4)) - -(-root_grads // shard) if sharded else 0
                 ),
             )
         )
@@ -187,12 +203,16 @@ def dtype_bytes(name: str) -> int:
 @dataclass(frozen=True)
 class PeakEstimate:
     """The instant per-rank peak: model states plus traced activations, at the larger of
-    three moments of a step. `start_of_backward`: every kept activation, plus the loss's
+    five moments of a step. `start_of_backward`: every kept activation, plus the loss's
     gradient (twice the largest saved tensor: the logits' gradient and its cast).
     `recompute`: a checkpointed block's activations back during its backward, with
-    FSDP's prefetch and reduce-scatter buffers. `optimizer_step`: all gradients present,
-    plus two gradient-sized temporaries of the update (AdamW's foreach kernels). DDP adds
-    its buckets (one copy of the gradients) throughout."""
+    FSDP's prefetch and reduce-scatter buffers. `root_gather`: the root unit's all-gather
+    buffer beside its gathered parameters, as the forward starts. `root_reduce`: the root
+    unit's gradients unsharded and in fp32 for its reduce-scatter, every other gradient
+    sharded. `optimizer_step`: all gradients present, plus the update's gradient-sized
+    temporaries (AdamW's foreach kernels): two over DDP's plain tensors, one over FSDP's
+    DTensors, as the simulation measures them. DDP adds its buckets (one copy of the
+    gradients) throughout."""
 
     states: MemoryEstimate
     activations: int
@@ -204,10 +224,13 @@ class PeakEstimate:
     def phases(self) -> dict[str, int]:
         s = self.states
         held = s.params + s.optimizer + self.ddp_buckets
+        ddp = s.strategy == "ddp"
         return {
             "start_of_backward": held + s.gathered + self.activations + self.loss_grads,
             "recompute": held + s.gathered + s.unit_buffers + self.activations + self.recompute,
-            "optimizer_step": held + 3 * s.grads,
+            "root_gather": held + s.gathered + s.root_gather,
+            "root_reduce": held + s.grads + s.root_reduce,
+            "optimizer_step": held + (3 if ddp else 2) * s.grads,
         }
 
     @property
