@@ -366,8 +366,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "layout_refusal_with_a_traceback",
         "src/shardwise/distributed/worker_errors.py",
-        "    if getattr(exc, _REFUSED, False):\n        return True\n",
-        "",
+        "    if getattr(exc, _REFUSED, False) or raised_by_shardwise(exc):\n",
+        "    if raised_by_shardwise(exc):\n",
         (
             "tests/unit/distributed/test_worker_errors.py::"
             "test_the_hook_records_every_error_and_prints_on_local_rank_0_only",
@@ -2400,6 +2400,45 @@ MUTANTS: tuple[Mutant, ...] = (
         "            local_world_size=local,\n",
         (
             "tests/unit/parallelize/test_context_unit.py::test_cp_ranks_sit_between_the_shard_ranks_and_tp",
+        ),
+    ),
+    # Issue 50: one line for every refusal, wherever it is raised.
+    Mutant(
+        "refusal_by_shardwise_not_one_line",
+        "src/shardwise/distributed/worker_errors.py",
+        "    if getattr(exc, _REFUSED, False) or raised_by_shardwise(exc):\n",
+        "    if getattr(exc, _REFUSED, False):\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::test_an_error_raised_by_shardwise_is_one_line_and_others_keep_their_traceback",
+            "tests/e2e/test_launch_robust.py::test_a_refusal_raised_by_shardwise_without_a_mark_is_one_line",
+        ),
+    ),
+    Mutant(
+        "a_bug_inside_shardwise_read_as_a_refusal",
+        "src/shardwise/distributed/worker_errors.py",
+        '        ins.offset == tb.tb_lasti and ins.opname == "RAISE_VARARGS"\n',
+        "        ins.offset == tb.tb_lasti\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::test_an_error_raised_by_shardwise_is_one_line_and_others_keep_their_traceback",
+        ),
+    ),
+    Mutant(
+        "plain_python_keeps_pythons_hook",
+        "src/shardwise/distributed/worker_errors.py",
+        "        sys.excepthook = _hook if launched else _plain_hook\n",
+        "        sys.excepthook = _hook if launched else sys.__excepthook__\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::test_outside_shardwise_run_the_plain_hook_is_installed",
+            "tests/e2e/test_cli.py::test_a_refusal_in_a_plain_python_run_is_one_line",
+        ),
+    ),
+    Mutant(
+        "shardwise_traceback_ignored",
+        "src/shardwise/distributed/worker_errors.py",
+        '    if short_error(exc) and os.environ.get(TRACEBACK_ENV, "") in ("", "0"):\n',
+        "    if short_error(exc):\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::test_shardwise_traceback_shows_the_traceback_of_a_refusal",
         ),
     ),
 )

@@ -391,6 +391,29 @@ def test_a_layout_refused_in_every_rank_is_one_line_and_the_summary():
     assert out.stderr.splitlines() == shown, out.stderr[-3000:]
 
 
+EP_REFUSED = """
+from shardwise.testing.models import TinyMoE
+shardwise.init_distributed()
+shardwise.Engine(TinyMoE(), lambda p: torch.optim.SGD(p, lr=0.1), shardwise.ParallelConfig(ep=3))
+"""
+
+
+def test_a_refusal_raised_by_shardwise_without_a_mark_is_one_line(tmp_path):
+    """Before: 15 lines of `[rank0]: Traceback` above the message (experts.py raises a plain
+    ValueError, not marked with `refused`). Every error a `raise` of shardwise's own code
+    raises is the message alone."""
+    script = _script(tmp_path, EP_REFUSED)
+    out = run_in_session([*SHARDWISE, "run", "--nproc", "3", str(script), str(tmp_path)], 240)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        "[rank0]: ValueError: ParallelConfig.ep=3 does not divide blocks.0.experts.num_experts=4: "
+        "every rank of an ep group holds the same number of whole experts. Choose ep in "
+        "[1, 2, 4].",
+        "shardwise run: 3 rank(s) failed:",
+        "  ranks 0, 1, 2: ValueError (shown above)",
+    ], out.stderr[-3000:]
+
+
 def test_a_refused_layout_is_not_restarted():
     """Before: refused again on each of --max-restarts' attempts (and, after an elastic world
     change, a restart must not train something else). Every rank refused its setting: the
