@@ -2441,6 +2441,44 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/distributed/test_worker_errors.py::test_shardwise_traceback_shows_the_traceback_of_a_refusal",
         ),
     ),
+    # Issue 50: overrides checked before anything spawns, with or without --config.
+    Mutant(
+        "overrides_not_checked_before_spawning",
+        "src/shardwise/cli/launch.py",
+        "    check_overrides(args.script_args)  # a misspelt key: one line, and nothing starts\n",
+        "",
+        (
+            "tests/unit/cli/test_small_edges.py::test_run_refuses_a_misspelt_override_before_spawning_without_a_config",
+            "tests/e2e/test_cli.py::test_run_checks_overrides_before_spawning_without_a_config",
+        ),
+    ),
+    Mutant(
+        "overrides_checked_for_parallel_only",
+        "src/shardwise/cli/launch.py",
+        'key.partition(".")[0] in sections and',
+        'key.partition(".")[0] == "parallel" and',
+        (
+            "tests/unit/cli/test_small_edges.py::test_run_refuses_a_misspelt_override_before_spawning_without_a_config",
+        ),
+    ),
+    Mutant(
+        "override_check_stops_at_the_section",
+        "src/shardwise/config/run_file.py",
+        "        cls = section\n",
+        "        return\n",
+        (
+            "tests/unit/cli/test_small_edges.py::test_run_refuses_a_misspelt_override_before_spawning_without_a_config",
+        ),
+    ),
+    Mutant(
+        "override_value_type_not_checked",
+        "src/shardwise/config/run_file.py",
+        '                _coerce(value, tp, ".".join(parts), translates=cls is ParallelConfig)\n',
+        "                pass\n",
+        (
+            "tests/unit/cli/test_small_edges.py::test_run_refuses_a_misspelt_override_before_spawning_without_a_config",
+        ),
+    ),
 )
 
 

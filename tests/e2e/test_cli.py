@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -176,6 +177,20 @@ def test_a_refusal_in_a_plain_python_run_is_one_line(tmp_path, case):
         assert full.returncode == 1
         assert full.stderr.startswith("[rank0]: Traceback (most recent call last):")
         assert full.stderr.endswith(line) and "from_env.py" in full.stderr
+
+
+def test_run_checks_overrides_before_spawning_without_a_config():
+    """The newcomer's typo: refused in one line in about 3 s, nothing started (before: the
+    workers started and said it 8 s later, with a traceback each)."""
+    from shardwise import ParallelConfig
+
+    out = cli("run", "--nproc", "2", "examples/train_lm.py", "parallel.stratgy=full_shard")
+    valid = sorted(f.name for f in dataclasses.fields(ParallelConfig) if f.init)
+    assert (out.returncode, out.stderr) == (
+        2,
+        "shardwise run: error: unknown key 'parallel.stratgy'. Did you mean 'strategy'? "
+        f"Valid keys in parallel: {valid}.\n",
+    )
 
 
 def test_run_multi_node_needs_an_endpoint(tmp_path):

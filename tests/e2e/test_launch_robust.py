@@ -338,8 +338,12 @@ def test_soak_restart_trial_resumes_bitwise():
 
 
 def test_an_error_raised_in_every_rank_is_printed_once(tmp_path):
-    """A config typo raises in both ranks: its message once, then the ranks that raised it."""
-    cmd = [*SHARDWISE, "run", "--nproc", "2", "examples/train_lm.py", "train.max_stepz=2"]
+    """A config typo raises in both ranks: its message once, then the ranks that raised it.
+    (A typo in an override is refused by the launcher before anything starts; one in the
+    file's `train` section is the workers' to find.)"""
+    config = tmp_path / "typo.yaml"
+    config.write_text("train:\n  max_stepz: 2\n")
+    cmd = [*SHARDWISE, "run", "--nproc", "2", "examples/train_lm.py", "--config", str(config)]
     out = run_in_session(cmd, timeout_s=240)
     assert out.returncode == 1, out.stderr[-3000:]
     assert out.stderr.count("unknown key 'train.max_stepz'") == 1, out.stderr

@@ -262,6 +262,23 @@ def _config_arg(script_args: list[str]) -> str | None:
     return None
 
 
+def check_overrides(script_args: list[str]) -> None:
+    """The script's `section.key=value` arguments whose section is one of shardwise's
+    Config (parallel, train, optimizer, scheduler, runner, adapter), before anything spawns,
+    with or without `--config FILE`: an unknown key is the error the workers' `load_config`
+    would raise (the closest key, the valid ones), and a value of the wrong type too.
+    Other arguments are the script's own and are left alone."""
+    import dataclasses
+
+    from shardwise.config.run_file import Config, check_override
+
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for arg in script_args:
+        key, eq, _ = arg.partition("=")
+        if eq and not arg.startswith("-") and key.partition(".")[0] in sections and "." in key:
+            check_override(arg)
+
+
 def check_layout(script_args: list[str], world: int) -> None:
     """The script's `parallel` section against the world size, before anything spawns.
 
@@ -334,6 +351,7 @@ def run_command(args: argparse.Namespace) -> int:
             f"{args.script!r} is not a file (from {os.getcwd()}); nothing was started. Give "
             "the script's path, or -m MODULE for a module."
         )
+    check_overrides(args.script_args)  # a misspelt key: one line, and nothing starts
     fit_nproc(args.nproc, visible_gpus(), default=args.nproc, command="run")
     elastic = ":" in str(args.nnodes)  # an elastic job's world is not known yet
     if getattr(args, "source", None):
