@@ -2479,6 +2479,80 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/cli/test_small_edges.py::test_run_refuses_a_misspelt_override_before_spawning_without_a_config",
         ),
     ),
+    # Issue 50: Ctrl-C saves after the step; a second stops at once, each in one line.
+    Mutant(
+        "ctrl_c_not_handled_by_the_runner",
+        "src/shardwise/train/resume.py",
+        "    previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)\n",
+        "",
+        (
+            "tests/unit/train/test_runner.py::test_a_first_ctrl_c_finishes_the_step_and_saves_like_sigterm",
+        ),
+    ),
+    Mutant(
+        "first_ctrl_c_stops_at_once",
+        "src/shardwise/train/resume.py",
+        "        if not state.interrupted:  # the first Ctrl-C: as SIGTERM\n",
+        "        if state.interrupted:  # the first Ctrl-C: as SIGTERM\n",
+        (
+            "tests/unit/train/test_runner.py::test_a_first_ctrl_c_finishes_the_step_and_saves_like_sigterm",
+        ),
+    ),
+    Mutant(
+        "a_third_ctrl_c_not_ignored",
+        "src/shardwise/train/resume.py",
+        "        signal.signal(signal.SIGINT, signal.SIG_IGN)\n        raise Interrupted",
+        "        raise Interrupted",
+        (
+            "tests/unit/train/test_runner.py::test_a_second_ctrl_c_stops_at_once_naming_the_last_good_checkpoint",
+        ),
+    ),
+    Mutant(
+        "second_ctrl_c_names_no_checkpoint",
+        "src/shardwise/train/runner.py",
+        "            interrupted.checkpoint = last_good_checkpoint(cfg)\n",
+        "",
+        (
+            "tests/unit/train/test_runner.py::test_a_second_ctrl_c_stops_at_once_naming_the_last_good_checkpoint",
+        ),
+    ),
+    Mutant(
+        "launcher_sends_sigterm_on_the_second_ctrl_c",
+        "src/shardwise/cli/interrupt.py",
+        "            self._original(agent, signal.SIGINT, timeout)\n",
+        "            self._original(agent, signal.SIGTERM, timeout)\n",
+        (
+            "tests/e2e/test_launch_robust.py::test_ctrl_c_saves_after_the_step_and_twice_stops_at_once[2-shardwise_run]",
+        ),
+    ),
+    Mutant(
+        "ctrl_c_traceback_per_worker",
+        "src/shardwise/distributed/worker_errors.py",
+        "        return  # Ctrl-C: the launcher says it once, not a traceback per rank\n",
+        "        sys.__excepthook__(exc_type, exc, tb)\n        return\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::test_ctrl_c_in_a_worker_prints_nothing",
+            "tests/e2e/test_launch_robust.py::test_ctrl_c_without_a_runner_is_one_line",
+        ),
+    ),
+    Mutant(
+        "torchs_ctrl_c_warning_shown",
+        "src/shardwise/cli/report.py",
+        "            return record.args[0] != signal.SIGINT\n",
+        "            return True\n",
+        (
+            "tests/unit/cli/test_report.py::test_a_restart_is_announced_with_the_report_of_the_attempt",
+        ),
+    ),
+    Mutant(
+        "launcher_repeats_the_runners_ctrl_c_line",
+        "src/shardwise/cli/launch.py",
+        "    if codes and codes <= {PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE}:\n",
+        "    if codes and codes <= {INTERRUPTED_EXIT_CODE}:\n",
+        (
+            "tests/unit/cli/test_small_edges.py::test_after_ctrl_c_the_launcher_speaks_only_when_no_runner_did",
+        ),
+    ),
 )
 
 

@@ -196,6 +196,7 @@ def launch_torchrun(
     from torch.distributed.run import get_args_parser, run
 
     from shardwise.cli.grace import FailureGrace
+    from shardwise.cli.interrupt import InterruptedShutdown
     from shardwise.cli.report import AgentLogReader, failures_from_torch, preempted, summary
     from shardwise.distributed.process_group import LAUNCHER_PID_ENV, TIMEOUT_ENV
     from shardwise.train.resume import PREEMPTED_EXIT_CODE
@@ -210,8 +211,9 @@ def launch_torchrun(
         # The workers' error files land here (attempt_N/LOCAL_RANK/error.json).
         args = get_args_parser().parse_args(["--log-dir", log_dir, *torchrun_args])
         grace = FailureGrace(grace_s)
+        interrupt = InterruptedShutdown()
         try:
-            with grace, AgentLogReader(grace.attempts):
+            with grace, interrupt, AgentLogReader(grace.attempts):
                 run(args)
         except ChildFailedError as exc:
             stopped = grace.attempts[-1].stopped if grace.attempts else None
@@ -248,9 +250,30 @@ def launch_torchrun(
                     file=sys.stderr,
                 )
                 return PREEMPTED_EXIT_CODE
+            if exc.sigval == signal.SIGINT:
+                return _after_ctrl_c(interrupt.exit_codes)
             print(f"shardwise run: stopped by signal {exc.sigval}", file=sys.stderr)
             return 128 + int(exc.sigval)
     return 0
+
+
+def _after_ctrl_c(exit_codes: dict[int, int | None]) -> int:
+    """The launcher's exit code after a SIGINT, and its line when the workers said nothing:
+    a Runner's rank 0 has said where it stopped when every worker exited 75 (saved after
+    its step: the first Ctrl-C) or 130 (stopped at once: the second)."""
+    from shardwise.train.resume import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+    codes = set(exit_codes.values())
+    if codes == {PREEMPTED_EXIT_CODE}:
+        return PREEMPTED_EXIT_CODE
+    if codes and codes <= {PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE}:
+        return INTERRUPTED_EXIT_CODE
+    print(
+        "shardwise run: stopped by SIGINT (Ctrl-C); no Runner saved a checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 128 + signal.SIGINT
 
 
 def _config_arg(script_args: list[str]) -> str | None:

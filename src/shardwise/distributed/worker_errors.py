@@ -153,7 +153,9 @@ def record_error(exc: BaseException, path: str) -> None:
 
 def _hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     path = os.environ.get(ERROR_FILE_ENV)
-    if exc_type is KeyboardInterrupt or not path:
+    if issubclass(exc_type, KeyboardInterrupt):
+        return  # Ctrl-C: the launcher says it once, not a traceback per rank
+    if not path:
         sys.__excepthook__(exc_type, exc, tb)
         return
     record_error(exc.with_traceback(tb), path)

@@ -52,9 +52,11 @@ from shardwise.train.losses import VIS_KEYS, parse_losses
 from shardwise.train.metrics import MetricsLogger
 from shardwise.train.progress import Progress, Window, count_batch, say
 from shardwise.train.resume import (
+    Interrupted,
     Preempted,
     any_rank,
     keep_earlier_export,
+    last_good_checkpoint,
     preflight,
     resume,
     saved_runner_fields,
@@ -290,6 +292,10 @@ class Runner:
             # An asynchronous save still being written completes here (every rank; not in
             # `finally`: after an error some ranks may never arrive).
             wait_for_checkpoint()
+        except Interrupted as interrupted:  # a second Ctrl-C: say where a resume would start
+            interrupted.checkpoint = last_good_checkpoint(cfg)
+            say(str(interrupted))
+            raise
         finally:
             progress.close()
             self.logger.close()

@@ -298,3 +298,21 @@ def test_plan_shows_the_context_parallel_layout_and_simulates_its_peak(capsys):
     assert "--cp and parallel.cp=... both given" in capsys.readouterr().err
     assert main(["plan", "shardwise.testing.models:GPT", "--world", "6", "--cp", "4"]) == 2
     assert "ParallelConfig.cp=4 does not divide the job's 6 rank(s)" in capsys.readouterr().err
+
+
+def test_after_ctrl_c_the_launcher_speaks_only_when_no_runner_did(capsys):
+    from shardwise.cli.launch import _after_ctrl_c
+
+    line = "shardwise run: stopped by SIGINT (Ctrl-C); no Runner saved a checkpoint\n"
+    cases = [
+        ({0: 75, 1: 75}, 75, ""),  # saved after the step: rank 0 said where
+        ({0: 130, 1: 130}, 130, ""),  # stopped at once: rank 0 named the last checkpoint
+        ({0: 75, 1: 130}, 130, ""),  # one rank had saved before the second Ctrl-C
+        ({0: -2, 1: -2}, 130, line),  # no Runner: ended by the SIGINT itself
+        ({0: 75, 1: -2}, 130, line),
+        ({0: 75, 1: None}, 130, line),  # still running (torch SIGKILLs it)
+        ({}, 130, line),
+    ]
+    for codes, code, said in cases:
+        assert _after_ctrl_c(codes) == code, codes
+        assert capsys.readouterr().err == said, codes

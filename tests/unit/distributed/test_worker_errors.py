@@ -149,3 +149,12 @@ def test_shardwise_traceback_shows_the_traceback_of_a_refusal(monkeypatch, tmp_p
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):"), err
     assert err.endswith(NO_OPTIMIZER) and "from_env.py" in err
+
+
+def test_ctrl_c_in_a_worker_prints_nothing(monkeypatch, tmp_path, capsys):
+    """Before: ~40 lines of KeyboardInterrupt traceback per rank; the launcher says it once."""
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "e.json"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    exc = _raise(KeyboardInterrupt())
+    worker_errors._hook(type(exc), exc, exc.__traceback__)
+    assert capsys.readouterr().err == "" and not (tmp_path / "e.json").exists()
