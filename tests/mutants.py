@@ -2463,7 +2463,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "override_check_stops_at_the_section",
-        "src/shardwise/config/run_file.py",
+        "src/shardwise/config/overrides.py",
         "        cls = section\n",
         "        return\n",
         (
@@ -2472,7 +2472,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "override_value_type_not_checked",
-        "src/shardwise/config/run_file.py",
+        "src/shardwise/config/overrides.py",
         '                _coerce(value, tp, ".".join(parts), translates=cls is ParallelConfig)\n',
         "                pass\n",
         (
@@ -2509,8 +2509,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "second_ctrl_c_names_no_checkpoint",
-        "src/shardwise/train/runner.py",
-        "            interrupted.checkpoint = last_good_checkpoint(cfg)\n",
+        "src/shardwise/train/resume.py",
+        "            stopped.checkpoint = last_good_checkpoint(config)  # where a resume would start\n",
         "",
         (
             "tests/unit/train/test_runner.py::test_a_second_ctrl_c_stops_at_once_naming_the_last_good_checkpoint",

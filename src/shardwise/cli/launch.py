@@ -293,7 +293,8 @@ def check_overrides(script_args: list[str]) -> None:
     Other arguments are the script's own and are left alone."""
     import dataclasses
 
-    from shardwise.config.run_file import Config, check_override
+    from shardwise.config.overrides import check_override
+    from shardwise.config.run_file import Config
 
     sections = {f.name for f in dataclasses.fields(Config)}
     for arg in script_args:

@@ -358,37 +358,11 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "", base: Any =
 
 
 def _unknown_key(cls: type[Any], key: object, path: str) -> ConfigError:
-    """The error for `key`, not a field of `cls` (the section at `path`): the closest valid
-    key and every valid one."""
-    fields = _fields(cls)
-    where = f"{path}.{key}" if path else str(key)
-    known_as = getattr(cls, "KNOWN_AS", {}).get(key)  # another tool's name for a key
+    """`key` is no field of `cls` (the section at `path`): the closest key, the valid ones."""
+    fields, known_as = _fields(cls), getattr(cls, "KNOWN_AS", {}).get(key)  # other tools' names
     hint = f" Did you mean {known_as!r}?" if known_as else closest(str(key), fields)
-    return ConfigError(
-        f"unknown key {where!r}.{hint} Valid keys{' in ' + path if path else ''}: {sorted(fields)}."
-    )
-
-
-def check_override(text: str, cls: type[Any] = Config) -> None:
-    """The override `text` against `cls`'s schema without its file: every key of its path
-    exists (the ConfigError `load_config` raises, with the closest key), and a value for a
-    field that is not a section has the field's type. What spans fields (max_epochs and
-    max_steps both None) needs the whole config and is left to `load_config`."""
-    parts, value = parse_override(text)
-    for i, key in enumerate(parts):
-        if cls is ParallelConfig and (key in PLACEMENT_WORDS or key in FOREIGN_WORDS):
-            return  # checked by wrap, or translated, with the rest of the section
-        fields = _fields(cls)
-        if key not in fields:
-            raise _unknown_key(cls, key, ".".join(parts[:i]))
-        tp = fields[key]
-        plain_section = dataclasses.is_dataclass(tp) and isinstance(tp, type)
-        section = _optional_section(tp) or (tp if plain_section else None)
-        if section is None:
-            if i == len(parts) - 1:
-                _coerce(value, tp, ".".join(parts), translates=cls is ParallelConfig)
-            return  # a sub-key of a value is refused by load_config, in its words
-        cls = section
+    where, where_in = (f"{path}.{key}", f" in {path}") if path else (str(key), "")
+    return ConfigError(f"unknown key {where!r}.{hint} Valid keys{where_in}: {sorted(fields)}.")
 
 
 def _optional_section(tp: Any) -> type | None:

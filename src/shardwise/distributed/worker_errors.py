@@ -22,7 +22,11 @@ launcher reports it, as "stopped because rank N ended" when rank N is on its nod
 it would make the report differ between a quiet machine and a busy one.
 
 Outside `shardwise run` (plain `python`, torchrun) the hook prints the same one line for a
-refusal and leaves every other error to Python's own hook; nothing is written.
+refusal and leaves every other error to Python's own hook; nothing is written. A Ctrl-C
+(KeyboardInterrupt) in a worker prints nothing: the launcher says it once (cli/interrupt.py).
+
+Must not: replace a hook the user installed, or hide the traceback of an error that is not
+the user's input (a bug keeps it, in the terminal and in the error file).
 """
 
 from __future__ import annotations

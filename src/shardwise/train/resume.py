@@ -149,13 +149,14 @@ def checkpoint_dir(config: RunnerConfig) -> Path:
 
 
 @contextlib.contextmanager
-def sigterm_requests_stop(engine: Engine, enabled: bool) -> Iterator[SigtermState]:
-    """While fitting, SIGTERM or SIGUSR1 (`STOP_SIGNALS`) asks the engine to stop at the
-    next update (a flag only: nothing else is safe in a handler). The previous handlers are
-    restored afterwards; a signal that came too late for fit to act on is then delivered to
-    its own."""
+def sigterm_requests_stop(engine: Engine, config: RunnerConfig) -> Iterator[SigtermState]:
+    """While fitting (when `config.stop_on_sigterm`), SIGTERM or SIGUSR1 (`STOP_SIGNALS`),
+    or a first SIGINT, asks the engine to stop at the next update (a flag only: nothing else
+    is safe in a handler); a second SIGINT raises `Interrupted` at once, which names the
+    newest complete checkpoint on rank 0. The previous handlers are restored afterwards; a
+    signal that came too late for fit to act on is then delivered to its own."""
     state = SigtermState()
-    if not enabled:
+    if not config.stop_on_sigterm:
         yield state
         return
     if threading.current_thread() is not threading.main_thread():
@@ -192,6 +193,8 @@ def sigterm_requests_stop(engine: Engine, enabled: bool) -> Iterator[SigtermStat
         acted = True
         if isinstance(stopped, Interrupted):
             previous.pop(signal.SIGINT)  # stays ignored while the process exits
+            stopped.checkpoint = last_good_checkpoint(config)  # where a resume would start
+            say(str(stopped))
         raise
     finally:
         for sig, handler in previous.items():

@@ -52,11 +52,9 @@ from shardwise.train.losses import VIS_KEYS, parse_losses
 from shardwise.train.metrics import MetricsLogger
 from shardwise.train.progress import Progress, Window, count_batch, say
 from shardwise.train.resume import (
-    Interrupted,
     Preempted,
     any_rank,
     keep_earlier_export,
-    last_good_checkpoint,
     preflight,
     resume,
     saved_runner_fields,
@@ -211,7 +209,7 @@ class Runner:
         last_val: dict[str, float] = {}
         stop = False
         try:
-            with sigterm_requests_stop(engine, cfg.stop_on_sigterm) as sigterm:
+            with sigterm_requests_stop(engine, cfg) as sigterm:
                 # Epochs bound the loop by epochs, not by `total`: after a resume at another
                 # world or batch size, an epoch has another number of steps.
                 while (
@@ -292,10 +290,6 @@ class Runner:
             # An asynchronous save still being written completes here (every rank; not in
             # `finally`: after an error some ranks may never arrive).
             wait_for_checkpoint()
-        except Interrupted as interrupted:  # a second Ctrl-C: say where a resume would start
-            interrupted.checkpoint = last_good_checkpoint(cfg)
-            say(str(interrupted))
-            raise
         finally:
             progress.close()
             self.logger.close()
