@@ -2553,6 +2553,43 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/cli/test_small_edges.py::test_after_ctrl_c_the_launcher_speaks_only_when_no_runner_did",
         ),
     ),
+    # Issue 50: honest summaries: the limit that ended training, no figure never computed.
+    Mutant(
+        "readme_runner_ends_by_epochs_at_two_ranks",
+        "README.md",
+        "    max_steps=8, max_epochs=None, val_every=4,",
+        "    max_steps=8, val_every=4,",
+        (
+            "tests/e2e/test_quickstart.py::test_the_readmes_runner_takes_its_max_steps_at_two_processes",
+        ),
+    ),
+    Mutant(
+        "max_steps_named_though_epochs_ended_it",
+        "src/shardwise/train/runner.py",
+        "    if config.max_steps is not None and done >= config.max_steps:\n",
+        "    if config.max_steps is not None:\n",
+        (
+            "tests/unit/train/test_runner.py::test_the_last_line_names_the_limit_that_ended_training",
+        ),
+    ),
+    Mutant(
+        "steps_per_epoch_counts_micro_batches",
+        "src/shardwise/train/runner.py",
+        "    per_epoch = math.ceil(batches_per_epoch / engine.train_config.accumulate_steps)\n",
+        "    per_epoch = batches_per_epoch\n",
+        (
+            "tests/unit/train/test_runner.py::test_the_last_line_names_the_limit_that_ended_training",
+        ),
+    ),
+    Mutant(
+        "done_line_shows_nan_for_no_validation",
+        "examples/train_lm.py",
+        '        shown = "no validation ran" if val is None else f"val loss {val:.4f}"\n',
+        "        shown = f\"val loss {float('nan') if val is None else val:.4f}\"\n",
+        (
+            "tests/e2e/test_example_lm.py::test_the_done_line_shows_no_figure_for_a_validation_that_never_ran",
+        ),
+    ),
 )
 
 

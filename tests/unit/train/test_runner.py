@@ -619,3 +619,49 @@ def test_the_last_step_of_epochs_with_partial_windows_is_always_logged(tmp_path)
     assert _total_steps(RunnerConfig(max_epochs=2, max_steps=None), 4, 3) == 4
     assert _total_steps(RunnerConfig(max_epochs=3, max_steps=5), 7, 2) == 5  # 4 an epoch
     assert _total_steps(RunnerConfig(max_epochs=1, max_steps=None), 7, 2) == 4
+
+
+# --- what ended training ---------------------------------------------------------------
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.lin(x), y)
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "max_epochs", "steps", "ended_by", "line"),
+    [
+        (6, None, 6, "max_steps=6", "finished after optimizer step 6: max_steps=6 reached"),
+        # 16 samples in batches of 2, 2 per step: an epoch is 4 steps, and the default
+        # max_epochs=1 ends the run before max_steps=6 (what 2 ranks did to the README's).
+        (6, 1, 4, "max_epochs=1",
+         "finished after optimizer step 4: max_epochs=1 reached, before max_steps=6 (an epoch "
+         "is 4 optimizer step(s) at 1 data-parallel rank(s); max_epochs=None trains until "
+         "max_steps)"),
+        (None, 2, 8, "max_epochs=2",
+         "finished after optimizer step 8: max_epochs=2 reached (an epoch is 4 optimizer "
+         "step(s) at 1 data-parallel rank(s); max_epochs=None trains until max_steps)"),
+        (8, 2, 8, "max_steps=8", "finished after optimizer step 8: max_steps=8 reached"),
+    ],
+    ids=["max_steps", "max_epochs_first", "max_epochs_alone", "both_at_once"],
+)  # fmt: skip
+def test_the_last_line_names_the_limit_that_ended_training(
+    tmp_path, capsys, max_steps, max_epochs, steps, ended_by, line
+):
+    torch.manual_seed(0)
+    engine = Engine(
+        Regression(), lambda p: torch.optim.SGD(p, lr=0.1), train=TrainConfig(accumulate_steps=2)
+    )
+    config = RunnerConfig(
+        run_dir=str(tmp_path), progress=False, batch_size=2, max_steps=max_steps,
+        max_epochs=max_epochs,
+    )  # fmt: skip
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    summary = Runner(engine, data, config=config).fit()
+    assert (summary["steps"], summary["ended_by"]) == (steps, ended_by)
+    assert capsys.readouterr().err == f"shardwise: {line}\n"
