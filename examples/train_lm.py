@@ -101,10 +101,12 @@ def main() -> None:
         shardwise.export_weights(engine.model, out)
     else:  # each rank holds one pipeline stage: a checkpoint holds them all
         final = shardwise.save_checkpoint(Path(cfg.runner.run_dir) / "final", engine)
-    if info.is_main:
-        val_loss = summary["val"].get("loss", float("nan"))
+    if info.is_main:  # no figure for a validation that never ran (val_every above max_steps)
+        val = summary["val"].get("loss")
+        shown = "no validation ran" if val is None else f"val loss {val:.4f}"
         print(
-            f"done: step {summary['steps']}, val loss {val_loss:.4f}, files in {cfg.runner.run_dir}"
+            f"done: step {summary['steps']} ({summary['ended_by']} reached), {shown}, "
+            f"files in {cfg.runner.run_dir}"
         )
     shardwise.shutdown()
     if final is not None and info.is_main:  # one process reads every stage's tensors

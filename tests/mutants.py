@@ -366,8 +366,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "layout_refusal_with_a_traceback",
         "src/shardwise/distributed/worker_errors.py",
-        "    if getattr(exc, _REFUSED, False):\n        return True\n",
-        "",
+        "    if getattr(exc, _REFUSED, False) or raised_by_shardwise(exc):\n",
+        "    if raised_by_shardwise(exc):\n",
         (
             "tests/unit/distributed/test_worker_errors.py::"
             "test_the_hook_records_every_error_and_prints_on_local_rank_0_only",
@@ -2714,6 +2714,194 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if estimate is not None and estimate > _SKIP_ABOVE * limit:\n",
         (
             "tests/unit/memory/test_autoplan.py::test_without_the_simulation_no_row_says_it_was_not_simulated",
+        ),
+    ),
+    # Issue 50: one line for every refusal, wherever it is raised.
+    Mutant(
+        "refusal_by_shardwise_not_one_line",
+        "src/shardwise/distributed/worker_errors.py",
+        "    if getattr(exc, _REFUSED, False) or raised_by_shardwise(exc):\n",
+        "    if getattr(exc, _REFUSED, False):\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::test_an_error_raised_by_shardwise_is_one_line_and_others_keep_their_traceback",
+            "tests/e2e/test_launch_robust.py::test_a_refusal_raised_by_shardwise_without_a_mark_is_one_line",
+        ),
+    ),
+    Mutant(
+        "a_bug_inside_shardwise_read_as_a_refusal",
+        "src/shardwise/distributed/worker_errors.py",
+        '        ins.offset == tb.tb_lasti and ins.opname == "RAISE_VARARGS"\n',
+        "        ins.offset == tb.tb_lasti\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::test_an_error_raised_by_shardwise_is_one_line_and_others_keep_their_traceback",
+        ),
+    ),
+    Mutant(
+        "plain_python_keeps_pythons_hook",
+        "src/shardwise/distributed/worker_errors.py",
+        "        sys.excepthook = _hook if launched else _plain_hook\n",
+        "        sys.excepthook = _hook if launched else sys.__excepthook__\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::test_outside_shardwise_run_the_plain_hook_is_installed",
+            "tests/e2e/test_cli.py::test_a_refusal_in_a_plain_python_run_is_one_line",
+        ),
+    ),
+    Mutant(
+        "shardwise_traceback_ignored",
+        "src/shardwise/distributed/worker_errors.py",
+        '    if short_error(exc) and os.environ.get(TRACEBACK_ENV, "") in ("", "0"):\n',
+        "    if short_error(exc):\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::test_shardwise_traceback_shows_the_traceback_of_a_refusal",
+        ),
+    ),
+    # Issue 50: overrides checked before anything spawns, with or without --config.
+    Mutant(
+        "overrides_not_checked_before_spawning",
+        "src/shardwise/cli/launch.py",
+        "    check_overrides(args.script_args)  # a misspelt key: one line, and nothing starts\n",
+        "",
+        (
+            "tests/unit/cli/test_small_edges.py::test_run_refuses_a_misspelt_override_before_spawning_without_a_config",
+            "tests/e2e/test_cli.py::test_run_checks_overrides_before_spawning_without_a_config",
+        ),
+    ),
+    Mutant(
+        "overrides_checked_for_parallel_only",
+        "src/shardwise/cli/launch.py",
+        'key.partition(".")[0] in sections and',
+        'key.partition(".")[0] == "parallel" and',
+        (
+            "tests/unit/cli/test_small_edges.py::test_run_refuses_a_misspelt_override_before_spawning_without_a_config",
+        ),
+    ),
+    Mutant(
+        "override_check_stops_at_the_section",
+        "src/shardwise/config/overrides.py",
+        "        cls = section\n",
+        "        return\n",
+        (
+            "tests/unit/cli/test_small_edges.py::test_run_refuses_a_misspelt_override_before_spawning_without_a_config",
+        ),
+    ),
+    Mutant(
+        "override_value_type_not_checked",
+        "src/shardwise/config/overrides.py",
+        '                _coerce(value, tp, ".".join(parts), translates=cls is ParallelConfig)\n',
+        "                pass\n",
+        (
+            "tests/unit/cli/test_small_edges.py::test_run_refuses_a_misspelt_override_before_spawning_without_a_config",
+        ),
+    ),
+    # Issue 50: Ctrl-C saves after the step; a second stops at once, each in one line.
+    Mutant(
+        "ctrl_c_not_handled_by_the_runner",
+        "src/shardwise/train/resume.py",
+        "    previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)\n",
+        "",
+        (
+            "tests/unit/train/test_runner.py::test_a_first_ctrl_c_finishes_the_step_and_saves_like_sigterm",
+        ),
+    ),
+    Mutant(
+        "first_ctrl_c_stops_at_once",
+        "src/shardwise/train/resume.py",
+        "        if not state.interrupted:  # the first Ctrl-C: as SIGTERM\n",
+        "        if state.interrupted:  # the first Ctrl-C: as SIGTERM\n",
+        (
+            "tests/unit/train/test_runner.py::test_a_first_ctrl_c_finishes_the_step_and_saves_like_sigterm",
+        ),
+    ),
+    Mutant(
+        "a_third_ctrl_c_not_ignored",
+        "src/shardwise/train/resume.py",
+        "        signal.signal(signal.SIGINT, signal.SIG_IGN)\n        raise Interrupted",
+        "        raise Interrupted",
+        (
+            "tests/unit/train/test_runner.py::test_a_second_ctrl_c_stops_at_once_naming_the_last_good_checkpoint",
+        ),
+    ),
+    Mutant(
+        "second_ctrl_c_names_no_checkpoint",
+        "src/shardwise/train/resume.py",
+        "            stopped.checkpoint = last_good_checkpoint(config)  # where a resume would start\n",
+        "",
+        (
+            "tests/unit/train/test_runner.py::test_a_second_ctrl_c_stops_at_once_naming_the_last_good_checkpoint",
+        ),
+    ),
+    Mutant(
+        "launcher_sends_sigterm_on_the_second_ctrl_c",
+        "src/shardwise/cli/interrupt.py",
+        "            self._original(agent, signal.SIGINT, timeout)\n",
+        "            self._original(agent, signal.SIGTERM, timeout)\n",
+        (
+            "tests/e2e/test_launch_robust.py::test_ctrl_c_saves_after_the_step_and_twice_stops_at_once[2-shardwise_run]",
+        ),
+    ),
+    Mutant(
+        "ctrl_c_traceback_per_worker",
+        "src/shardwise/distributed/worker_errors.py",
+        "        return  # Ctrl-C: the launcher says it once, not a traceback per rank\n",
+        "        sys.__excepthook__(exc_type, exc, tb)\n        return\n",
+        (
+            "tests/unit/distributed/test_worker_errors.py::test_ctrl_c_in_a_worker_prints_nothing",
+            "tests/e2e/test_launch_robust.py::test_ctrl_c_without_a_runner_is_one_line",
+        ),
+    ),
+    Mutant(
+        "torchs_ctrl_c_warning_shown",
+        "src/shardwise/cli/report.py",
+        "            return record.args[0] != signal.SIGINT\n",
+        "            return True\n",
+        (
+            "tests/unit/cli/test_report.py::test_a_restart_is_announced_with_the_report_of_the_attempt",
+        ),
+    ),
+    Mutant(
+        "launcher_repeats_the_runners_ctrl_c_line",
+        "src/shardwise/cli/launch.py",
+        "    if codes and codes <= {PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE}:\n",
+        "    if codes and codes <= {INTERRUPTED_EXIT_CODE}:\n",
+        (
+            "tests/unit/cli/test_small_edges.py::test_after_ctrl_c_the_launcher_speaks_only_when_no_runner_did",
+        ),
+    ),
+    # Issue 50: honest summaries: the limit that ended training, no figure never computed.
+    Mutant(
+        "readme_runner_ends_by_epochs_at_two_ranks",
+        "README.md",
+        "    max_steps=8, max_epochs=None, val_every=4,",
+        "    max_steps=8, val_every=4,",
+        (
+            "tests/e2e/test_quickstart.py::test_the_readmes_runner_takes_its_max_steps_at_two_processes",
+        ),
+    ),
+    Mutant(
+        "max_steps_named_though_epochs_ended_it",
+        "src/shardwise/train/runner.py",
+        "    if config.max_steps is not None and done >= config.max_steps:\n",
+        "    if config.max_steps is not None:\n",
+        (
+            "tests/unit/train/test_runner.py::test_the_last_line_names_the_limit_that_ended_training",
+        ),
+    ),
+    Mutant(
+        "steps_per_epoch_counts_micro_batches",
+        "src/shardwise/train/runner.py",
+        "    per_epoch = math.ceil(batches_per_epoch / engine.train_config.accumulate_steps)\n",
+        "    per_epoch = batches_per_epoch\n",
+        (
+            "tests/unit/train/test_runner.py::test_the_last_line_names_the_limit_that_ended_training",
+        ),
+    ),
+    Mutant(
+        "done_line_shows_nan_for_no_validation",
+        "examples/train_lm.py",
+        '        shown = "no validation ran" if val is None else f"val loss {val:.4f}"\n',
+        "        shown = f\"val loss {float('nan') if val is None else val:.4f}\"\n",
+        (
+            "tests/e2e/test_example_lm.py::test_the_done_line_shows_no_figure_for_a_validation_that_never_ran",
         ),
     ),
 )

@@ -12,11 +12,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_in_session(cmd: list[str], timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+def run_in_session(
+    cmd: list[str], timeout_s: float = 240, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
     """Run in a new session so a timeout kills the launcher *and* its ranks."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
         start_new_session=True,
     )  # fmt: skip
     try:

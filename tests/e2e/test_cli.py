@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -136,6 +138,59 @@ def test_run_reports_a_failing_script(tmp_path):
     out = cli("run", "--nproc", "2", str(script))
     assert out.returncode == 1, out.stderr
     assert "shardwise run: 2 rank(s) failed:\n  ranks 0, 1: exited with code 3" in out.stderr
+
+
+PLAIN_REFUSALS = {
+    "no_optimizer": (
+        "shardwise.Engine(GPT(GPTConfig()))",
+        "[rank0]: TypeError: Engine(model) needs an optimizer: pass one, or a factory such as "
+        "lambda params: torch.optim.AdamW(params, lr=3e-4). (A script launched by `shardwise run "
+        "--from FILE` whose file has an optimizer block may leave it out.)\n",
+    ),
+    "pp_at_world_1": (
+        "shardwise.Engine(GPT(GPTConfig()), lambda p: torch.optim.SGD(p, lr=0.1), "
+        "shardwise.ParallelConfig(pp=2))",
+        "[rank0]: ValueError: ParallelConfig.pp=2 at world size 1: each pipeline stage needs "
+        "ranks of its own. Launch at least 2 processes (shardwise run --nproc 2 ...), or use "
+        "pp=1.\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAIN_REFUSALS))
+def test_a_refusal_in_a_plain_python_run_is_one_line(tmp_path, case):
+    """Before: a `[rank0]:` traceback of 10 lines ending in the message. SHARDWISE_TRACEBACK=1
+    still shows it (docs/troubleshooting.md)."""
+    call, line = PLAIN_REFUSALS[case]
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import torch\nimport shardwise\nfrom shardwise.testing.models import GPT, GPTConfig\n"
+        f"shardwise.init_distributed()\n{call}\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert (out.returncode, out.stderr) == (1, line)
+    if case == "no_optimizer":
+        env = {**os.environ, "SHARDWISE_TRACEBACK": "1"}
+        full = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
+        )
+        assert full.returncode == 1
+        assert full.stderr.startswith("[rank0]: Traceback (most recent call last):")
+        assert full.stderr.endswith(line) and "from_env.py" in full.stderr
+
+
+def test_run_checks_overrides_before_spawning_without_a_config():
+    """The newcomer's typo: refused in one line in about 3 s, nothing started (before: the
+    workers started and said it 8 s later, with a traceback each)."""
+    from shardwise import ParallelConfig
+
+    out = cli("run", "--nproc", "2", "examples/train_lm.py", "parallel.stratgy=full_shard")
+    valid = sorted(f.name for f in dataclasses.fields(ParallelConfig) if f.init)
+    assert (out.returncode, out.stderr) == (
+        2,
+        "shardwise run: error: unknown key 'parallel.stratgy'. Did you mean 'strategy'? "
+        f"Valid keys in parallel: {valid}.\n",
+    )
 
 
 def test_run_multi_node_needs_an_endpoint(tmp_path):

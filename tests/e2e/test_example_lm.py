@@ -27,7 +27,7 @@ def _launch(*args: str) -> str:
 
 def test_train_export_then_start_from_the_export_on_meta(tmp_path):
     first = _launch("runner.max_steps=6", "runner.val_every=6", f"runner.run_dir={tmp_path / 'a'}")
-    done = re.search(r"done: step 6, val loss (\S+),", first)
+    done = re.search(r"done: step 6 \(max_steps=6 reached\), val loss (\S+),", first)
     assert done, first
     export = tmp_path / "a" / "export"
     assert (export / "model.safetensors").is_file()
@@ -38,6 +38,22 @@ def test_train_export_then_start_from_the_export_on_meta(tmp_path):
     assert start, second
     assert float(start.group(1)) == float(done.group(1)), (first, second)
     assert second.count("val loss of the weights") == 1  # printed by rank 0 only
+
+
+def test_the_done_line_shows_no_figure_for_a_validation_that_never_ran(tmp_path):
+    """Before: `done: step 2, val loss nan, files in ...` (val_every=25 in the example's
+    file, above max_steps)."""
+    run_dir = tmp_path / "base"
+    cmd = [sys.executable, str(EXAMPLE), "runner.max_steps=2", "runner.save_every=null",
+           "runner.progress=false", f"runner.run_dir={run_dir}"]  # fmt: skip
+    result = run_in_session(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == (
+        f"done: step 2 (max_steps=2 reached), no validation ran, files in {run_dir}"
+    )
+    assert result.stderr.splitlines()[-1] == (
+        "shardwise: finished after optimizer step 2: max_steps=2 reached"
+    )
 
 
 def test_same_seed_same_losses_from_step_one(tmp_path):

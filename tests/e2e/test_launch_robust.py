@@ -338,8 +338,12 @@ def test_soak_restart_trial_resumes_bitwise():
 
 
 def test_an_error_raised_in_every_rank_is_printed_once(tmp_path):
-    """A config typo raises in both ranks: its message once, then the ranks that raised it."""
-    cmd = [*SHARDWISE, "run", "--nproc", "2", "examples/train_lm.py", "train.max_stepz=2"]
+    """A config typo raises in both ranks: its message once, then the ranks that raised it.
+    (A typo in an override is refused by the launcher before anything starts; one in the
+    file's `train` section is the workers' to find.)"""
+    config = tmp_path / "typo.yaml"
+    config.write_text("train:\n  max_stepz: 2\n")
+    cmd = [*SHARDWISE, "run", "--nproc", "2", "examples/train_lm.py", "--config", str(config)]
     out = run_in_session(cmd, timeout_s=240)
     assert out.returncode == 1, out.stderr[-3000:]
     assert out.stderr.count("unknown key 'train.max_stepz'") == 1, out.stderr
@@ -389,6 +393,29 @@ def test_a_layout_refused_in_every_rank_is_one_line_and_the_summary():
     shown = _transcript("troubleshooting.md", "shardwise " + " ".join(cmd[len(SHARDWISE) :]))
     assert shown[0].startswith("[rank0]: ValueError: ParallelConfig.dp_shard=3 with strategy=")
     assert out.stderr.splitlines() == shown, out.stderr[-3000:]
+
+
+EP_REFUSED = """
+from shardwise.testing.models import TinyMoE
+shardwise.init_distributed()
+shardwise.Engine(TinyMoE(), lambda p: torch.optim.SGD(p, lr=0.1), shardwise.ParallelConfig(ep=3))
+"""
+
+
+def test_a_refusal_raised_by_shardwise_without_a_mark_is_one_line(tmp_path):
+    """Before: 15 lines of `[rank0]: Traceback` above the message (experts.py raises a plain
+    ValueError, not marked with `refused`). Every error a `raise` of shardwise's own code
+    raises is the message alone."""
+    script = _script(tmp_path, EP_REFUSED)
+    out = run_in_session([*SHARDWISE, "run", "--nproc", "3", str(script), str(tmp_path)], 240)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        "[rank0]: ValueError: ParallelConfig.ep=3 does not divide blocks.0.experts.num_experts=4: "
+        "every rank of an ep group holds the same number of whole experts. Choose ep in "
+        "[1, 2, 4].",
+        "shardwise run: 3 rank(s) failed:",
+        "  ranks 0, 1, 2: ValueError (shown above)",
+    ], out.stderr[-3000:]
 
 
 def test_a_refused_layout_is_not_restarted():
@@ -521,6 +548,99 @@ def test_workers_stopped_by_a_signal_the_launcher_missed(tmp_path, restarts, cod
         assert report + "shardwise run: restarting the workers: restart 1 of 1" in out.stderr
         assert "restart 1: resumed from step 3" in out.stderr, out.stderr[-3000:]
         assert [(tmp_path / f"finished{r}").read_text() for r in (0, 1)] == ["6", "6"]
+
+
+# Ctrl-C: the worker holds step 4 until the Runner has been asked to stop ("once": then it
+# finishes the step and saves; "twice": it never does, so only a second SIGINT ends it).
+CTRL_C_WORKER = """
+from shardwise import Engine, ParallelConfig, Runner, RunnerConfig
+shardwise.init_distributed()
+twice, rank = sys.argv[2] == "twice", os.environ.get("RANK", "0")
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+    def forward(self, x):
+        if engine.step == 3:
+            (OUT / f"in_step_4_{rank}").write_text("1")
+            while twice or not engine._stop_requested:
+                if engine._stop_requested:
+                    (OUT / f"asked{rank}").write_text("1")
+                time.sleep(0.02)
+        return self.lin(x).pow(2).mean()
+torch.manual_seed(0)
+engine = Engine(Net(), lambda p: torch.optim.SGD(p, lr=0.1), ParallelConfig(strategy="ddp"))
+config = RunnerConfig(run_dir=str(OUT / "run"), batch_size=2, max_steps=50, max_epochs=None,
+                      save_every=2, progress=False)
+Runner(engine, torch.utils.data.TensorDataset(torch.randn(256, 4)), config=config).fit()
+(OUT / f"finished{rank}").write_text(str(engine.step))
+"""
+NO_RUNNER_WORKER = """
+shardwise.init_distributed()
+(OUT / f"in_step_4_{os.environ['RANK']}").write_text("1")
+time.sleep(600)
+"""
+
+
+def _ctrl_c(
+    tmp_path: Path, cmd: list[str], ranks: int, times: int
+) -> subprocess.CompletedProcess[str]:
+    """`cmd` in a session of its own, sent SIGINT as a terminal's Ctrl-C sends it (to the
+    foreground process group: the launcher, or the plain python process), `times` times."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, text=True, start_new_session=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        _wait_for([tmp_path / f"in_step_4_{r}" for r in range(ranks)], 200, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        if times == 2:
+            _wait_for([tmp_path / f"asked{r}" for r in range(ranks)], 200, proc)
+            os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        _kill_session(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("launcher", ["shardwise_run", "python"])
+@pytest.mark.parametrize("times", [1, 2])
+def test_ctrl_c_saves_after_the_step_and_twice_stops_at_once(tmp_path, launcher, times):
+    """Before: ~40 lines of KeyboardInterrupt traceback per rank, `shardwise run: stopped by
+    signal 2`, exit 130, nothing saved. Now the first Ctrl-C is SIGTERM's request (the step
+    ends, a checkpoint, exit 75) and the second stops at once (exit 130), each in one line
+    from rank 0."""
+    script = _script(tmp_path, CTRL_C_WORKER)
+    args = [str(script), str(tmp_path), "twice" if times == 2 else "once"]
+    ranks = 2 if launcher == "shardwise_run" else 1
+    cmd = [*SHARDWISE, "run", "--nproc", "2", *args] if ranks == 2 else [sys.executable, *args]
+    out = _ctrl_c(tmp_path, cmd, ranks, times)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    if times == 1:
+        assert (out.returncode, out.stderr) == (
+            75,
+            f"shardwise: SIGINT: stopped after optimizer step 4 and saved "
+            f"{checkpoints / 'step_00000004'}; exiting with code 75. Start the job again "
+            "with RunnerConfig.resume='latest' to continue from it.\n",
+        )
+    else:
+        assert (out.returncode, out.stderr) == (
+            130,
+            "shardwise: SIGINT again: stopped at once after optimizer step 3, without saving; "
+            f"the last good checkpoint is {checkpoints / 'step_00000002'} (resume='latest' "
+            "continues from it).\n",
+        )
+    assert not list(tmp_path.glob("finished*"))
+
+
+def test_ctrl_c_without_a_runner_is_one_line(tmp_path):
+    script = _script(tmp_path, NO_RUNNER_WORKER)
+    cmd = [*SHARDWISE, "run", "--nproc", "2", str(script), str(tmp_path)]
+    out = _ctrl_c(tmp_path, cmd, 2, 1)
+    assert (out.returncode, out.stderr) == (
+        130,
+        "shardwise run: stopped by SIGINT (Ctrl-C); no Runner saved a checkpoint\n",
+    )
 
 
 EXIT_PATHS = """

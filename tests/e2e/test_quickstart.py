@@ -60,3 +60,18 @@ def test_trainer_mixin_example(flags, shown):
     result = _run(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert shown in result.stdout and "done: 2 steps on 2 rank(s)" in result.stdout
+
+
+def test_the_readmes_runner_takes_its_max_steps_at_two_processes(tmp_path):
+    """The README's Runner snippet (max_steps=8) under `shardwise run --nproc 2`. Before: it
+    stopped after 4 steps, because an epoch has half the steps at 2 ranks and the default
+    max_epochs=1 came first, and nothing said so."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Training with `Engine` and `Runner`") :]
+    start = section.index("```python\n") + len("```python\n")
+    (tmp_path / "readme_runner.py").write_text(section[start : section.index("```", start)])
+    cmd = [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "readme_runner.py"]
+    result = run_in_session(cmd, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("shardwise: ")]
+    assert lines == ["shardwise: finished after optimizer step 8: max_steps=8 reached"]

@@ -196,6 +196,7 @@ def launch_torchrun(
     from torch.distributed.run import get_args_parser, run
 
     from shardwise.cli.grace import FailureGrace
+    from shardwise.cli.interrupt import InterruptedShutdown
     from shardwise.cli.report import AgentLogReader, failures_from_torch, preempted, summary
     from shardwise.distributed.process_group import LAUNCHER_PID_ENV, TIMEOUT_ENV
     from shardwise.train.resume import PREEMPTED_EXIT_CODE
@@ -210,8 +211,9 @@ def launch_torchrun(
         # The workers' error files land here (attempt_N/LOCAL_RANK/error.json).
         args = get_args_parser().parse_args(["--log-dir", log_dir, *torchrun_args])
         grace = FailureGrace(grace_s)
+        interrupt = InterruptedShutdown()
         try:
-            with grace, AgentLogReader(grace.attempts):
+            with grace, interrupt, AgentLogReader(grace.attempts):
                 run(args)
         except ChildFailedError as exc:
             stopped = grace.attempts[-1].stopped if grace.attempts else None
@@ -248,9 +250,30 @@ def launch_torchrun(
                     file=sys.stderr,
                 )
                 return PREEMPTED_EXIT_CODE
+            if exc.sigval == signal.SIGINT:
+                return _after_ctrl_c(interrupt.exit_codes)
             print(f"shardwise run: stopped by signal {exc.sigval}", file=sys.stderr)
             return 128 + int(exc.sigval)
     return 0
+
+
+def _after_ctrl_c(exit_codes: dict[int, int | None]) -> int:
+    """The launcher's exit code after a SIGINT, and its line when the workers said nothing:
+    a Runner's rank 0 has said where it stopped when every worker exited 75 (saved after
+    its step: the first Ctrl-C) or 130 (stopped at once: the second)."""
+    from shardwise.train.resume import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+    codes = set(exit_codes.values())
+    if codes == {PREEMPTED_EXIT_CODE}:
+        return PREEMPTED_EXIT_CODE
+    if codes and codes <= {PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE}:
+        return INTERRUPTED_EXIT_CODE
+    print(
+        "shardwise run: stopped by SIGINT (Ctrl-C); no Runner saved a checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 128 + signal.SIGINT
 
 
 def _config_arg(script_args: list[str]) -> str | None:
@@ -260,6 +283,24 @@ def _config_arg(script_args: list[str]) -> str | None:
         if arg.startswith("--config="):
             return arg.partition("=")[2]
     return None
+
+
+def check_overrides(script_args: list[str]) -> None:
+    """The script's `section.key=value` arguments whose section is one of shardwise's
+    Config (parallel, train, optimizer, scheduler, runner, adapter), before anything spawns,
+    with or without `--config FILE`: an unknown key is the error the workers' `load_config`
+    would raise (the closest key, the valid ones), and a value of the wrong type too.
+    Other arguments are the script's own and are left alone."""
+    import dataclasses
+
+    from shardwise.config.overrides import check_override
+    from shardwise.config.run_file import Config
+
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for arg in script_args:
+        key, eq, _ = arg.partition("=")
+        if eq and not arg.startswith("-") and key.partition(".")[0] in sections and "." in key:
+            check_override(arg)
 
 
 def check_layout(script_args: list[str], world: int) -> None:
@@ -334,6 +375,7 @@ def run_command(args: argparse.Namespace) -> int:
             f"{args.script!r} is not a file (from {os.getcwd()}); nothing was started. Give "
             "the script's path, or -m MODULE for a module."
         )
+    check_overrides(args.script_args)  # a misspelt key: one line, and nothing starts
     fit_nproc(args.nproc, visible_gpus(), default=args.nproc, command="run")
     elastic = ":" in str(args.nnodes)  # an elastic job's world is not known yet
     if getattr(args, "source", None):

@@ -229,6 +229,10 @@ class AgentLogReader(logging.Filter):
             # Said by us too ("stopped because rank 1 ended"); torch's line, one per rank the
             # launcher stopped, would show only where a rank outran the grace.
             return False
+        if "death signal" in msg and isinstance(record.args, tuple) and record.args:
+            # Ctrl-C: a Runner's rank 0 says where it stopped, or the launcher does, in one
+            # line (cli/interrupt.py); SIGTERM's line stays, before the launcher's own.
+            return record.args[0] != signal.SIGINT
         if "attempts left" in msg and len(args) >= 4:
             self._announce_restart(int(args[2]), int(args[3]))
             return False

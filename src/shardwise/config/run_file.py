@@ -334,12 +334,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "", base: Any =
             kwargs[key] = value
             continue
         if key not in fields:
-            known_as = getattr(cls, "KNOWN_AS", {}).get(key)  # another tool's name for a key
-            hint = f" Did you mean {known_as!r}?" if known_as else closest(str(key), fields)
-            raise ConfigError(
-                f"unknown key {where!r}.{hint} Valid keys"
-                f"{' in ' + path if path else ''}: {sorted(fields)}."
-            )
+            raise _unknown_key(cls, key, path)
         tp = fields[key]
         optional = _optional_section(tp)
         if optional is not None and value is not None and not isinstance(value, Mapping):
@@ -360,6 +355,14 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "", base: Any =
         raise
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{path or 'config'}: {exc}") from None
+
+
+def _unknown_key(cls: type[Any], key: object, path: str) -> ConfigError:
+    """`key` is no field of `cls` (the section at `path`): the closest key, the valid ones."""
+    fields, known_as = _fields(cls), getattr(cls, "KNOWN_AS", {}).get(key)  # other tools' names
+    hint = f" Did you mean {known_as!r}?" if known_as else closest(str(key), fields)
+    where, where_in = (f"{path}.{key}", f" in {path}") if path else (str(key), "")
+    return ConfigError(f"unknown key {where!r}.{hint} Valid keys{where_in}: {sorted(fields)}.")
 
 
 def _optional_section(tp: Any) -> type | None:

@@ -125,9 +125,10 @@ class RunnerConfig:
     while the files are written; each becomes complete (manifest, `latest`) when the next
     save starts or fit ends. Costs one CPU copy of this rank's state, kept between saves."""
     stop_on_sigterm: bool = True
-    """On SIGTERM or SIGUSR1 (SLURM's warning before a time limit or preemption), finish the
-    current optimizer step, save a checkpoint and exit with code 75 (all ranks at the same
-    step); False leaves both signals' handling as it was."""
+    """On SIGTERM or SIGUSR1 (SLURM's warning before a time limit or preemption), or a first
+    SIGINT (Ctrl-C), finish the current optimizer step, save a checkpoint and exit with code
+    75 (all ranks at the same step); a second SIGINT stops at once, unsaved, naming the last
+    good checkpoint (exit code 130). False leaves the three signals' handling as it was."""
 
     def __post_init__(self) -> None:
         for name in (

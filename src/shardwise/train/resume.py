@@ -5,7 +5,9 @@ cannot be written, `save_adapters_only` for a model without adapters), finding a
 the checkpoint `resume` names and moving newer checkpoints aside, and preemption: SIGTERM
 sets a flag, the next optimizer-step boundary agrees on it across ranks (inside the
 all-reduce each update already makes), the Runner saves there and raises `Preempted`, a
-SystemExit with code 75 (EX_TEMPFAIL).
+SystemExit with code 75 (EX_TEMPFAIL). A first SIGINT (Ctrl-C) is the same request; a
+second raises `Interrupted` (exit code 130) at once, without saving, naming the newest
+complete checkpoint.
 
 What torchrun (torch 2.13) does with that: a worker's non-zero exit marks the worker group
 FAILED, which the agent restarts while `--max-restarts` allows (any non-zero code counts;
@@ -62,7 +64,8 @@ requeue (e.g. a Kubernetes podFailurePolicy rule)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """What asks a Runner to save and stop: SIGTERM (a scheduler reclaiming the node, torchrun
 passing it on) and SIGUSR1 (SLURM's warning before a time limit or preemption, with
-`--signal=USR1@SECONDS`)."""
+`--signal=USR1@SECONDS`). A first SIGINT (Ctrl-C) does too; a second stops at once
+(`Interrupted`)."""
 
 
 class Preempted(SystemExit):
@@ -84,12 +87,48 @@ class Preempted(SystemExit):
         )
 
 
+INTERRUPTED_EXIT_CODE = 130
+"""128 + SIGINT, the shell's code for a command stopped by Ctrl-C: a second SIGINT stopped
+the Runner at once, without saving."""
+
+
+class Interrupted(SystemExit):
+    """Raised by `Runner.fit` on a second SIGINT (Ctrl-C): stopped at once, inside the step
+    after `step`, without saving; `checkpoint` is the newest complete one (None: none).
+    Uncaught, the process exits with INTERRUPTED_EXIT_CODE (no traceback)."""
+
+    def __init__(self, step: int, checkpoint: Path | None = None) -> None:
+        super().__init__(INTERRUPTED_EXIT_CODE)
+        self.step = step
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        last = (
+            f"the last good checkpoint is {self.checkpoint} (resume='latest' continues from it)"
+            if self.checkpoint is not None
+            else "there is no complete checkpoint to continue from"
+        )
+        return (
+            f"SIGINT again: stopped at once after optimizer step {self.step}, without saving; "
+            f"{last}."
+        )
+
+
+def last_good_checkpoint(config: RunnerConfig) -> Path | None:
+    """The newest complete checkpoint of this run's checkpoint directory, or None."""
+    root = checkpoint_dir(config)
+    saved = [c for c in list_checkpoints(root) if c.complete] if root.is_dir() else []
+    return saved[-1].path if saved else None
+
+
 @dataclass
 class SigtermState:
     installed: bool = False
     received: bool = False
     signum: int | None = None
     """The stop signal this process received (None: none, or only a peer did)."""
+    interrupted: bool = False
+    """A SIGINT (Ctrl-C) came: the next one stops at once."""
 
 
 def _probe(directory: Path, setting: str) -> list[str]:
@@ -110,13 +149,14 @@ def checkpoint_dir(config: RunnerConfig) -> Path:
 
 
 @contextlib.contextmanager
-def sigterm_requests_stop(engine: Engine, enabled: bool) -> Iterator[SigtermState]:
-    """While fitting, SIGTERM or SIGUSR1 (`STOP_SIGNALS`) asks the engine to stop at the
-    next update (a flag only: nothing else is safe in a handler). The previous handlers are
-    restored afterwards; a signal that came too late for fit to act on is then delivered to
-    its own."""
+def sigterm_requests_stop(engine: Engine, config: RunnerConfig) -> Iterator[SigtermState]:
+    """While fitting (when `config.stop_on_sigterm`), SIGTERM or SIGUSR1 (`STOP_SIGNALS`),
+    or a first SIGINT, asks the engine to stop at the next update (a flag only: nothing else
+    is safe in a handler); a second SIGINT raises `Interrupted` at once, which names the
+    newest complete checkpoint on rank 0. The previous handlers are restored afterwards; a
+    signal that came too late for fit to act on is then delivered to its own."""
     state = SigtermState()
-    if not enabled:
+    if not config.stop_on_sigterm:
         yield state
         return
     if threading.current_thread() is not threading.main_thread():
@@ -133,13 +173,28 @@ def sigterm_requests_stop(engine: Engine, enabled: bool) -> Iterator[SigtermStat
         state.received, state.signum = True, state.signum or signum
         engine.request_stop()
 
+    def interrupt(signum: int, frame: Any) -> None:
+        if not state.interrupted:  # the first Ctrl-C: as SIGTERM
+            state.interrupted = True
+            request_stop(signum, frame)
+            return
+        # The second: at once. Any later SIGINT (a third Ctrl-C, or `shardwise run` passing
+        # this one on) must not interrupt the line that says so, nor the exit.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise Interrupted(engine.step)
+
     previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     state.installed = True
     acted = False
     try:
         yield state
-    except Preempted:
+    except (Preempted, Interrupted) as stopped:
         acted = True
+        if isinstance(stopped, Interrupted):
+            previous.pop(signal.SIGINT)  # stays ignored while the process exits
+            stopped.checkpoint = last_good_checkpoint(config)  # where a resume would start
+            say(str(stopped))
         raise
     finally:
         for sig, handler in previous.items():

@@ -119,6 +119,28 @@ def _total_steps(config: RunnerConfig, batches_per_epoch: int, accumulate_steps:
     return total
 
 
+def _say_what_ended(
+    config: RunnerConfig, engine: Engine, epochs: int, batches_per_epoch: int, dp_world: int
+) -> str:
+    """The limit that ended training ('max_steps=8' or 'max_epochs=1'), said by rank 0 in
+    one line. Whichever of the two comes first ends it, and an epoch's steps depend on the
+    data-parallel ranks: a max_steps that max_epochs cut short is named with both."""
+    done = engine.step + engine.skipped_steps
+    if config.max_steps is not None and done >= config.max_steps:
+        ended = f"max_steps={config.max_steps}"
+        say(f"finished after optimizer step {engine.step}: {ended} reached")
+        return ended
+    ended = f"max_epochs={config.max_epochs}"
+    short = f", before max_steps={config.max_steps}" if config.max_steps is not None else ""
+    per_epoch = math.ceil(batches_per_epoch / engine.train_config.accumulate_steps)
+    say(
+        f"finished after optimizer step {engine.step}: {ended} reached{short} (an epoch is "
+        f"{per_epoch} optimizer step(s) at {dp_world} data-parallel rank(s); "
+        "max_epochs=None trains until max_steps)"
+    )
+    return ended
+
+
 def _timer_due(config: RunnerConfig, since: float) -> bool:
     """Whether `save_every_minutes` have passed on this rank's clock since the last save.
     Clocks differ between ranks: a rank that is due asks the Engine to save
@@ -209,7 +231,7 @@ class Runner:
         last_val: dict[str, float] = {}
         stop = False
         try:
-            with sigterm_requests_stop(engine, cfg.stop_on_sigterm) as sigterm:
+            with sigterm_requests_stop(engine, cfg) as sigterm:
                 # Epochs bound the loop by epochs, not by `total`: after a resume at another
                 # world or batch size, an epoch has another number of steps.
                 while (
@@ -293,15 +315,12 @@ class Runner:
         finally:
             progress.close()
             self.logger.close()
+        ended_by = _say_what_ended(cfg, engine, epoch, len(self.train_loader), self.dp_world)
         return {
-            "steps": engine.step,
-            "skipped_steps": engine.skipped_steps,
-            "epochs": epoch,
-            "train": last_train,
-            "val": last_val,
-            "seconds": time.perf_counter() - start,
-            "run_dir": str(Path(cfg.run_dir)),
-        }
+            "steps": engine.step, "skipped_steps": engine.skipped_steps, "epochs": epoch,
+            "ended_by": ended_by, "train": last_train, "val": last_val,
+            "seconds": time.perf_counter() - start, "run_dir": str(Path(cfg.run_dir)),
+        }  # fmt: skip
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -202,7 +203,10 @@ def test_a_restart_is_announced_with_the_report_of_the_attempt(tmp_path, capsys)
         )
         assert not reader.filter(restart)
         assert not reader.filter(_record(agent, logging.INFO, "[default] Starting worker group"))
-        assert reader.filter(_record(agent, logging.WARNING, "Received 15 death signal"))
+        death = "Received %s death signal, shutting down workers"
+        assert reader.filter(_record(agent, logging.WARNING, death, signal.SIGTERM))
+        # Ctrl-C: the workers' rank 0 or the launcher says it, in one line.
+        assert not reader.filter(_record(agent, logging.WARNING, death, signal.SIGINT))
     err = capsys.readouterr().err
     assert "shardwise run: 2 rank(s) failed:\n  rank 3 raised:" in err
     assert "an illegal memory access" in err

@@ -184,6 +184,39 @@ def test_run_refuses_a_layout_the_world_cannot_hold_before_spawning(tmp_path, ca
     check_layout(["--config", str(tmp_path / "other.yaml"), "parallel.strategy=hybrid_shard"], 3)
 
 
+def test_run_refuses_a_misspelt_override_before_spawning_without_a_config(capsys):
+    """Before: without --config the workers started and each said "Did you mean
+    'strategy'?" 8 s later; with --config it was refused at once. Now both are."""
+    script = os.path.join("examples", "train_lm.py")
+    cases = [
+        (
+            ["parallel.stratgy=full_shard"],
+            "unknown key 'parallel.stratgy'. Did you mean 'strategy'?",
+        ),
+        (["runner.max_step=8"], "unknown key 'runner.max_step'. Did you mean 'max_steps'?"),
+        (["optimizer.lrr=1e-3"], "unknown key 'optimizer.lrr'. Did you mean 'lr'?"),
+        (["adapter.rr=8"], "unknown key 'adapter.rr'. Did you mean 'r'?"),
+        (["runner.max_steps=many"], "runner.max_steps: expected int | null, got str ('many')."),
+        # The first bad one of several, after a good one and the script's own arguments.
+        (["--init-from", "x", "train.max_grad_norm=1", "train.max_stepz=2"], "'train.max_stepz'"),
+    ]
+    for overrides, said in cases:
+        assert main(["run", "--nproc", "2", script, *overrides]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("shardwise run: error: ") and said in err, err
+        assert err.count("\n") == 1, err
+    # Arguments the launcher leaves to the script: its own sections, options, foreign words
+    # and placement words in parallel (translated or checked by the workers), and values
+    # whose check needs the whole config (max_epochs null with max_steps from the file).
+    from shardwise.cli.launch import check_overrides
+
+    check_overrides(
+        ["model.depth=3", "--lr=3", "x=1", "parallel.sharding_strategy=FULL_SHARD",
+         "parallel.device_ids=[0]", "runner.max_epochs=null", "parallel.strategy=FULL_SHARD",
+         "adapter.r=4", "optimizer.lr=1e-3"]
+    )  # fmt: skip
+
+
 @pytest.mark.heavy
 def test_plan_shows_the_2d_layout_and_refuses_what_it_cannot_model(tmp_path, monkeypatch, capsys):
     (tmp_path / "llm.py").write_text(
@@ -265,3 +298,21 @@ def test_plan_shows_the_context_parallel_layout_and_simulates_its_peak(capsys):
     assert "--cp and parallel.cp=... both given" in capsys.readouterr().err
     assert main(["plan", "shardwise.testing.models:GPT", "--world", "6", "--cp", "4"]) == 2
     assert "ParallelConfig.cp=4 does not divide the job's 6 rank(s)" in capsys.readouterr().err
+
+
+def test_after_ctrl_c_the_launcher_speaks_only_when_no_runner_did(capsys):
+    from shardwise.cli.launch import _after_ctrl_c
+
+    line = "shardwise run: stopped by SIGINT (Ctrl-C); no Runner saved a checkpoint\n"
+    cases = [
+        ({0: 75, 1: 75}, 75, ""),  # saved after the step: rank 0 said where
+        ({0: 130, 1: 130}, 130, ""),  # stopped at once: rank 0 named the last checkpoint
+        ({0: 75, 1: 130}, 130, ""),  # one rank had saved before the second Ctrl-C
+        ({0: -2, 1: -2}, 130, line),  # no Runner: ended by the SIGINT itself
+        ({0: 75, 1: -2}, 130, line),
+        ({0: 75, 1: None}, 130, line),  # still running (torch SIGKILLs it)
+        ({}, 130, line),
+    ]
+    for codes, code, said in cases:
+        assert _after_ctrl_c(codes) == code, codes
+        assert capsys.readouterr().err == said, codes

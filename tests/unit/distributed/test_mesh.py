@@ -7,7 +7,7 @@ worker of `shardwise run` shows in one line; a bad argument from shardwise's own
 import pytest
 
 from shardwise.distributed import resolve_mesh
-from shardwise.distributed.worker_errors import short_error
+from shardwise.distributed.worker_errors import is_refusal, short_error
 
 
 @pytest.mark.parametrize(
@@ -92,6 +92,7 @@ def test_full_shard_with_partial_dp_shard_points_to_hybrid():
     ) as refused:
         resolve_mesh("full_shard", 2, 4)
     assert short_error(refused.value)  # the user's layout: one line under `shardwise run`
+    assert is_refusal(refused.value)  # and marked: a restart would refuse it again
 
 
 def test_ddp_with_dp_shard():
@@ -104,7 +105,9 @@ def test_ddp_with_dp_shard():
 def test_zero_world():
     with pytest.raises(ValueError, match=r"world_size=0 must be >= 1") as internal:
         resolve_mesh("ddp", -1, 0)
-    assert not short_error(internal.value)  # shardwise's own argument: keeps its traceback
+    # A message shardwise wrote is shown alone (SHARDWISE_TRACEBACK=1 shows where), but only
+    # a marked refusal stops --max-restarts.
+    assert short_error(internal.value) and not is_refusal(internal.value)
 
 
 def test_spec_prints_and_serialises():

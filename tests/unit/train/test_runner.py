@@ -14,6 +14,7 @@ from shardwise import Engine, Runner, RunnerConfig, TrainConfig
 from shardwise.cli import main as cli_main
 from shardwise.testing.models import GPT, GPTConfig, random_lm_batches
 from shardwise.train import PREEMPTED_EXIT_CODE, Preempted
+from shardwise.train.resume import Interrupted
 
 CFG = GPTConfig()
 
@@ -334,6 +335,80 @@ def test_slurms_sigusr1_saves_and_exits_75_like_sigterm(tmp_path):
         signal.signal(signal.SIGUSR1, previous)
 
 
+class SignalsAt(TensorDataset):
+    """Sends this process `sig` when each of the `at` samples is read (Ctrl-C, pressed
+    once or twice)."""
+
+    def __init__(self, at: tuple[int, ...], *tensors, sig: int = signal.SIGINT):
+        super().__init__(*tensors)
+        self.at, self.reads, self.sig = at, 0, sig
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if self.reads in self.at:
+            os.kill(os.getpid(), self.sig)
+        return super().__getitem__(i)
+
+
+def interruptible(tmp_path, at, *, save_every=None):
+    torch.manual_seed(0)
+    engine = Engine(
+        GPT(CFG), lambda p: torch.optim.AdamW(p, lr=3e-3), train=TrainConfig(accumulate_steps=2)
+    )
+    config = RunnerConfig(
+        run_dir=str(tmp_path), progress=False, batch_size=2, max_steps=6, max_epochs=None,
+        save_every=save_every,
+    )  # fmt: skip
+    return Runner(engine, SignalsAt(at, *lm_dataset(24).tensors), config=config)
+
+
+def test_a_first_ctrl_c_finishes_the_step_and_saves_like_sigterm(tmp_path, capsys):
+    """Before: KeyboardInterrupt wherever the step was, nothing saved."""
+    try:
+        cut = interruptible(tmp_path, (7,))  # micro-batch 4 of window 2 (see above)
+        with pytest.raises(Preempted) as stopped:
+            try:
+                cut.fit()
+            except KeyboardInterrupt:
+                pytest.fail("the Ctrl-C reached the caller as KeyboardInterrupt")
+        saved = tmp_path / "checkpoints" / "step_00000002"
+        line = (
+            f"SIGINT: stopped after optimizer step 2 and saved {saved}; exiting with code 75. "
+            "Start the job again with RunnerConfig.resume='latest' to continue from it."
+        )
+        assert (stopped.value.code, str(stopped.value)) == (75, line) and saved.is_dir()
+        assert capsys.readouterr().err == f"shardwise: {line}\n"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.mark.parametrize("save_every", [1, None])
+def test_a_second_ctrl_c_stops_at_once_naming_the_last_good_checkpoint(
+    tmp_path, capsys, save_every
+):
+    """Samples 9 and 10 are micro-batch 5, the first of step 3's window: the second Ctrl-C
+    comes before that step could end, and stops it there, unsaved."""
+    try:
+        cut = interruptible(tmp_path, (9, 10), save_every=save_every)
+        with pytest.raises(Interrupted) as stopped:
+            cut.fit()
+        last = tmp_path / "checkpoints" / "step_00000002"
+        where = (
+            f"the last good checkpoint is {last} (resume='latest' continues from it)"
+            if save_every
+            else "there is no complete checkpoint to continue from"
+        )
+        line = f"SIGINT again: stopped at once after optimizer step 2, without saving; {where}."
+        assert (stopped.value.code, str(stopped.value)) == (130, line)
+        assert capsys.readouterr().err == f"shardwise: {line}\n"
+        assert not (tmp_path / "checkpoints" / "step_00000003").exists()
+        # A third SIGINT (or the launcher's copy of the second) cannot cut the exit short.
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def test_stop_on_sigterm_false_leaves_the_handler_alone(tmp_path):
     calls = []
     previous = signal.signal(signal.SIGTERM, lambda *a: calls.append(a))
@@ -544,3 +619,49 @@ def test_the_last_step_of_epochs_with_partial_windows_is_always_logged(tmp_path)
     assert _total_steps(RunnerConfig(max_epochs=2, max_steps=None), 4, 3) == 4
     assert _total_steps(RunnerConfig(max_epochs=3, max_steps=5), 7, 2) == 5  # 4 an epoch
     assert _total_steps(RunnerConfig(max_epochs=1, max_steps=None), 7, 2) == 4
+
+
+# --- what ended training ---------------------------------------------------------------
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.lin(x), y)
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "max_epochs", "steps", "ended_by", "line"),
+    [
+        (6, None, 6, "max_steps=6", "finished after optimizer step 6: max_steps=6 reached"),
+        # 16 samples in batches of 2, 2 per step: an epoch is 4 steps, and the default
+        # max_epochs=1 ends the run before max_steps=6 (what 2 ranks did to the README's).
+        (6, 1, 4, "max_epochs=1",
+         "finished after optimizer step 4: max_epochs=1 reached, before max_steps=6 (an epoch "
+         "is 4 optimizer step(s) at 1 data-parallel rank(s); max_epochs=None trains until "
+         "max_steps)"),
+        (None, 2, 8, "max_epochs=2",
+         "finished after optimizer step 8: max_epochs=2 reached (an epoch is 4 optimizer "
+         "step(s) at 1 data-parallel rank(s); max_epochs=None trains until max_steps)"),
+        (8, 2, 8, "max_steps=8", "finished after optimizer step 8: max_steps=8 reached"),
+    ],
+    ids=["max_steps", "max_epochs_first", "max_epochs_alone", "both_at_once"],
+)  # fmt: skip
+def test_the_last_line_names_the_limit_that_ended_training(
+    tmp_path, capsys, max_steps, max_epochs, steps, ended_by, line
+):
+    torch.manual_seed(0)
+    engine = Engine(
+        Regression(), lambda p: torch.optim.SGD(p, lr=0.1), train=TrainConfig(accumulate_steps=2)
+    )
+    config = RunnerConfig(
+        run_dir=str(tmp_path), progress=False, batch_size=2, max_steps=max_steps,
+        max_epochs=max_epochs,
+    )  # fmt: skip
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    summary = Runner(engine, data, config=config).fit()
+    assert (summary["steps"], summary["ended_by"]) == (steps, ended_by)
+    assert capsys.readouterr().err == f"shardwise: {line}\n"
