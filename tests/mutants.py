@@ -2589,8 +2589,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "parallel_config_from_env_none_without_a_file",
         "src/shardwise/config/parallel.py",
-        "        return launched.config.parallel if launched is not None else cls()\n",
-        "        return launched.config.parallel if launched is not None else None  # type: ignore[return-value]\n",
+        "        return launched if launched is not None else cls()\n",
+        "        return launched  # type: ignore[return-value]\n",
         (
             "tests/unit/config/test_deepspeed.py::test_parallel_config_from_env_is_the_launched_files_layout",
         ),
@@ -2598,7 +2598,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "parallel_config_from_env_ignores_the_file",
         "src/shardwise/config/parallel.py",
-        "        return launched.config.parallel if launched is not None else cls()\n",
+        "        return launched if launched is not None else cls()\n",
         "        return cls()\n",
         (
             "tests/unit/config/test_deepspeed.py::test_parallel_config_from_env_is_the_launched_files_layout",

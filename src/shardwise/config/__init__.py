@@ -8,6 +8,7 @@ The fields' types are exported too: each closed set is a `Literal` (`StrategySet
 """
 
 from shardwise.config.accelerate import translate_accelerate
+from shardwise.config.budget import parse_memory_budget
 from shardwise.config.deepspeed import translate_deepspeed
 from shardwise.config.names import (
     STRATEGIES,
@@ -25,7 +26,6 @@ from shardwise.config.parallel import (
     ParallelConfig,
     UserMesh,
     WrapPolicy,
-    parse_memory_budget,
     resolve_activation_checkpointing,
     resolve_backward_prefetch,
     resolve_cpu_offload,

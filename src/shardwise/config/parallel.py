@@ -5,8 +5,9 @@ Owns: field definitions, the accepted spellings of each field (our names, torch'
 not need to know the world size. Errors are raised when the config is built, before
 any process group exists.
 
-Must not: read environment variables (`ParallelConfig.from_env` asks
-parallelize/from_env.py, as `wrap` does), touch torch.distributed, or know the world size
+Must not: read environment variables (`ParallelConfig.from_env` calls the reader that
+parallelize/from_env.py registers in LAUNCHED, as `wrap` reads them), touch torch.distributed,
+or know the world size
 (that is distributed/mesh.py's job, when the config meets a running job).
 """
 
@@ -17,13 +18,14 @@ import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn, get_args
+from typing import Any, Literal, get_args
 
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
+from shardwise.config.budget import parse_memory_budget
 from shardwise.config.context import CPStyle, validate_cp
 from shardwise.config.experts import validate_ep
 from shardwise.config.names import StrategySetting, closest, normalize_strategy
@@ -125,46 +127,6 @@ def resolve_forward_prefetch(value: object) -> int:
 
 
 FROZEN_POLICIES: tuple[FrozenPolicy, ...] = get_args(FrozenPolicy)
-_SIZE_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-
-
-def parse_memory_budget(value: object) -> int | float | None:
-    """`memory_budget` as bytes (int), a fraction of the device's memory (float in (0, 1]),
-    or None (90% of the device's memory). Accepts ints (bytes), '70GiB', '80 GB', '90%'."""
-    if value is None or isinstance(value, bool):
-        return None if value is None else _bad_budget(value)
-    if isinstance(value, int):
-        return value if value > 0 else _bad_budget(value)
-    if isinstance(value, float):
-        return value if 0 < value <= 1 else _bad_budget(value)
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        if text.endswith("%"):
-            try:
-                pct = float(text[:-1])
-            except ValueError:
-                return _bad_budget(value)
-            return pct / 100 if 0 < pct <= 100 else _bad_budget(value)
-        number = text.rstrip("kmgtib")
-        unit = text[len(number) :] or "b"
-        try:
-            amount = float(number)
-        except ValueError:
-            return _bad_budget(value)
-        if unit in _SIZE_UNITS and amount > 0:
-            return int(amount * _SIZE_UNITS[unit])
-    return _bad_budget(value)
-
-
-def _bad_budget(value: object) -> NoReturn:
-    raise ValueError(
-        f"ParallelConfig.memory_budget={value!r} is not valid. Give bytes per rank as an int, "
-        "a size such as '70GiB' or '80GB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), a "
-        "percentage of the device's memory such as '85%', or None (90% of it)."
-    )
 
 
 def resolve_activation_checkpointing(value: object) -> int:
@@ -187,6 +149,10 @@ def resolve_activation_checkpointing(value: object) -> int:
         f"ParallelConfig.activation_checkpointing={value!r} is not valid. Use 'none', 'full', "
         "'every_<k>' (e.g. 'every_2'), a positive int k, or 'auto'."
     )
+
+
+LAUNCHED: list[Callable[[], ParallelConfig | None]] = []
+"""The launched file's layout, or None (registered by parallelize/from_env.py)."""
 
 
 @dataclass(kw_only=True)
@@ -360,21 +326,14 @@ class ParallelConfig:
     @classmethod
     def from_env(cls) -> ParallelConfig:
         """The layout of the file `shardwise run --from FILE` (or `--deepspeed`,
-        `--accelerate-config`) launched this script with, at the job's world size; a
-        ConfigError naming every refused key, as at launch.
-
-        Without such a file, the default `ParallelConfig()`, not None: that is what
-        `wrap(model)` given no config takes, so `wrap(model, ParallelConfig.from_env())`
-        is `wrap(model)`, and the script runs unchanged as `python train.py`. A script that
-        must know whether a file was given asks `shardwise.translation_from_env()` (None
-        then).
-        """
-        # The launcher's variables are read where wrap reads them (parallelize/from_env.py,
-        # through distributed/), not here: one path, so the two cannot disagree.
-        from shardwise.parallelize.from_env import translation_from_env
-
-        launched = translation_from_env()
-        return launched.config.parallel if launched is not None else cls()
+        `--accelerate-config`) launched this script with, at the job's world size (a
+        ConfigError names every refused key). Without one, `ParallelConfig()`, not None:
+        what `wrap(model)` takes, so the script also runs as `python train.py`;
+        `shardwise.translation_from_env()` says whether a file was given."""
+        if not LAUNCHED:  # importing shardwise registers it: a bug, never a silent default
+            raise RuntimeError("ParallelConfig.from_env: no reader of the launched file")
+        launched = LAUNCHED[0]()
+        return launched if launched is not None else cls()
 
     @property
     def precision(self) -> Precision:

@@ -36,8 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.config.budget import parse_memory_budget
 from shardwise.config.names import StrategyName
-from shardwise.config.parallel import ParallelConfig, parse_memory_budget
+from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.memory.activations import trace_activations
 from shardwise.memory.fake import ExampleInput

@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 from shardwise.config.foreign import read_foreign
-from shardwise.config.parallel import ParallelConfig
+from shardwise.config.parallel import LAUNCHED, ParallelConfig
 from shardwise.config.training import TrainConfig
 from shardwise.config.translation import Translation
 from shardwise.distributed.process_group import env_world_size, foreign_config_path
@@ -34,6 +34,14 @@ def translation_from_env() -> Translation | None:
     if path is None:
         return None
     return read_foreign(path, world=env_world_size())
+
+
+def _launched_parallel() -> ParallelConfig | None:
+    launched = translation_from_env()
+    return launched.config.parallel if launched is not None else None
+
+
+LAUNCHED.append(_launched_parallel)  # ParallelConfig.from_env reads no environment itself
 
 
 def engine_values_from_env(
