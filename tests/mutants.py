@@ -2716,6 +2716,14 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/memory/test_autoplan.py::test_without_the_simulation_no_row_says_it_was_not_simulated",
         ),
     ),
+    # Issue 50: every docs snippet runs alone, as a reader who copies it runs it.
+    Mutant(
+        "docs_blocks_share_a_namespace",
+        "tests/docs/_doc_driver.py",
+        'exec(compile(step["text"], step["origin"], "exec"), {"__name__": "__main__"})',
+        'exec(compile(step["text"], step["origin"], "exec"), page.setdefault("ns", {}))',
+        ("tests/docs/test_snippets.py::test_a_block_that_needs_an_earlier_blocks_names_fails",),
+    ),
 )
 
 
