@@ -2904,6 +2904,14 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/e2e/test_example_lm.py::test_the_done_line_shows_no_figure_for_a_validation_that_never_ran",
         ),
     ),
+    # Issue 50: every docs snippet runs alone, as a reader who copies it runs it.
+    Mutant(
+        "docs_blocks_share_a_namespace",
+        "tests/docs/_doc_driver.py",
+        'exec(compile(step["text"], step["origin"], "exec"), {"__name__": "__main__"})',
+        'exec(compile(step["text"], step["origin"], "exec"), page.setdefault("ns", {}))',
+        ("tests/docs/test_snippets.py::test_a_block_that_needs_an_earlier_blocks_names_fails",),
+    ),
 )
 
 

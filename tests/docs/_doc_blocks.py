@@ -9,7 +9,9 @@ Conventions a page follows (docs/testing.md shows them to a writer):
   block to NAME in the page's working directory instead of running it: a script that a
   shell command on the page then runs (`python NAME`, `shardwise run ... NAME`), a YAML
   file a snippet loads, a module `shardwise plan` imports.
-- Python blocks without a directive run in order, in one namespace per page.
+- Python blocks without a directive run in order, each in a fresh namespace, as a reader
+  who copies one block runs it: a block imports and defines what it uses. Files a block
+  writes stay in the page's working directory for the blocks and commands after it.
 - Shell commands are the lines of `bash`/`sh` blocks (comments dropped, `\\` continues a
   line) and the `$ ` lines of `console` blocks, whose other lines are the expected output
   (`...` on a line of its own stands for any lines).
@@ -115,7 +117,7 @@ def pages() -> list[Path]:
 
 
 def read_blocks(path: Path) -> list[Block]:
-    page = path.relative_to(ROOT).as_posix()
+    page = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
     lines = path.read_text().splitlines()
     blocks: list[Block] = []
     i = 0

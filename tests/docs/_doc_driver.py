@@ -2,8 +2,10 @@
 
 PLAN is JSON: a list of pages, each `{"page", "workdir", "steps"}`, every step
 `{"kind": "python" | "file" | "shell", "origin", "text", ...}`. Each page runs in its own
-working directory (with `examples/` linked in, as at the repository root) and its own
-namespace, in document order, and stops at its first failure; the next page still runs.
+working directory (with `examples/` linked in, as at the repository root), in document
+order, and stops at its first failure; the next page still runs. Each Python block runs in
+a fresh namespace, so a block that needs another's imports or names fails here as it
+would for a reader who copies it; files written by one step are there for the next.
 RESULT gets `{page: {"ok", "error", "ran", "seconds"}}`.
 
 `shardwise plan|config|checkpoint|plot` run in this process through `shardwise.cli.main`
@@ -152,7 +154,6 @@ def run_shell(step: dict) -> None:
 def run_page(page: dict) -> dict:
     workdir = Path(page["workdir"])
     os.chdir(workdir)
-    namespace: dict = {"__name__": "__main__"}
     ran: list[str] = []
     start = time.perf_counter()
     for step in page["steps"]:
@@ -161,7 +162,8 @@ def run_page(page: dict) -> dict:
             if step["kind"] == "file":
                 (workdir / step["file"]).write_text(step["text"])
             elif step["kind"] == "python":
-                exec(compile(step["text"], step["origin"], "exec"), namespace)
+                # A fresh namespace per block: a reader copies one block, not the page.
+                exec(compile(step["text"], step["origin"], "exec"), {"__name__": "__main__"})
             else:
                 run_shell(step)
         except BaseException as exc:  # reported with the step it came from

@@ -1,9 +1,9 @@
 """Every Python snippet and shell command in README.md and docs/*.md runs as written.
 
 One driver process (`_doc_driver.py`) runs the pages in turn, each in a fresh working
-directory with `examples/` linked in: Python blocks in one namespace per page, in document
-order with the page's commands (so `shardwise plot runs/exp1` sees what the snippet above it
-trained), console transcripts compared with the output. Commands another test runs are
+directory with `examples/` linked in: each Python block in a fresh namespace, in document
+order with the page's commands (so `shardwise plot runs/exp1` sees the files the snippet
+above it trained), console transcripts compared with the output. Commands another test runs are
 left to it (`_covered.py`, checked in test_commands.py); blocks marked
 `*Not run by the tests: ...*` are skipped by that visible line.
 """
@@ -41,17 +41,8 @@ def _steps(blocks: list[Block]) -> list[dict]:
     return steps
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, dict]:
-    plan = []
-    for path in pages():
-        page = path.relative_to(ROOT).as_posix()
-        steps = _steps(read_blocks(path))
-        if steps:
-            workdir = tmp_path_factory.mktemp(path.stem)
-            (workdir / "examples").symlink_to(ROOT / "examples")
-            plan.append({"page": page, "workdir": str(workdir), "steps": steps})
-    scratch = tmp_path_factory.mktemp("driver")
+def _drive(plan: list[dict], scratch: Path) -> dict[str, dict]:
+    """The pages of `plan` run by the driver, in a process of its own."""
     (scratch / "plan.json").write_text(json.dumps(plan))
     out = scratch / "results.json"
     proc = subprocess.run(
@@ -66,6 +57,19 @@ def results(tmp_path_factory) -> dict[str, dict]:
              f"before this page:\n{proc.stderr[-5000:]}"},
         )  # fmt: skip
     return got
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    plan = []
+    for path in pages():
+        page = path.relative_to(ROOT).as_posix()
+        steps = _steps(read_blocks(path))
+        if steps:
+            workdir = tmp_path_factory.mktemp(path.stem)
+            (workdir / "examples").symlink_to(ROOT / "examples")
+            plan.append({"page": page, "workdir": str(workdir), "steps": steps})
+    return _drive(plan, tmp_path_factory.mktemp("driver"))
 
 
 PAGES_THAT_RUN = [
@@ -115,6 +119,58 @@ def test_every_fence_has_a_known_language():
             f"{block.origin}: ```{block.lang}: give the block a language the doc tests know "
             "(python, yaml, bash, sh, console; text for output)"
         )
+
+
+# --- the driver itself ------------------------------------------------------------------
+
+_TWO_BLOCKS = """\
+# A page
+
+```python
+import json
+
+settings = {"lr": 0.1}
+with open("settings.json", "w") as f:
+    json.dump(settings, f)
+```
+
+Then:
+
+```python
+%s
+```
+"""
+
+
+def _run_synthetic_page(tmp_path: Path, second_block: str) -> dict:
+    page = tmp_path / "page.md"
+    page.write_text(_TWO_BLOCKS % second_block)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    steps = _steps(read_blocks(page))
+    assert [s["kind"] for s in steps] == ["python", "python"]
+    return _drive([{"page": "page.md", "workdir": str(workdir), "steps": steps}], tmp_path)[
+        "page.md"
+    ]
+
+
+def test_a_block_that_needs_an_earlier_blocks_names_fails(tmp_path):
+    """Each block runs in a fresh namespace, as a reader who copies it runs it: `json` and
+    `settings` are the first block's, so the second block alone is refused, naming where."""
+    result = _run_synthetic_page(tmp_path, 'print(json.dumps(settings["lr"]))')
+    assert not result["ok"]
+    assert result["error"].startswith("page.md:13: ")
+    assert "NameError: name 'json' is not defined" in result["error"]
+    assert result["ran"] == [result["ran"][0]] and result["ran"][0].startswith("page.md:3 ")
+
+
+def test_a_block_reads_the_files_an_earlier_block_wrote(tmp_path):
+    result = _run_synthetic_page(
+        tmp_path,
+        'import json\n\nassert json.load(open("settings.json")) == {"lr": 0.1}',
+    )
+    assert result["ok"], result["error"]
+    assert len(result["ran"]) == 2
 
 
 # --- the transcript comparison itself --------------------------------------------------
