@@ -482,6 +482,72 @@ def torchtitan_lines(rows: list[dict]) -> list[str]:
 # --------------------------------------------------------------------------- main
 
 
+# --------------------------------------------------------------------------- estimate
+
+ESTIMATE_STRATEGIES = (*STRATEGIES, "hybrid_shard_zero2")
+
+
+def _untied_llama(shape: dict[str, int], vocab: int) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, max_position_embeddings=8192, tie_word_embeddings=False,
+        use_cache=False, **shape,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+SMALL_LLAMA = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+# name: (factory, world, batch, seq_len, precisions, AC levels)
+ESTIMATE_MODELS: dict[str, tuple[Any, int, int, int, tuple[str, ...], tuple[str, ...]]] = {
+    "gpt": (
+        functools.partial(GPT, GPTConfig(vocab_size=8192, seq_len=256, d_model=256, n_heads=8,
+                                         n_layers=6)),
+        8, 2, 256, ("fp32", "bf16"), ("none", "full"),
+    ),
+    "llama-small": (
+        functools.partial(_untied_llama, SMALL_LLAMA, 32000), 16, 1, 512, ("fp32", "bf16"),
+        ("none", "full"),
+    ),
+    "llama3-8b": (
+        functools.partial(_untied_llama, LLAMA_SHAPES["llama3-8b"], 128256), 16, 1, 2048,
+        ("bf16",), ("none", "full"),
+    ),
+    "llama3-70b": (
+        functools.partial(_untied_llama, LLAMA_SHAPES["llama3-70b"], 128256), 32, 1, 4096,
+        ("bf16",), ("full",),
+    ),
+}  # fmt: skip
+
+
+def estimate_rows(names: list[str]) -> list[dict[str, Any]]:
+    """The instant estimate (`shardwise plan` without --simulate) against the simulation,
+    for every strategy of each model."""
+    from shardwise.memory import InstantPeak
+
+    rows = []
+    for name in names:
+        factory, world, batch, seq_len, precisions, levels = ESTIMATE_MODELS[name]
+        with torch.device("meta"):
+            instant = InstantPeak(factory(), world, batch, seq_len)
+        for precision in precisions:
+            for ac in levels:
+                for strategy in ESTIMATE_STRATEGIES:
+                    cfg = ParallelConfig(strategy=strategy, activation_checkpointing=ac,
+                                         mixed_precision=precision)  # fmt: skip
+                    estimate = instant(cfg)
+                    sim = simulate_step(factory, cfg, world=world, batch=batch, seq_len=seq_len)
+                    rows.append({"model": name, "world": world, "seq_len": seq_len,
+                                 "precision": precision, "ac": ac, "strategy": strategy,
+                                 "estimate": estimate, "simulated": sim.peak,
+                                 "ratio": round(estimate / sim.peak, 3)})  # fmt: skip
+                    print(f"{name:<12} {world:>5} {precision:<5} {ac:<5} {strategy:<19} "
+                          f"{format_bytes(estimate):>12} {format_bytes(sim.peak):>12} "
+                          f"{estimate / sim.peak:6.3f}", flush=True)  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = common.arg_parser(__doc__)
     parser.add_argument("--smoke", action="store_true", help="world 2, full_shard, no Llama")
@@ -501,9 +567,30 @@ def main(argv: list[str] | None = None) -> int:
         "stage is simulated: about 20 minutes per world on one core)",
     )
     parser.add_argument("--pipeline-worlds", default="512,2048")
+    parser.add_argument(
+        "--estimate",
+        default=None,
+        help="only the instant estimate against the simulation, for these comma-separated "
+        f"models (of {', '.join(ESTIMATE_MODELS)}), every strategy",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     t_start = time.perf_counter()
+    if args.estimate:
+        print(f"{'model':<12} {'world':>5} {'prec':<5} {'AC':<5} {'strategy':<19} "
+              f"{'estimate':>12} {'simulated':>12} {'ratio':>6}")  # fmt: skip
+        rows = estimate_rows(args.estimate.split(","))
+        common.emit_json(
+            {
+                "benchmark": "memory_sim/estimate",
+                "date": time.strftime("%Y-%m-%d"),
+                "commit": common.git_commit() or "unknown",
+                "command": common.command_line("python bench/memory_sim.py", argv or None),
+                "rows": rows,
+                "bench_wall_s": round(time.perf_counter() - t_start, 1),
+            }
+        )
+        return 0
     if args.pipeline_scale:
         print("Llama-3-405B: tp 8 x pp 8/16, full_shard, bf16, AC full, seq 8192, 1F1B")
         print(pipeline_table([]), flush=True)
