@@ -2912,6 +2912,105 @@ MUTANTS: tuple[Mutant, ...] = (
         'exec(compile(step["text"], step["origin"], "exec"), page.setdefault("ns", {}))',
         ("tests/docs/test_snippets.py::test_a_block_that_needs_an_earlier_blocks_names_fails",),
     ),
+    # The fourth outside audit's survivors (issue 48): 11 bugs chosen from the code alone.
+    Mutant(
+        "moe_below_the_top_level_not_stated",
+        "src/shardwise/parallelize/batch_stats.py",
+        'fqn.rsplit(".", 1)[-1] == "experts"',
+        'fqn.rsplit(".", 1)[0] == "experts"',
+        (
+            "tests/unit/parallelize/test_batch_stats.py::test_a_child_named_experts_below_the_top_level_is_a_mixture_of_experts",
+        ),
+    ),
+    Mutant(
+        "fractional_lora_alpha_cut_to_an_int",
+        "src/shardwise/config/adapters.py",
+        "        alpha = int(self.alpha) if float(self.alpha).is_integer() else self.alpha",
+        "        alpha = int(self.alpha)",
+        (
+            "tests/unit/config/test_adapter_section.py::test_alpha_reaches_peft_as_given_fractions_and_all",
+        ),
+    ),
+    Mutant(
+        "odd_4bit_weight_counted_a_byte_short",
+        "src/shardwise/plan/quantized.py",
+        '        _add(out, getattr(p, "quant_storage", torch.uint8), math.ceil(p.numel() / 2))',
+        '        _add(out, getattr(p, "quant_storage", torch.uint8), p.numel() // 2)',
+        (
+            "tests/unit/plan/test_quantized.py::test_an_odd_number_of_values_is_counted_with_its_half_filled_byte",
+        ),
+    ),
+    Mutant(
+        "adapter_target_matching_a_names_tail_taken",
+        "src/shardwise/config/adapters.py",
+        '        if not any(p == name or p.endswith(f".{name}") for p in paths):',
+        "        if not any(p == name or p.endswith(name) for p in paths):",
+        (
+            "tests/unit/config/test_adapter_section.py::test_a_name_that_is_only_the_tail_of_a_layers_name_is_refused",
+        ),
+    ),
+    Mutant(
+        "deepspeed_auto_eps_not_the_trainers",
+        "src/shardwise/config/deepspeed.py",
+        '    "eps": 1e-8,',
+        '    "eps": 1e-6,',
+        ("tests/unit/config/test_deepspeed.py::test_every_auto_takes_the_trainers_default",),
+    ),
+    Mutant(
+        "deepspeed_offload_to_none_refused",
+        "src/shardwise/config/deepspeed.py",
+        '    if device in (None, "none"):\n        out.rows.append(Row(key, value, "-", "exact", "no offload"))',
+        '    if device is None:\n        out.rows.append(Row(key, value, "-", "exact", "no offload"))',
+        (
+            "tests/unit/config/test_deepspeed.py::test_an_offload_to_none_is_no_offload",
+            "tests/unit/config/test_accelerate.py::test_a_deepspeed_file_offloading_to_none_is_no_offload",
+        ),
+    ),
+    Mutant(
+        "accelerate_strategy_5_reshards_after_forward",
+        "src/shardwise/config/accelerate.py",
+        '               "5": "hybrid_shard_zero2"}  # fmt: skip',
+        '               "5": "hybrid_shard"}  # fmt: skip',
+        (
+            "tests/unit/config/test_accelerate.py::test_every_fsdp_sharding_strategy_number_and_name_maps_to_its_strategy",
+        ),
+    ),
+    Mutant(
+        "torchtitan_replicas_of_the_rest_become_ddp",
+        "src/shardwise/config/torchtitan.py",
+        "    if replicate > 1 and shard == 1:",
+        "    if replicate > 1 and shard <= 1:",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_shard_degree_of_the_rest_of_the_ranks_shards",
+        ),
+    ),
+    Mutant(
+        "nnodes_min_above_max_taken",
+        "src/shardwise/cli/launch.py",
+        "    if low < 1 or high < low:",
+        "    if low < 1:",
+        (
+            "tests/unit/cli/test_small_edges.py::test_an_nnodes_that_is_no_count_or_range_of_nodes_is_refused",
+        ),
+    ),
+    Mutant(
+        "resume_at_an_epochs_end_stays_in_it",
+        "src/shardwise/train/data.py",
+        "    if done >= total:\n        return epoch + 1, 0",
+        "    if done > total:\n        return epoch + 1, 0",
+        (
+            "tests/unit/train/test_keep_global_batch.py::test_a_resume_continues_after_the_samples_its_epoch_consumed",
+        ),
+    ),
+    Mutant(
+        "parity_takes_a_parameter_of_another_shape",
+        "src/shardwise/testing/parity.py",
+        "            if got.shape != ref.shape:",
+        "            if got.numel() != ref.numel():",
+        (
+            "tests/unit/testing/test_compare_trajectories.py::test_a_parameter_of_another_shape_is_refused_even_at_the_same_size",
+        ),
+    ),
 )
 
 

@@ -261,6 +261,35 @@ def test_a_grace_that_is_not_a_finite_number_of_seconds_is_refused(value: str) -
     assert grace_arg("0") == 0.0 and grace_arg("2.5") == 2.5
 
 
+_NNODES = (
+    ": use a positive integer N, or MIN:MAX with 1 <= MIN <= MAX (an elastic job that "
+    "starts with MIN nodes and admits up to MAX)"
+)
+
+
+@pytest.mark.parametrize("value", ["4:2", "2:1", "0:2", "0", "-1", "0:0", "two", "1:x", ":2", "2:"])
+def test_an_nnodes_that_is_no_count_or_range_of_nodes_is_refused(capsys, value: str) -> None:
+    """Fourth audit: both conditions of MIN:MAX, a MIN below 1 and a MIN above MAX (an
+    elastic job that could never start), each refused by the flag's own line."""
+    from shardwise.cli import build_parser
+    from shardwise.cli.launch import nnodes_arg
+
+    with pytest.raises(argparse.ArgumentTypeError) as caught:
+        nnodes_arg(value)
+    assert str(caught.value) == f"--nnodes={value!r}{_NNODES}"
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["run", "--nnodes", value, "train.py"])
+    assert exc.value.code == 2
+    assert f"argument --nnodes: --nnodes={value!r}{_NNODES}" in capsys.readouterr().err
+
+
+def test_an_nnodes_of_one_count_or_an_ordered_range_is_taken() -> None:
+    from shardwise.cli.launch import nnodes_arg
+
+    got = [nnodes_arg(v) for v in ("1", "2", "1:4", "2:2", "1:1", "02:04")]
+    assert got == ["1", "2", "1:4", "2:2", "1:1", "2:4"]
+
+
 @pytest.mark.parametrize(
     ("nnodes", "standalone"), [("1", True), ("1:1", True), ("2", False), ("1:4", False)]
 )

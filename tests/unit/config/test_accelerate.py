@@ -231,6 +231,44 @@ def test_replicas_of_one_are_no_replication(replicas, strategy) -> None:  # type
     assert translate_accelerate(data).parallel["strategy"] == strategy
 
 
+_FSDP1_STRATEGIES = [(1, "FULL_SHARD", "full_shard"), (2, "SHARD_GRAD_OP", "shard_grad_op"),
+                     (3, "NO_SHARD", "no_shard"), (4, "HYBRID_SHARD", "hybrid_shard"),
+                     (5, "HYBRID_SHARD_ZERO2", "hybrid_shard_zero2")]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("value", "strategy"),
+    [(spelling, strategy) for number, name, strategy in _FSDP1_STRATEGIES
+     for spelling in (number, str(number), name)],
+)  # fmt: skip
+def test_every_fsdp_sharding_strategy_number_and_name_maps_to_its_strategy(value, strategy) -> None:  # type: ignore[no-untyped-def]
+    """Fourth audit: Accelerate writes torch's ShardingStrategy by number (1-5, an int in
+    its YAML) or by name; each of the five means the same strategy either way. 5 is
+    HYBRID_SHARD_ZERO2: parameters kept gathered after forward, not hybrid_shard's reshard."""
+    data = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": value}}
+    translation = translate_accelerate(data)
+    assert translation.config.parallel.strategy == strategy
+    (row,) = [r for r in translation.rows if r.key == "fsdp_config.fsdp_sharding_strategy"]
+    assert (row.became, row.verdict) == (f"parallel.strategy='{strategy}'", "exact")
+
+
+@pytest.mark.parametrize("device", ["none", None])
+def test_a_deepspeed_file_offloading_to_none_is_no_offload(tmp_path, device) -> None:  # type: ignore[no-untyped-def]
+    """Fourth audit: the DeepSpeed file an Accelerate config names may say no offload as
+    its templates do ("device": "none"); read as none, not refused as a target."""
+    zero = {"stage": 2, "offload_optimizer": {"device": device},
+            "offload_param": {"device": device}}  # fmt: skip
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": zero}))
+    text = (
+        LAUNCH
+        + "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n"
+    )
+    translation = translate_accelerate(_yaml(tmp_path, text))
+    assert translation.refused == []
+    config = translation.config
+    assert (config.parallel.strategy, config.parallel.cpu_offload) == ("shard_grad_op", False)
+
+
 @pytest.mark.parametrize(
     ("key", "verdict", "said"),
     [("cp_size", "differs", "in place of torch's ring"), ("sp_size", "exact", "as DeepSpeed's")],

@@ -130,6 +130,41 @@ def test_a_mistyped_target_is_refused_with_the_closest_layer():
         apply_adapter(gpt(), AdapterConfig(target_modules=["qkv"], modules_to_save=["haed"]))
 
 
+@pytest.mark.parametrize(
+    ("alpha", "given", "scaling"),
+    [(2.5, 2.5, 0.625), (0.5, 0.5, 0.125), (16.0, 16, 4.0), (3.0, 3, 0.75)],
+)
+def test_alpha_reaches_peft_as_given_fractions_and_all(alpha, given, scaling):
+    """Fourth audit: a fractional alpha is the adapter's scale (alpha / r); a whole one is
+    passed as an int (as peft's own configs hold it), never a fraction cut to one."""
+    config = AdapterConfig(r=4, alpha=alpha, target_modules=["qkv"])
+    passed = config.peft_config().lora_alpha  # type: ignore[attr-defined]
+    assert (passed, type(passed)) == (given, type(given))
+    model = apply_adapter(gpt(), config)
+    assert model.base_model.model.blocks[0].attn.qkv.scaling == {"default": scaling}
+
+
+_LAYERS = "Its adaptable layers are named ['tok_emb', 'pos_emb', 'qkv', 'proj', 'fc', 'head']."
+
+
+@pytest.mark.parametrize(
+    ("key", "name", "near"),
+    [("target_modules", "kv", "qkv"), ("target_modules", "c", "fc"),
+     ("modules_to_save", "ead", "head")],
+)  # fmt: skip
+def test_a_name_that_is_only_the_tail_of_a_layers_name_is_refused(key, name, near):
+    """Fourth audit: peft adapts a path equal to the name or ending in '.' + name; 'kv' is
+    the end of 'qkv' but no layer of its own, so peft would silently leave it out."""
+    fields = {"target_modules": [name, "proj"]} if key == "target_modules" else {
+        "target_modules": ["qkv"], "modules_to_save": [name]}  # fmt: skip
+    with pytest.raises(ValueError) as caught:
+        apply_adapter(gpt(), AdapterConfig(**fields))  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"AdapterConfig.{key}: {name!r} matches no module of this GPT. Did you mean "
+        f"{near!r}? {_LAYERS}"
+    )
+
+
 def test_a_model_peft_does_not_know_needs_target_modules():
     with pytest.raises(
         ValueError, match=r"target_modules=None: peft has no default layers for a GPT"

@@ -352,6 +352,71 @@ def test_every_spelling_of_a_precision_block_means_its_dtype(key) -> None:  # ty
     assert rows[f"{key}.enabled"].became == f"parallel.mixed_precision='{want}'"
 
 
+ALL_AUTO = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                 "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+}  # fmt: skip
+
+
+def test_every_auto_takes_the_trainers_default() -> None:
+    """Fourth audit: each "auto" is what transformers.TrainingArguments holds by default
+    (per_device_train_batch_size 8, gradient_accumulation_steps 1, max_grad_norm 1.0,
+    learning_rate 5e-5, adam_beta1/2 0.9/0.999, adam_epsilon 1e-8, weight_decay 0,
+    warmup_steps 0), every one of them, not only the first."""
+    translation = translate_deepspeed(ALL_AUTO)
+    config = translation.config
+    assert (config.runner.batch_size, config.train.accumulate_steps,
+            config.train.max_grad_norm) == (8, 1, 1.0)  # fmt: skip
+    optimizer = config.optimizer
+    assert (optimizer.name, optimizer.lr, optimizer.betas, optimizer.eps,
+            optimizer.weight_decay) == ("adamw", 5e-5, (0.9, 0.999), 1e-8, 0.0)  # fmt: skip
+    rows = {r.key: r for r in translation.rows}
+    became = {
+        "train_micro_batch_size_per_gpu": ("runner.batch_size=8", "8"),
+        "gradient_accumulation_steps": ("train.accumulate_steps=1", "1"),
+        "gradient_clipping": ("train.max_grad_norm=1.0", "1.0"),
+        "optimizer.params.lr": ("optimizer.lr=5e-05", "5e-05"),
+        "optimizer.params.betas": ("optimizer.betas=(0.9, 0.999)", "(0.9, 0.999)"),
+        "optimizer.params.eps": ("optimizer.eps=1e-08", "1e-08"),
+        "optimizer.params.weight_decay": ("optimizer.weight_decay=0.0", "0.0"),
+        "scheduler.params.warmup_min_lr": ("WarmupLR's warmup_min_lr=0.0", "0.0"),
+        "scheduler.params.warmup_num_steps": ("WarmupLR's warmup_num_steps=0", "0"),
+    }
+    for key, (value, default) in became.items():
+        note = f"'auto': the transformers Trainer's default, {default}"
+        assert (rows[key].became, rows[key].verdict, rows[key].note) == (value, "exact", note)
+    # the schedule: warm-up of 0 steps (DeepSpeed's minimum of 2) from 0 to the lr
+    assert _lrs(ALL_AUTO, 4) == pytest.approx([0.0, 0.0, 5e-5, 5e-5])
+
+
+@pytest.mark.parametrize(
+    "block",
+    [{"device": "none"}, {"device": "none", "pin_memory": True}, {}, {"device": None}, "none"],
+    ids=["none", "none_pinned", "no_device", "null", "bare_none"],
+)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_offload_to_none_is_no_offload(block, stage) -> None:  # type: ignore[no-untyped-def]
+    """Fourth audit: device "none" is how DeepSpeed's templates (and Accelerate's
+    offload_*_device) say no offload; it is read as none, not refused as a target."""
+    zero = {"stage": stage, "offload_optimizer": block, "offload_param": block}
+    translation = translate_deepspeed({"zero_optimization": zero})
+    assert translation.refused == []
+    rows = {r.key: r for r in translation.rows}
+    for sub in ("offload_optimizer", "offload_param"):
+        row = rows[f"zero_optimization.{sub}"]
+        assert (row.became, row.verdict, row.note) == ("-", "exact", "no offload")
+    parallel = translation.config.parallel
+    assert (parallel.strategy, parallel.cpu_offload) == (
+        "shard_grad_op" if stage == 2 else "full_shard",
+        False,
+    )
+
+
 # --------------------------------------------------------------------------- issue 50: a newcomer
 
 

@@ -201,6 +201,33 @@ def test_each_data_parallel_layout_and_reshard_setting_maps_to_its_strategy(
     assert translate_torchtitan({"parallelism": parallelism}).parallel["strategy"] == strategy
 
 
+@pytest.mark.parametrize(
+    ("parallelism", "strategy"),
+    [
+        ({"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": -1},
+         "hybrid_shard"),
+        ({"data_parallel_replicate_degree": 2}, "hybrid_shard"),  # shard -1: the default
+        ({"data_parallel_replicate_degree": 4, "data_parallel_shard_degree": -1,
+          "pipeline_parallel_degree": 2}, "hybrid_shard_zero2"),
+        ({"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1},
+         "full_shard"),
+        ({}, "full_shard"),
+        ({"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 1}, "ddp"),
+    ],
+    ids=["replicate_2_shard_rest", "replicate_2_shard_default", "replicate_4_shard_rest_pp",
+         "replicate_1_shard_rest", "defaults", "replicate_2_shard_1"],
+)  # fmt: skip
+def test_a_shard_degree_of_the_rest_of_the_ranks_shards(parallelism, strategy) -> None:  # type: ignore[no-untyped-def]
+    """Fourth audit: data_parallel_shard_degree -1 (torchtitan's default) is the ranks
+    left after the other degrees, more than one whenever replication leaves any: with
+    replication that is HSDP, not DDP, which only a shard degree of 1 means."""
+    translation = translate_torchtitan({"parallelism": parallelism})
+    assert translation.parallel["strategy"] == strategy
+    assert "dp_shard" not in translation.parallel  # -1 and 1: nothing to fix
+    (row,) = [r for r in translation.rows if r.key == "parallelism.data_parallel_*_degree"]
+    assert row.became == f"parallel.strategy='{strategy}'"
+
+
 def test_context_parallel_becomes_ulysses_and_says_so() -> None:
     import tomllib
 

@@ -58,6 +58,45 @@ def _forwards(model: nn.Module, steps: int, training: bool = True, rank: int = 0
     return [str(w.message) for w in caught if w.category is shardwise.BatchStatisticNotice]
 
 
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 2)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(e(x) for e in self.experts) + self.gate(x).sum()  # type: ignore[return-value]
+
+
+class _Stack(nn.Module):
+    """No class named for MoE, experts or a router: only a child named `experts`, below
+    the top level, says this is a mixture of experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_child_named_experts_below_the_top_level_is_a_mixture_of_experts():
+    """Fourth audit: the child's own name is the last part of its path; at the top level
+    ('experts') the first part is the same, one level down ('layers.0.experts') it is not."""
+    assert batch_stats.moe_module(_Stack()) == "layers.0.experts"
+    assert batch_stats.moe_module(_Stack().layers[1]) == "experts"
+    (notice,) = _forwards(_Stack(), 3)
+    assert notice.startswith(
+        "shardwise: _Stack has a mixture of experts (layers.0.experts), and nothing in its "
+        "first training step summed a statistic over the global batch "
+        "(shardwise.global_batch_sum). If it computes an auxiliary (load-balancing) loss from "
+        "routing statistics of the batch, each of the 2 data-parallel ranks computes it from "
+        "its own rows"
+    )
+
+
 def test_an_unseen_load_balancing_loss_is_stated_once_before_the_second_step():
     assert _forwards(_Mixture(False), 1) == []  # the loss may be formed after the forward
     (notice,) = _forwards(_Mixture(False), 4)

@@ -268,3 +268,31 @@ def test_a_weight_whose_values_are_no_whole_number_of_blocks_is_counted_as_it_wi
     assert quant_state_bytes(ahead) == quant_state_bytes(real)
     blocks = quant_state_bytes(real).get("uint8" if nested else "float32", 0)
     assert blocks == (2 if nested else 16 * 4 + 2 * 4)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "outputs", "storage", "stored"),
+    [
+        (5, 3, torch.uint8, {"uint8": 8}),  # 15 values: 7 full bytes and a half-filled one
+        (3, 3, torch.uint8, {"uint8": 5}),
+        (7, 1, torch.uint8, {"uint8": 4}),
+        (5, 3, torch.bfloat16, {"bfloat16": 8}),
+    ],
+)
+def test_an_odd_number_of_values_is_counted_with_its_half_filled_byte(
+    inputs, outputs, storage, stored
+):
+    """Fourth audit: two 4-bit codes to a byte, so an odd count of values ends in a byte
+    holding one code. Counted ahead (not quantized yet) as bitsandbytes really packs it;
+    an even count (every other test here) cannot tell a ceiling from a floor."""
+
+    def layer(quantize: bool):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        made = bnb.nn.Linear4bit(
+            inputs, outputs, bias=False, compute_dtype=torch.float32, quant_type="nf4",
+            quant_storage=storage,
+        )  # fmt: skip
+        return made.to("cpu") if quantize else made
+
+    real, ahead = layer(True).weight, layer(False).weight
+    assert stored_bytes(ahead) == stored_bytes(real) == stored

@@ -106,3 +106,18 @@ def test_a_loss_difference_is_measured_against_the_reference():
     with pytest.raises(ParityError, match=r"loss diverges at step 1: 0\.90000000 vs reference "
                        r"2\.00000000 \(rel 5\.50e-01 > rtol 5e-01\)"):  # fmt: skip
         compare_trajectories(ref, Trajectory([1.0, 0.9], {}), rtol=0.5, check_params=False)
+
+
+@pytest.mark.parametrize(
+    ("reference", "candidate"),
+    [((3,), (1, 3)), ((1, 3), (3,)), ((3, 1), (1, 3)), ((2, 3), (3, 2)), ((3,), (4,))],
+)
+def test_a_parameter_of_another_shape_is_refused_even_at_the_same_size(reference, candidate):
+    """Fourth audit: a final parameter laid out in another shape (a row for a column, a
+    transpose) holds the same number of values, and their difference broadcasts to
+    nothing; the shape itself is compared, on either side."""
+    ref = Trajectory([1.0, 0.9], {"w": torch.ones(reference)})
+    cand = Trajectory([1.0, 0.9], {"w": torch.ones(candidate)})
+    with pytest.raises(ParityError) as caught:
+        compare_trajectories(ref, cand)
+    assert str(caught.value) == f"candidate: w shape {candidate} != {reference}"

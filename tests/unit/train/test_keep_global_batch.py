@@ -71,3 +71,49 @@ def test_metrics_rows_keep_the_data_parallel_ranks_an_integer_through_a_rewrite(
     from shardwise.train.metrics import _int_step
 
     assert [type(_int_step(k, 4.0)) for k in ("dp_world", "step", "loss")] == [int, int, float]
+
+
+# --- the loop position: where in which epoch a resume continues ----------------------------
+
+
+def _saved(batches_done: int) -> dict:
+    """Saved by 2 ranks of 4 rows a batch, in epoch 2 of 10 batches per rank."""
+    return {"epoch": 2, "batches_done": batches_done, "total_batches": 10, "world_size": 2,
+            "batch_size": 4, "samples_done": batches_done * 4 * 2}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("batches_done", "world", "expected"),
+    [
+        (10, 2, (3, 0)),  # the end of epoch 2: the next epoch, from its start
+        (10, 4, (3, 0)),
+        (10, 3, (3, 0)),  # 80 samples do not split over 3, but none are left to split
+        (5, 2, (2, 20)),  # mid-epoch: each rank skips its 20 samples
+        (5, 4, (2, 10)),  # 40 samples over 4 ranks
+    ],
+)
+def test_a_resume_continues_after_the_samples_its_epoch_consumed(batches_done, world, expected):
+    """Fourth audit: a checkpoint saved at the end of an epoch resumes at the start of the
+    next, at the saving world size as at another, never inside the finished one (which
+    would skip all its samples, or refuse a world they do not split over)."""
+    from torch.utils.data import DataLoader
+
+    from shardwise.train.data import map_position
+
+    loader = DataLoader(list(range(80)), batch_size=4) if world == 2 else None
+    assert map_position(_saved(batches_done), 2, loader, world, "latest") == expected
+
+
+def test_a_resume_mid_epoch_at_a_world_its_samples_do_not_split_over_is_refused():
+    from shardwise.train.data import map_position
+
+    with pytest.raises(ValueError) as caught:
+        map_position(_saved(5), 2, None, 3, "latest")
+    assert str(caught.value) == (
+        "RunnerConfig.resume='latest': the checkpoint was saved by 2 rank(s) 40 samples into "
+        "epoch 2 (5 batch(es) of 4 per rank). 40 does not split evenly over this world size 3, "
+        "so the ranks cannot continue exactly where it stopped (an uneven split would train a "
+        "sample twice, skip one, or give ranks unequal batch counts). Resume at a world size "
+        "dividing 40 (e.g. [1, 2, 4, 5, 8, 10, 20, 40]), or from a checkpoint saved at the end "
+        "of an epoch."
+    )
