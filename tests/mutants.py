@@ -3011,6 +3011,25 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/testing/test_compare_trajectories.py::test_a_parameter_of_another_shape_is_refused_even_at_the_same_size",
         ),
     ),
+    Mutant(
+        "torchtitan_rest_of_the_ranks_left_to_shardwises_minus_one",
+        "src/shardwise/config/torchtitan.py",
+        '        shard = world // (replicate * tp * pp * int(given.get("context_parallel_degree", 1)))\n',
+        "        pass\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_shard_degree_of_the_rest_of_the_ranks_shards",
+            "tests/unit/config/test_torchtitan.py::test_a_shard_degree_of_the_rest_beside_replicas_needs_the_world",
+        ),
+    ),
+    Mutant(
+        "torchtitan_rest_of_the_ranks_without_a_world_guessed",
+        "src/shardwise/config/torchtitan.py",
+        "    if world is None:\n        why = (",
+        "    if False:\n        why = (",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_shard_degree_of_the_rest_beside_replicas_needs_the_world",
+        ),
+    ),
 )
 
 

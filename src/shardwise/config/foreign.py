@@ -44,14 +44,15 @@ def check_flag(flag: str, path: str | Path) -> None:
 
 def read_foreign(path: str | Path, *, world: int | None = None) -> Translation:
     """The translation of the file at `path` (see the module docstring). `world`, the
-    number of ranks, lets a DeepSpeed train_batch_size be checked or completed."""
+    number of ranks, lets a DeepSpeed train_batch_size be checked or completed, and
+    torchtitan's shard degree -1 beside replicas be resolved."""
     suffix = Path(path).suffix.lower()
     if suffix == ".json":
         return translate_deepspeed(path, world=world)
     if suffix in (".yaml", ".yml"):
         return translate_accelerate(path)
     if suffix == ".toml":
-        return translate_torchtitan(path)
+        return translate_torchtitan(path, world=world)
     raise ValueError(
         f"{path}: a DeepSpeed config is .json, an Accelerate config .yaml or .yml, a "
         "torchtitan config .toml."

@@ -15,6 +15,8 @@ Must not: import torchtitan, or read the environment.
 
 from __future__ import annotations
 
+import functools
+import math
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,15 +50,19 @@ _REFUSED_SECTIONS = {
 _SCHEDULES = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved_1f1b"}
 
 
-def translate_torchtitan(source: str | Path | Mapping[str, object]) -> Translation:
-    """Read a torchtitan config (see the module docstring)."""
+def translate_torchtitan(
+    source: str | Path | Mapping[str, object], *, world: int | None = None
+) -> Translation:
+    """Read a torchtitan config (see the module docstring). `world`, the number of ranks,
+    resolves a shard degree of -1 beside replicas (torchtitan gives the shard groups the
+    ranks the other degrees leave)."""
     data = _load(source)
     check_kind(
         data, "torchtitan", "the config given" if isinstance(source, Mapping) else str(source)
     )
     out = Translation(source="torchtitan")
     handlers = {
-        "parallelism": _parallelism,
+        "parallelism": functools.partial(_parallelism, world=world),
         "training": _training,
         "activation_checkpoint": _checkpointing,
         "compile": _compile,
@@ -80,6 +86,27 @@ def translate_torchtitan(source: str | Path | Mapping[str, object]) -> Translati
     _microbatches(out, data)
     _defaults(out)
     return out
+
+
+def _rest_of_the_ranks(out: Translation, given: dict[str, Any], world: int | None) -> bool:
+    """Whether the shard groups beside replicas can take the ranks the other degrees leave,
+    as torchtitan's shard degree -1 does; a refused row names what is missing otherwise
+    (shardwise's own dp_shard=-1 is a node's ranks: another layout)."""
+    key = "parallelism.data_parallel_shard_degree"
+    degrees = ("data_parallel_replicate_degree", "tensor_parallel_degree",
+               "pipeline_parallel_degree", "context_parallel_degree")  # fmt: skip
+    others = math.prod(int(given.get(k, 1)) for k in degrees)
+    named = " x ".join(f"{k.split('_degree')[0]} {given.get(k, 1)}" for k in degrees)
+    if world is None:
+        why = (f"-1 beside replicas is the ranks {named} leave, and the world size is not "
+               "known here: give the degree, or translate with world= (shardwise run "
+               "--from passes it)")  # fmt: skip
+    elif world % others:
+        why = f"-1 beside replicas: world {world} does not divide by {named} = {others}"
+    else:
+        return True
+    out.rows.append(Row(key, given.get("data_parallel_shard_degree", -1), "-", "refused", why))
+    return False
 
 
 _OPTIMIZER_DEFAULTS: tuple[tuple[str, object], ...] = (
@@ -177,12 +204,17 @@ def _unknown(out: Translation, key: str, value: object) -> None:
     out.rows.append(Row(key, value, "-", "refused", why))
 
 
-def _parallelism(out: Translation, p: dict[str, Any]) -> None:
+def _parallelism(out: Translation, p: dict[str, Any], world: int | None = None) -> None:
     given = dict(p)
     replicate = int(p.pop("data_parallel_replicate_degree", 1))
     shard = int(p.pop("data_parallel_shard_degree", -1))
     tp = int(p.pop("tensor_parallel_degree", 1))
     pp = int(p.pop("pipeline_parallel_degree", 1))
+    if replicate > 1 and shard == -1 and not _rest_of_the_ranks(out, given, world):
+        return
+    if replicate > 1 and shard == -1:
+        assert world is not None  # _rest_of_the_ranks refused it otherwise
+        shard = world // (replicate * tp * pp * int(given.get("context_parallel_degree", 1)))
     if replicate > 1 and shard == 1:
         strategy, why = "ddp", "replication only: DDP, as torchtitan"
     elif replicate > 1:

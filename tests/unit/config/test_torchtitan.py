@@ -202,30 +202,50 @@ def test_each_data_parallel_layout_and_reshard_setting_maps_to_its_strategy(
 
 
 @pytest.mark.parametrize(
-    ("parallelism", "strategy"),
+    ("parallelism", "world", "strategy", "dp_shard"),
     [
-        ({"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": -1},
-         "hybrid_shard"),
-        ({"data_parallel_replicate_degree": 2}, "hybrid_shard"),  # shard -1: the default
+        ({"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": -1}, 8,
+         "hybrid_shard", 4),
+        ({"data_parallel_replicate_degree": 2}, 8, "hybrid_shard", 4),  # shard -1: the default
         ({"data_parallel_replicate_degree": 4, "data_parallel_shard_degree": -1,
-          "pipeline_parallel_degree": 2}, "hybrid_shard_zero2"),
-        ({"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1},
-         "full_shard"),
-        ({}, "full_shard"),
-        ({"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 1}, "ddp"),
+          "pipeline_parallel_degree": 2}, 16, "hybrid_shard_zero2", 2),
+        ({"data_parallel_replicate_degree": 2, "tensor_parallel_degree": 2,
+          "context_parallel_degree": 2}, 24, "hybrid_shard", 3),
+        ({"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1}, 8,
+         "full_shard", None),
+        ({}, None, "full_shard", None),
+        ({"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 1}, None, "ddp",
+         None),
     ],
     ids=["replicate_2_shard_rest", "replicate_2_shard_default", "replicate_4_shard_rest_pp",
-         "replicate_1_shard_rest", "defaults", "replicate_2_shard_1"],
+         "replicate_2_tp_cp", "replicate_1_shard_rest", "defaults", "replicate_2_shard_1"],
 )  # fmt: skip
-def test_a_shard_degree_of_the_rest_of_the_ranks_shards(parallelism, strategy) -> None:  # type: ignore[no-untyped-def]
+def test_a_shard_degree_of_the_rest_of_the_ranks_shards(
+    parallelism, world, strategy, dp_shard
+) -> None:  # type: ignore[no-untyped-def]
     """Fourth audit: data_parallel_shard_degree -1 (torchtitan's default) is the ranks
     left after the other degrees, more than one whenever replication leaves any: with
-    replication that is HSDP, not DDP, which only a shard degree of 1 means."""
-    translation = translate_torchtitan({"parallelism": parallelism})
+    replication that is HSDP, not DDP, which only a shard degree of 1 means; and its size
+    is torchtitan's (world // the other degrees), not shardwise's own -1 (a node's ranks)."""
+    translation = translate_torchtitan({"parallelism": parallelism}, world=world)
     assert translation.parallel["strategy"] == strategy
-    assert "dp_shard" not in translation.parallel  # -1 and 1: nothing to fix
+    assert translation.parallel.get("dp_shard") == dp_shard
     (row,) = [r for r in translation.rows if r.key == "parallelism.data_parallel_*_degree"]
     assert row.became == f"parallel.strategy='{strategy}'"
+
+
+def test_a_shard_degree_of_the_rest_beside_replicas_needs_the_world() -> None:
+    hsdp = {"parallelism": {"data_parallel_replicate_degree": 4, "tensor_parallel_degree": 2}}
+    assert_refused(translate_torchtitan(hsdp), {
+        "parallelism.data_parallel_shard_degree": "-1 beside replicas is the ranks "
+        "data_parallel_replicate 4 x tensor_parallel 2 x pipeline_parallel 1 x "
+        "context_parallel 1 leave, and the world size is not known here: give the degree, "
+        "or translate with world= (shardwise run --from passes it)"})  # fmt: skip
+    assert_refused(translate_torchtitan(hsdp, world=12), {
+        "parallelism.data_parallel_shard_degree": "-1 beside replicas: world 12 does not "
+        "divide by data_parallel_replicate 4 x tensor_parallel 2 x pipeline_parallel 1 x "
+        "context_parallel 1 = 8"})  # fmt: skip
+    assert translate_torchtitan(hsdp, world=16).parallel["dp_shard"] == 2
 
 
 def test_context_parallel_becomes_ulysses_and_says_so() -> None:
