@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ def translate_torchtitan(
         data, "torchtitan", "the config given" if isinstance(source, Mapping) else str(source)
     )
     out = Translation(source="torchtitan")
-    handlers = {
+    handlers: dict[str, Callable[[Translation, dict[str, Any]], None]] = {
         "parallelism": functools.partial(_parallelism, world=world),
         "training": _training,
         "activation_checkpoint": _checkpointing,
