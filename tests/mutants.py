@@ -3132,6 +3132,31 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/config/test_reader_tables.py::test_torchtitan_only_a_constant_lr_schedule_is_built",
         ),
     ),
+    Mutant(
+        "adapter_rslora_hint_names_dora",
+        "src/shardwise/config/adapters.py",
+        '"rslora": "use_rslora",',
+        '"rslora": "use_dora",',
+        (
+            "tests/unit/config/test_adapter_section.py::test_every_other_tools_name_points_to_its_key",
+        ),
+    ),
+    Mutant(
+        "adapter_lora_r_hint_names_alpha",
+        "src/shardwise/config/adapters.py",
+        '"lora_r": "r",',
+        '"lora_r": "alpha",',
+        (
+            "tests/unit/config/test_adapter_section.py::test_every_other_tools_name_points_to_its_key",
+        ),
+    ),
+    Mutant(
+        "adapter_rslora_not_passed_to_peft",
+        "src/shardwise/config/adapters.py",
+        "use_rslora=self.use_rslora,",
+        "use_rslora=False,",
+        ("tests/unit/config/test_adapter_section.py::test_every_field_reaches_its_peft_name",),
+    ),
 )
 
 

@@ -997,3 +997,87 @@ def test_torchtitan_sequence_parallel_is_on_by_default_under_tp(
 def test_torchtitan_every_stage_split_key(key: str, pp: int, verdict: str) -> None:
     t = translate_torchtitan({"parallelism": {"pipeline_parallel_degree": pp, key: 1}})
     assert _row(t, f"parallelism.{key}").verdict == verdict
+
+
+# ---------------------------------------------------------------------------- suffixes and kinds
+
+
+@pytest.mark.parametrize(
+    ("suffix", "reader"),
+    [(".json", "DeepSpeed"), (".yaml", "Accelerate"), (".yml", "Accelerate"),
+     (".toml", "torchtitan"), (".JSON", "DeepSpeed"), (".YML", "Accelerate")],
+)  # fmt: skip
+def test_every_suffix_picks_its_reader(suffix: str, reader: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from shardwise.config.foreign import read_foreign
+
+    body = {"DeepSpeed": '{"gradient_clipping": 1.0}', "Accelerate": "distributed_type: NO\n",
+            "torchtitan": "[training]\nsteps = 1\n"}[reader]  # fmt: skip
+    path = tmp_path / f"config{suffix}"
+    path.write_text(body)
+    assert read_foreign(path).source == reader
+
+
+@pytest.mark.parametrize(
+    ("tool", "suffix", "taken"),
+    [("DeepSpeed", ".json", True), ("DeepSpeed", ".yaml", False), ("DeepSpeed", ".toml", False),
+     ("Accelerate", ".yaml", True), ("Accelerate", ".yml", True), ("Accelerate", ".json", True),
+     ("Accelerate", ".toml", False), ("torchtitan", ".toml", True),
+     ("torchtitan", ".json", False), ("torchtitan", ".yml", False),
+     ("DeepSpeed", ".txt", True), ("torchtitan", ".cfg", True)],
+)  # fmt: skip
+def test_every_reader_takes_its_suffixes(tool: str, suffix: str, taken: bool) -> None:
+    from pathlib import Path
+
+    from shardwise.config.foreign_checks import check_suffix
+    from shardwise.config.run_file import ConfigError
+
+    if taken:
+        check_suffix(Path(f"c{suffix}"), tool)  # type: ignore[arg-type]
+        return
+    with pytest.raises(ConfigError, match=f"a {suffix} file is"):
+        check_suffix(Path(f"c{suffix}"), tool)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("flag", "suffix", "refused"),
+    [("--deepspeed", ".json", False), ("--deepspeed", ".yaml", True),
+     ("--deepspeed", ".toml", True), ("--accelerate-config", ".yaml", False),
+     ("--accelerate-config", ".yml", False), ("--accelerate-config", ".json", True),
+     ("--accelerate-config", ".toml", True), ("--from", ".json", False),
+     ("--from", ".toml", False), ("--deepspeed", ".txt", False)],
+)  # fmt: skip
+def test_every_flag_and_suffix(flag: str, suffix: str, refused: bool) -> None:
+    from shardwise.config.foreign import check_flag
+
+    if not refused:
+        check_flag(flag, f"c{suffix}")
+        return
+    with pytest.raises(ValueError, match=f"{flag} c{suffix}: a {suffix} file is read as"):
+        check_flag(flag, f"c{suffix}")
+
+
+_SIGNS = {
+    "a transformers model config": ("model_type", "architectures"),
+    "a shardwise run file": ("parallel", "train", "runner", "adapter"),
+    "DeepSpeed": ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
+                  "gradient_accumulation_steps", "gradient_clipping", "fp16", "bf16"),
+    "Accelerate": ("distributed_type", "compute_environment", "fsdp_config", "num_processes"),
+    "torchtitan": ("parallelism", "training", "job", "activation_checkpoint"),
+}  # fmt: skip
+_NAMED = {"DeepSpeed": "a DeepSpeed config", "Accelerate": "an Accelerate config",
+          "torchtitan": "a torchtitan config"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "sign", "tool"),
+    [(kind, sign, tool) for kind, signs in _SIGNS.items() for sign in signs
+     for tool in ("DeepSpeed", "Accelerate", "torchtitan") if tool != kind],
+)  # fmt: skip
+def test_every_telling_key_names_its_kind(kind: str, sign: str, tool: str) -> None:
+    from shardwise.config.foreign_checks import check_kind
+    from shardwise.config.run_file import ConfigError
+
+    name = _NAMED.get(kind, kind)
+    with pytest.raises(ConfigError, match=f"^the file is {name} \\(it has {sign}\\), not "):
+        check_kind({sign: 1}, tool, "the file")  # type: ignore[arg-type]
+    check_kind({sign: 1, **dict.fromkeys(_SIGNS[tool][:1], 1)}, tool, "the file")  # type: ignore[arg-type]
