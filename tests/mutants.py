@@ -3157,6 +3157,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "use_rslora=False,",
         ("tests/unit/config/test_adapter_section.py::test_every_field_reaches_its_peft_name",),
     ),
+    Mutant(
+        "accelerate_fsdp1_reshard_string_read_as_a_truth_value",
+        "src/shardwise/config/accelerate.py",
+        "            if isinstance(value, bool) or version != 1:",
+        "            if True:",
+        ("tests/unit/config/test_reader_tables.py::test_accelerate_every_reshard_after_forward",),
+    ),
+    Mutant(
+        "accelerate_fsdp2_false_string_reshards",
+        "src/shardwise/config/accelerate.py",
+        '_FALSE = ("n", "no", "f", "false", "off", "0")',
+        '_FALSE = ("n", "no", "f", "off", "0")',
+        ("tests/unit/config/test_reader_tables.py::test_accelerate_every_reshard_after_forward",),
+    ),
 )
 
 

@@ -453,15 +453,36 @@ def test_accelerate_a_silent_distributed_type_is_one_process() -> None:
 
 
 @pytest.mark.parametrize(
-    ("value", "strategy"),
-    [(True, "full_shard"), (False, "shard_grad_op"), ("FULL_SHARD", "full_shard"),
-     ("SHARD_GRAD_OP", "shard_grad_op"), ("shard_grad_op", "shard_grad_op")],
+    ("version", "value", "strategy"),
+    [
+        # FSDP1 (Accelerate's default version): a sharding strategy, by name or number
+        (1, True, "full_shard"), (1, False, "shard_grad_op"), (1, "FULL_SHARD", "full_shard"),
+        (1, "SHARD_GRAD_OP", "shard_grad_op"), (1, "shard_grad_op", "shard_grad_op"),
+        (1, "NO_SHARD", "no_shard"), (1, "HYBRID_SHARD", "hybrid_shard"),
+        (1, "_HYBRID_SHARD_ZERO2", "hybrid_shard_zero2"), (1, "2", "shard_grad_op"),
+        (1, 4, "hybrid_shard"), (1, 3, "no_shard"),
+        # FSDP2: a truth value (Accelerate's str_to_bool)
+        (2, True, "full_shard"), (2, False, "shard_grad_op"), (2, "true", "full_shard"),
+        (2, "false", "shard_grad_op"), (2, "0", "shard_grad_op"), (2, "yes", "full_shard"),
+    ],
 )  # fmt: skip
-def test_accelerate_every_reshard_after_forward(value: object, strategy: str) -> None:
-    t = translate_accelerate(
-        {"distributed_type": "FSDP", "fsdp_config": {"fsdp_reshard_after_forward": value}}
-    )
+def test_accelerate_every_reshard_after_forward(version: int, value: object, strategy: str) -> None:
+    """Found by this table: a string under FSDP1 was full_shard unless it was SHARD_GRAD_OP
+    (HYBRID_SHARD, NO_SHARD and numbers lost), and 'false' under FSDP2 resharded."""
+    t = translate_accelerate({"distributed_type": "FSDP", "fsdp_config": {
+        "fsdp_version": version, "fsdp_reshard_after_forward": value}})  # fmt: skip
     assert t.parallel["strategy"] == strategy
+    assert _row(t, "fsdp_config.fsdp_reshard_after_forward").verdict == "exact"
+
+
+@pytest.mark.parametrize(("version", "value"), [(1, "PARTIAL"), (1, 7), (2, "SHARD_GRAD_OP")])
+def test_accelerate_a_reshard_after_forward_of_the_other_version_is_refused(
+    version: int, value: object
+) -> None:
+    t = translate_accelerate({"distributed_type": "FSDP", "fsdp_config": {
+        "fsdp_version": version, "fsdp_reshard_after_forward": value}})  # fmt: skip
+    assert _row(t, "fsdp_config.fsdp_reshard_after_forward").verdict == "refused"
+    assert t.parallel["strategy"] == "full_shard"  # distributed_type FSDP's, unchanged
 
 
 @pytest.mark.parametrize(
