@@ -3171,6 +3171,13 @@ MUTANTS: tuple[Mutant, ...] = (
         '_FALSE = ("n", "no", "f", "off", "0")',
         ("tests/unit/config/test_reader_tables.py::test_accelerate_every_reshard_after_forward",),
     ),
+    Mutant(
+        "deepspeed_offload_param_below_stage_3_offloads",
+        "src/shardwise/config/deepspeed.py",
+        '    if sub == "offload_param" and stage != 3:',
+        '    if sub == "offload_param" and stage < 1:',
+        ("tests/unit/config/test_reader_tables.py::test_deepspeed_every_offload",),
+    ),
 )
 
 
