@@ -1455,8 +1455,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fsdp2_reshard_false_read_as_full_shard",
         "src/shardwise/config/accelerate.py",
-        'out.parallel["strategy"] = "full_shard" if reshard else "shard_grad_op"',
-        'out.parallel["strategy"] = "full_shard"',
+        'strategy = "full_shard" if truth in _TRUE else "shard_grad_op"',
+        'strategy = "full_shard"',
         ("tests/unit/config/test_accelerate.py::test_a_yaml_translates_to_its_documented_layout",),
     ),
     Mutant(
