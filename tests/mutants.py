@@ -1455,8 +1455,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fsdp2_reshard_false_read_as_full_shard",
         "src/shardwise/config/accelerate.py",
-        'out.parallel["strategy"] = "full_shard" if reshard else "shard_grad_op"',
-        'out.parallel["strategy"] = "full_shard"',
+        'strategy = "full_shard" if truth in _TRUE else "shard_grad_op"',
+        'strategy = "full_shard"',
         ("tests/unit/config/test_accelerate.py::test_a_yaml_translates_to_its_documented_layout",),
     ),
     Mutant(
@@ -3029,6 +3029,154 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/unit/config/test_torchtitan.py::test_a_shard_degree_of_the_rest_beside_replicas_needs_the_world",
         ),
+    ),
+    # Entries of the foreign readers' tables no test asserted before test_reader_tables.py.
+    Mutant(
+        "deepspeed_memory_breakdown_unlisted",
+        "src/shardwise/config/deepspeed.py",
+        '    "memory_breakdown": "a DeepSpeed memory print (shardwise plan --simulate shows it)",\n',
+        "",
+        (
+            "tests/unit/config/test_reader_tables.py::test_deepspeed_every_listed_top_level_key_has_its_verdict",
+        ),
+    ),
+    Mutant(
+        "deepspeed_consecutive_hysteresis_not_a_scaler_key",
+        "src/shardwise/config/deepspeed.py",
+        '_SCALER = ("loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale")',
+        '_SCALER = ("loss_scale_window", "hysteresis", "min_loss_scale")',
+        ("tests/unit/config/test_reader_tables.py::test_deepspeed_every_fp16_key",),
+    ),
+    Mutant(
+        "deepspeed_check_grad_overflow_refused",
+        "src/shardwise/config/deepspeed.py",
+        '_NO_EFFECT_PRECISION = ("auto_cast", "immediate_grad_update", "check_grad_overflow")',
+        '_NO_EFFECT_PRECISION = ("auto_cast", "immediate_grad_update")',
+        ("tests/unit/config/test_reader_tables.py::test_deepspeed_every_fp16_key",),
+    ),
+    Mutant(
+        "deepspeed_muadam_called_not_torchs",
+        "src/shardwise/config/deepspeed.py",
+        '"lamb", "lion", "muadam")',
+        '"lamb", "lion")',
+        (
+            "tests/unit/config/test_reader_tables.py::test_deepspeed_every_deepspeed_only_optimizer_is_refused_as_such",
+        ),
+    ),
+    Mutant(
+        "deepspeed_float32_communication_refused",
+        "src/shardwise/config/deepspeed.py",
+        '    if value in ("fp32", "float32"):',
+        '    if value in ("fp32",):',
+        ("tests/unit/config/test_reader_tables.py::test_deepspeed_every_communication_data_type",),
+    ),
+    Mutant(
+        "accelerate_no_prefetch_prefetches",
+        "src/shardwise/config/accelerate.py",
+        '"NO_PREFETCH": None}',
+        '"NO_PREFETCH": "pre"}',
+        ("tests/unit/config/test_reader_tables.py::test_accelerate_every_backward_prefetch",),
+    ),
+    Mutant(
+        "accelerate_multi_cpu_refused",
+        "src/shardwise/config/accelerate.py",
+        '    if kind in ("MULTI_GPU", "MULTI_CPU", "NO"):',
+        '    if kind in ("MULTI_GPU", "NO"):',
+        ("tests/unit/config/test_reader_tables.py::test_accelerate_every_distributed_type",),
+    ),
+    Mutant(
+        "accelerate_regional_compilation_refused",
+        "src/shardwise/config/accelerate.py",
+        '                     "dynamo_use_regional_compilation")',
+        ")",
+        ("tests/unit/config/test_reader_tables.py::test_accelerate_every_dynamo_no_effect_key",),
+    ),
+    Mutant(
+        "accelerate_sp_backend_refused",
+        "src/shardwise/config/accelerate.py",
+        '        elif name in ("cp_backend", "cp_comm_strategy", "sp_backend"):',
+        '        elif name in ("cp_backend", "cp_comm_strategy"):',
+        (
+            "tests/unit/config/test_reader_tables.py::test_accelerate_every_sequence_backend_is_no_effect",
+        ),
+    ),
+    Mutant(
+        "torchtitan_memory_estimation_section_unlisted",
+        "src/shardwise/config/torchtitan.py",
+        '    "memory_estimation": "torchtitan\'s estimator; shardwise plan --simulate is shardwise\'s",\n',
+        "",
+        ("tests/unit/config/test_reader_tables.py::test_torchtitan_every_listed_section",),
+    ),
+    Mutant(
+        "torchtitan_mixed_precision_output_refused",
+        "src/shardwise/config/torchtitan.py",
+        '            "mixed_precision_output",\n        ):',
+        "        ):",
+        ("tests/unit/config/test_reader_tables.py::test_torchtitan_every_training_key",),
+    ),
+    Mutant(
+        "torchtitan_silent_decay_ratio_read_as_no_decay",
+        "src/shardwise/config/torchtitan.py",
+        "    if warmup == 0 and decay is not None and float(decay) == 0:",
+        "    if warmup == 0 and (decay is None or float(decay) == 0):",
+        (
+            "tests/unit/config/test_reader_tables.py::test_torchtitan_only_a_constant_lr_schedule_is_built",
+        ),
+    ),
+    Mutant(
+        "torchtitan_silent_warmup_read_as_none",
+        "src/shardwise/config/torchtitan.py",
+        '    warmup = int(s.get("warmup_steps", _WARMUP_STEPS))',
+        '    warmup = int(s.get("warmup_steps", 0))',
+        (
+            "tests/unit/config/test_reader_tables.py::test_torchtitan_only_a_constant_lr_schedule_is_built",
+        ),
+    ),
+    Mutant(
+        "adapter_rslora_hint_names_dora",
+        "src/shardwise/config/adapters.py",
+        '"rslora": "use_rslora",',
+        '"rslora": "use_dora",',
+        (
+            "tests/unit/config/test_adapter_section.py::test_every_other_tools_name_points_to_its_key",
+        ),
+    ),
+    Mutant(
+        "adapter_lora_r_hint_names_alpha",
+        "src/shardwise/config/adapters.py",
+        '"lora_r": "r",',
+        '"lora_r": "alpha",',
+        (
+            "tests/unit/config/test_adapter_section.py::test_every_other_tools_name_points_to_its_key",
+        ),
+    ),
+    Mutant(
+        "adapter_rslora_not_passed_to_peft",
+        "src/shardwise/config/adapters.py",
+        "use_rslora=self.use_rslora,",
+        "use_rslora=False,",
+        ("tests/unit/config/test_adapter_section.py::test_every_field_reaches_its_peft_name",),
+    ),
+    Mutant(
+        "accelerate_fsdp1_reshard_string_read_as_a_truth_value",
+        "src/shardwise/config/accelerate.py",
+        "            if isinstance(value, bool) or version != 1:",
+        "            if True:",
+        ("tests/unit/config/test_reader_tables.py::test_accelerate_every_reshard_after_forward",),
+    ),
+    Mutant(
+        "accelerate_fsdp2_false_string_reshards",
+        "src/shardwise/config/accelerate.py",
+        '_FALSE = ("n", "no", "f", "false", "off", "0")',
+        '_FALSE = ("n", "no", "f", "off", "0")',
+        ("tests/unit/config/test_reader_tables.py::test_accelerate_every_reshard_after_forward",),
+    ),
+    Mutant(
+        "deepspeed_offload_param_below_stage_3_offloads",
+        "src/shardwise/config/deepspeed.py",
+        '    if sub == "offload_param" and stage != 3:',
+        '    if sub == "offload_param" and stage < 1:',
+        ("tests/unit/config/test_reader_tables.py::test_deepspeed_every_offload",),
     ),
 )
 

@@ -34,6 +34,8 @@ _LAUNCH = {
 _STRATEGIES = {"1": "full_shard", "2": "shard_grad_op", "3": "no_shard", "4": "hybrid_shard",
                "5": "hybrid_shard_zero2"}  # fmt: skip
 _PREFETCH = {"BACKWARD_PRE": "pre", "BACKWARD_POST": "post", "NO_PREFETCH": None}
+_TRUE = ("y", "yes", "t", "true", "on", "1")  # accelerate.utils.environment.str_to_bool's
+_FALSE = ("n", "no", "f", "false", "off", "0")
 _TOP = ("distributed_type", "fsdp_config", "deepspeed_config", "mixed_precision",
         "parallelism_config", "dynamo_config")  # fmt: skip
 _FSDP = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward",
@@ -131,10 +133,23 @@ def _fsdp(out: Translation, block: object, kind: str) -> None:
             out.parallel["strategy"] = strategy
             out.rows.append(Row(key, value, f"parallel.strategy='{strategy}'", "exact"))
         elif sub == "fsdp_reshard_after_forward":
-            reshard = value if isinstance(value, bool) else str(value).upper() != "SHARD_GRAD_OP"
-            out.parallel["strategy"] = "full_shard" if reshard else "shard_grad_op"
-            out.rows.append(Row(key, value, f"parallel.strategy='{out.parallel['strategy']}'",
-                                "exact"))  # fmt: skip
+            # Accelerate: under FSDP1 the key is a sharding strategy (a name or its number,
+            # as fsdp_sharding_strategy); under FSDP2 a truth value (its str_to_bool).
+            if isinstance(value, bool) or version != 1:
+                truth = str(value).lower()
+                if truth not in _TRUE + _FALSE:
+                    why = "true or false under FSDP2 (a sharding strategy's name is FSDP1's)"
+                    out.rows.append(Row(key, value, "-", "refused", why))
+                    continue
+                strategy = "full_shard" if truth in _TRUE else "shard_grad_op"
+            else:
+                try:
+                    strategy = normalize_strategy(_STRATEGIES.get(str(value), str(value).upper()))
+                except ValueError as exc:
+                    out.rows.append(Row(key, value, "-", "refused", str(exc)))
+                    continue
+            out.parallel["strategy"] = strategy
+            out.rows.append(Row(key, value, f"parallel.strategy='{strategy}'", "exact"))
         elif sub == "fsdp_offload_params":
             out.parallel["cpu_offload"] = bool(value)
             out.rows.append(Row(key, value, f"parallel.cpu_offload={bool(value)}", "exact"))

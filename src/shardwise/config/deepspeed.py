@@ -423,6 +423,10 @@ def _offload(out: Translation, key: str, sub: str, value: object, stage: int) ->
     if stage == 0:
         out.rows.append(Row(key, value, "-", "refused", "offload needs ZeRO stage 1 or more"))
         return
+    if sub == "offload_param" and stage != 3:  # DeepSpeed reads it at stage 3 only
+        why = "DeepSpeed offloads parameters at ZeRO stage 3 only; below it the key is not read"
+        out.rows.append(Row(key, value, "-", "no effect", why))
+        return
     out.parallel["cpu_offload"] = True
     note = (
         "parameters, gradients and optimizer state on CPU; the optimizer steps there"

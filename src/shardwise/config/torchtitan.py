@@ -122,7 +122,8 @@ defaults); shardwise's own defaults differ in lr (3e-4) and weight_decay (0)."""
 
 def _defaults(out: Translation) -> None:
     """torchtitan's defaults where the file is silent and shardwise's differ: parameters
-    gathered in bf16 (reduced in fp32), clipping at 1.0, and its AdamW's hyperparameters."""
+    gathered in bf16 (reduced in fp32), clipping at 1.0, its AdamW's hyperparameters, and
+    its lr schedule (warm-up then linear decay), which shardwise does not build."""
     refused = any(r.key == "optimizer.name" and r.verdict == "refused" for r in out.rows)
     for key, value in _OPTIMIZER_DEFAULTS if not refused else ():
         if key not in out.optimizer:
@@ -139,6 +140,17 @@ def _defaults(out: Translation) -> None:
                 "parallel.mixed_precision='bf16'",
                 "exact",
                 "torchtitan's default, bfloat16",
+            )
+        )
+    if not any(r.key == "lr_scheduler" for r in out.rows):
+        out.rows.append(
+            Row(
+                "lr_scheduler",
+                "(not given)",
+                "a constant lr",
+                "differs",
+                f"torchtitan's default warms up over {_WARMUP_STEPS} steps, then decays "
+                "linearly to 0 over the rest; give shardwise's scheduler section for a schedule",
             )
         )
     if "max_grad_norm" not in out.train:
@@ -561,6 +573,11 @@ def _optimizer(out: Translation, o: dict[str, Any]) -> None:
             _unknown(out, where, value)
 
 
+_WARMUP_STEPS = 200
+"""torchtitan's lr_scheduler.warmup_steps where the file is silent; its decay_ratio where
+silent is None: a linear decay to 0 over all the steps after the warm-up."""
+
+
 def _scheduler(out: Translation, s: dict[str, Any]) -> None:
     for key, value in s.items():
         where = f"lr_scheduler.{key}"
@@ -568,9 +585,12 @@ def _scheduler(out: Translation, s: dict[str, Any]) -> None:
             _unknown(out, where, value)
         else:
             out.rows.append(Row(where, value, "read with lr_scheduler (its row below)", "exact"))
-    warmup = int(s.get("warmup_steps", 0))
+    # torchtitan: warm-up of warmup_steps (200 where silent), then decay over the last
+    # decay_ratio of the steps, or over all the rest where decay_ratio is silent (None):
+    # the lr is constant only with no warm-up and a decay_ratio of 0.
+    warmup = int(s.get("warmup_steps", _WARMUP_STEPS))
     decay = s.get("decay_ratio")
-    if warmup == 0 and decay is None:
+    if warmup == 0 and decay is not None and float(decay) == 0:
         out.rows.append(Row("lr_scheduler", s, "a constant lr", "exact"))
         return
     out.rows.append(
@@ -580,7 +600,7 @@ def _scheduler(out: Translation, s: dict[str, Any]) -> None:
             "-",
             "refused",
             "torchtitan's warm-up, stable, "
-            "decay schedule is not built; give warmup_steps 0 and no decay_ratio, "
-            "or use shardwise's scheduler section",
+            "decay schedule is not built; give warmup_steps = 0 and decay_ratio = 0.0 "
+            "(a constant lr), or use shardwise's scheduler section",
         )
     )

@@ -201,3 +201,35 @@ def test_reading_a_run_file_does_not_import_peft(tmp_path):
         "assert 'peft' not in sys.modules, 'peft imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# --- every entry of the section's tables ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [("rank", "r"), ("lora_r", "r"), ("lora_alpha", "alpha"), ("lora_dropout", "dropout"),
+     ("target_layers", "target_modules"), ("dora", "use_dora"), ("rslora", "use_rslora")],
+)  # fmt: skip
+def test_every_other_tools_name_points_to_its_key(tmp_path, key, hint):
+    with pytest.raises(ConfigError, match=rf"unknown key 'adapter.{key}'. Did you mean '{hint}'\?"):
+        loaded(tmp_path, f"adapter: {{{key}: 4}}\n")
+
+
+def test_every_default_of_the_section(tmp_path):
+    cfg = loaded(tmp_path, "adapter: {}\n").adapter
+    assert cfg == AdapterConfig()
+    assert (cfg.method, cfg.r, cfg.alpha, cfg.dropout) == ("lora", 8, 16.0, 0.0)
+    assert (cfg.target_modules, cfg.modules_to_save, cfg.use_dora, cfg.use_rslora) == (
+        None, None, False, False)  # fmt: skip
+
+
+def test_every_field_reaches_its_peft_name():
+    config = AdapterConfig(r=3, alpha=5.5, dropout=0.25, target_modules=["qkv"],
+                           modules_to_save=["head"], use_dora=True, use_rslora=True)  # fmt: skip
+    lora = config.peft_config()
+    got = {name: getattr(lora, name) for name in ("r", "lora_alpha", "lora_dropout",
+           "modules_to_save", "use_dora", "use_rslora")}  # fmt: skip
+    assert got == {"r": 3, "lora_alpha": 5.5, "lora_dropout": 0.25, "modules_to_save": ["head"],
+                   "use_dora": True, "use_rslora": True}  # fmt: skip
+    assert set(lora.target_modules) == {"qkv"}  # type: ignore[attr-defined]

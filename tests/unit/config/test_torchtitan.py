@@ -307,7 +307,7 @@ def test_a_misspelt_key_names_the_closest_key_of_its_level() -> None:
         "optimizer": {"weight_decy": 0.1},
         "activation_checkpoint": {"mdoe": "full"},  # was 'no effect': checkpointing lost
         "compile": {"enabel": True},
-        "lr_scheduler": {"warmup_step": 2},
+        "lr_scheduler": {"warmup_step": 2, "decay_ratio": 0.0, "warmup_steps": 0},
         "xyzzy": {},
     })  # fmt: skip
     assert {r.key: r.note for r in translation.refused} == {
