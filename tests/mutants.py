@@ -2606,7 +2606,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "torchtitan_microbatch_size_taken_as_the_count",
-        "src/shardwise/config/torchtitan.py",
+        "src/shardwise/config/torchtitan_batches.py",
         "    count = local // int(size)\n",
         "    count = int(size)\n",
         (
@@ -2615,7 +2615,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "torchtitan_microbatch_remainder_unchecked",
-        "src/shardwise/config/torchtitan.py",
+        "src/shardwise/config/torchtitan_batches.py",
         "    if int(size) < 1 or local % int(size) != 0:\n",
         "    if int(size) < 1:\n",
         (
@@ -2624,7 +2624,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "torchtitan_local_batch_default_not_torchtitans",
-        "src/shardwise/config/torchtitan.py",
+        "src/shardwise/config/torchtitan_batches.py",
         "_LOCAL_BATCH = 8\n",
         "_LOCAL_BATCH = 16\n",
         (
@@ -2633,7 +2633,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "torchtitan_microbatch_count_disagreement_passes",
-        "src/shardwise/config/torchtitan.py",
+        "src/shardwise/config/torchtitan_batches.py",
         '    if "num_pp_microbatches" in p and int(p["num_pp_microbatches"]) != count:\n',
         "    if False:\n",
         (
@@ -2642,7 +2642,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "torchtitan_silent_micro_batches_take_shardwises_default",
-        "src/shardwise/config/torchtitan.py",
+        "src/shardwise/config/torchtitan_batches.py",
         '    elif pp > 1 and "num_pp_microbatches" not in p:\n',
         "    elif False:\n",
         (
@@ -2978,11 +2978,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "torchtitan_replicas_of_the_rest_become_ddp",
         "src/shardwise/config/torchtitan.py",
-        "    if replicate > 1 and shard == 1:",
-        "    if replicate > 1 and shard <= 1:",
+        "    if replicate > 1 and shard == -1:\n        assert world is not None",
+        "    if False:\n        assert world is not None",
         (
             "tests/unit/config/test_torchtitan.py::test_a_shard_degree_of_the_rest_of_the_ranks_shards",
         ),
+    ),
+    Mutant(
+        "torchtitan_degree_below_one_taken",
+        "src/shardwise/config/torchtitan.py",
+        "    if min(replicate, tp, pp) < 1 or shard == 0 or shard < -1:\n",
+        "    if min(replicate, tp, pp) < 1:\n",
+        ("tests/unit/config/test_torchtitan.py::test_a_degree_below_one_is_refused",),
     ),
     Mutant(
         "nnodes_min_above_max_taken",

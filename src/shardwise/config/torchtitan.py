@@ -24,6 +24,7 @@ from typing import Any
 
 from shardwise.config.foreign_checks import check_kind, check_suffix, unknown_key
 from shardwise.config.run_file import ConfigError
+from shardwise.config.torchtitan_batches import microbatches
 from shardwise.config.translation import Row, Translation, Verdict
 
 __all__ = ["translate_torchtitan"]
@@ -83,7 +84,7 @@ def translate_torchtitan(
             known = [*handlers, *_OWN_SECTIONS, *_REFUSED_SECTIONS]
             why = unknown_key(section, known, "a torchtitan", noun="section")
             out.rows.append(Row(section, "...", "-", "refused", why))
-    _microbatches(out, data)
+    microbatches(out, data)
     _defaults(out)
     return out
 
@@ -222,6 +223,12 @@ def _parallelism(out: Translation, p: dict[str, Any], world: int | None = None) 
     shard = int(p.pop("data_parallel_shard_degree", -1))
     tp = int(p.pop("tensor_parallel_degree", 1))
     pp = int(p.pop("pipeline_parallel_degree", 1))
+    if min(replicate, tp, pp) < 1 or shard == 0 or shard < -1:
+        why = ("each degree is a whole number >= 1, and data_parallel_shard_degree may also be "
+               "-1 (the rest of the ranks), as torchtitan requires")  # fmt: skip
+        named = f"replicate {replicate} x shard {shard} x tp {tp} x pp {pp}"
+        out.rows.append(Row("parallelism.*_degree", named, "-", "refused", why))
+        return
     if replicate > 1 and shard == -1 and not _rest_of_the_ranks(out, given, world):
         return
     if replicate > 1 and shard == -1:
@@ -342,64 +349,6 @@ def _parallelism(out: Translation, p: dict[str, Any], world: int | None = None) 
             out.rows.append(Row(where, value, "-", "no effect", why))
         else:
             _unknown(out, where, value)
-
-
-_LOCAL_BATCH = 8
-"""torchtitan's training.local_batch_size where the file is silent (shardwise's too)."""
-
-
-_MICROBATCH_SIZE = 1
-"""torchtitan's parallelism.pipeline_parallel_microbatch_size where the file is silent."""
-
-
-def _microbatches(out: Translation, data: dict[str, Any]) -> None:
-    """torchtitan splits each local batch into local_batch_size // microbatch_size pipeline
-    micro-batches, and refuses a micro-batch size that does not divide the batch."""
-    p = data.get("parallelism")
-    p = p if isinstance(p, Mapping) else {}
-    pp = int(p.get("pipeline_parallel_degree", 1))
-    if "num_pp_microbatches" in p:
-        count = int(p["num_pp_microbatches"])
-        if count > 1 and pp > 1:
-            out.parallel["pp_microbatches"] = count
-        out.rows.append(Row("parallelism.num_pp_microbatches", count,
-                            f"parallel.pp_microbatches={count}", "exact"))  # fmt: skip
-    key = "parallelism.pipeline_parallel_microbatch_size"
-    if "pipeline_parallel_microbatch_size" in p:
-        size = p["pipeline_parallel_microbatch_size"]
-    elif pp > 1 and "num_pp_microbatches" not in p:
-        size = _MICROBATCH_SIZE  # the file is silent: torchtitan's micro-batches of 1 row
-        key = f"{key} (torchtitan's default)"
-    else:
-        return
-    if pp == 1:
-        out.rows.append(Row(key, size, "-", "no effect", "pp is 1"))
-        return
-    training = data.get("training")
-    training = training if isinstance(training, Mapping) else {}
-    local_key = next((k for k in ("local_batch_size", "batch_size") if k in training), None)
-    local = int(training[local_key]) if local_key else _LOCAL_BATCH
-    named = (
-        f"training.{local_key}={local}"
-        if local_key
-        else f"training.local_batch_size={local} (torchtitan's default)"
-    )
-    if int(size) < 1 or local % int(size) != 0:
-        divisors = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
-        why = (
-            f"does not divide {named} (torchtitan refuses it too); give a divisor of {local} "
-            f"({divisors})"
-        )
-        out.rows.append(Row(key, size, "-", "refused", why))
-        return
-    count = local // int(size)
-    if "num_pp_microbatches" in p and int(p["num_pp_microbatches"]) != count:
-        why = f"{named} // {size} = {count} micro-batches, and num_pp_microbatches says otherwise"
-        out.rows.append(Row(key, size, "-", "refused", why))
-        return
-    out.parallel["pp_microbatches"] = count
-    out.rows.append(Row(key, size, f"parallel.pp_microbatches={count}", "exact",
-                        f"{named} // {size}, as torchtitan splits the local batch"))  # fmt: skip
 
 
 def _training(out: Translation, t: dict[str, Any]) -> None:

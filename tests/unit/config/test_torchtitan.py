@@ -234,6 +234,30 @@ def test_a_shard_degree_of_the_rest_of_the_ranks_shards(
     assert row.became == f"parallel.strategy='{strategy}'"
 
 
+@pytest.mark.parametrize(
+    ("degrees", "named"),
+    [
+        ({"data_parallel_shard_degree": 0}, "replicate 1 x shard 0 x tp 1 x pp 1"),
+        ({"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": -2},
+         "replicate 2 x shard -2 x tp 1 x pp 1"),
+        ({"data_parallel_replicate_degree": 0}, "replicate 0 x shard -1 x tp 1 x pp 1"),
+        ({"tensor_parallel_degree": 0}, "replicate 1 x shard -1 x tp 0 x pp 1"),
+        ({"pipeline_parallel_degree": -1}, "replicate 1 x shard -1 x tp 1 x pp -1"),
+    ],
+)  # fmt: skip
+def test_a_degree_below_one_is_refused(degrees, named) -> None:  # type: ignore[no-untyped-def]
+    # Before: a shard degree of 0 or -2 beside replicas became hybrid_shard over a node.
+    translation = translate_torchtitan({"parallelism": degrees}, world=8)
+    (row,) = [r for r in translation.rows if r.key == "parallelism.*_degree"]
+    assert (row.value, row.verdict, row.note) == (
+        named,
+        "refused",
+        "each degree is a whole number >= 1, and data_parallel_shard_degree may also be -1 "
+        "(the rest of the ranks), as torchtitan requires",
+    )
+    assert "strategy" not in translation.parallel
+
+
 def test_a_shard_degree_of_the_rest_beside_replicas_needs_the_world() -> None:
     hsdp = {"parallelism": {"data_parallel_replicate_degree": 4, "tensor_parallel_degree": 2}}
     assert_refused(translate_torchtitan(hsdp), {
