@@ -548,6 +548,20 @@ def estimate_rows(names: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def _emit_rows(name: str, rows: list[dict[str, Any]], argv: list[str] | None, start: float) -> None:
+    """The JSON report of a section run alone (--estimate, --pipeline-scale)."""
+    common.emit_json(
+        {
+            "benchmark": name,
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": common.git_commit() or "unknown",
+            "command": common.command_line("python bench/memory_sim.py", argv or None),
+            "rows": rows,
+            "bench_wall_s": round(time.perf_counter() - start, 1),
+        }
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = common.arg_parser(__doc__)
     parser.add_argument("--smoke", action="store_true", help="world 2, full_shard, no Llama")
@@ -580,31 +594,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'model':<12} {'world':>5} {'prec':<5} {'AC':<5} {'strategy':<19} "
               f"{'estimate':>12} {'simulated':>12} {'ratio':>6}")  # fmt: skip
         rows = estimate_rows(args.estimate.split(","))
-        common.emit_json(
-            {
-                "benchmark": "memory_sim/estimate",
-                "date": time.strftime("%Y-%m-%d"),
-                "commit": common.git_commit() or "unknown",
-                "command": common.command_line("python bench/memory_sim.py", argv or None),
-                "rows": rows,
-                "bench_wall_s": round(time.perf_counter() - t_start, 1),
-            }
-        )
+        _emit_rows("memory_sim/estimate", rows, argv, t_start)
         return 0
     if args.pipeline_scale:
         print("Llama-3-405B: tp 8 x pp 8/16, full_shard, bf16, AC full, seq 8192, 1F1B")
         print(pipeline_table([]), flush=True)
         rows = pipeline_scale(tuple(int(w) for w in args.pipeline_worlds.split(",")))
-        common.emit_json(
-            {
-                "benchmark": "memory_sim/pipeline_scale",
-                "date": time.strftime("%Y-%m-%d"),
-                "commit": common.git_commit() or "unknown",
-                "command": common.command_line("python bench/memory_sim.py", argv or None),
-                "rows": rows,
-                "bench_wall_s": round(time.perf_counter() - t_start, 1),
-            }
-        )
+        _emit_rows("memory_sim/pipeline_scale", rows, argv, t_start)
         return 0
 
     strategies: tuple[str, ...]
