@@ -3185,6 +3185,24 @@ MUTANTS: tuple[Mutant, ...] = (
         '    if sub == "offload_param" and stage < 1:',
         ("tests/unit/config/test_reader_tables.py::test_deepspeed_every_offload",),
     ),
+    Mutant(
+        "torchtitan_rest_of_the_ranks_that_does_not_divide_taken",
+        "src/shardwise/config/torchtitan.py",
+        "    elif world % others:\n",
+        "    elif False:\n",
+        (
+            "tests/unit/config/test_torchtitan.py::test_a_shard_degree_of_the_rest_beside_replicas_needs_the_world",
+        ),
+    ),
+    Mutant(
+        "from_env_without_its_reader_returns_the_default",
+        "src/shardwise/config/parallel.py",
+        "        if not LAUNCHED:",
+        "        if not LAUNCHED:\n            return cls()\n        if False:",
+        (
+            "tests/unit/config/test_deepspeed.py::test_parallel_config_from_env_without_its_reader_is_a_bug_not_a_default",
+        ),
+    ),
 )
 
 

@@ -546,6 +546,16 @@ def test_a_flag_that_agrees_with_the_suffix_passes_the_check() -> None:
         check_flag(flag, name)  # no error
 
 
+def test_parallel_config_from_env_without_its_reader_is_a_bug_not_a_default(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from shardwise.config import parallel
+
+    monkeypatch.setattr(parallel, "LAUNCHED", [])
+    with pytest.raises(
+        RuntimeError, match=r"^ParallelConfig.from_env: no reader of the launched file$"
+    ):
+        parallel.ParallelConfig.from_env()
+
+
 def test_parallel_config_from_env_is_the_launched_files_layout(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import shardwise
 
