@@ -14,6 +14,8 @@ from typing import Literal, get_args
 
 NonFinitePolicy = Literal["stop", "skip"]
 """What `TrainConfig.on_nonfinite` does with a NaN/inf loss or gradient norm."""
+LossOver = Literal["batches", "tokens"]
+"""What `TrainConfig.loss_over` averages the loss over."""
 
 
 @dataclass(kw_only=True)
@@ -44,6 +46,15 @@ class TrainConfig:
     optimizer state unchanged, counted in skipped_steps) and warns. Under fp16 loss
     scaling, a step with inf/nan gradients stays the grad scaler's to skip (and back off);
     a non-finite loss with finite gradients is still caught."""
+    loss_over: LossOver = "batches"
+    """What the loss averages over in one optimizer step. 'batches': the mean of each
+    micro-batch's loss over micro-batches and data-parallel ranks (a model's loss as it
+    returns it). 'tokens': the mean over every token the step's labels predict, on all
+    ranks: each micro-batch's loss (a mean over its own tokens, as a causal language
+    model's is) is weighted by its share of the step's tokens, which the Runner counts
+    (labels other than -100 after each row's first position) and sums across ranks before
+    the step. Packed rows and padded batches hold unequal counts; 'tokens' trains them as
+    one long batch would. Not built under pipeline or context parallelism."""
 
     def __post_init__(self) -> None:
         k = self.accumulate_steps
@@ -63,6 +74,12 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.on_nonfinite={self.on_nonfinite!r} is not allowed. Choose 'stop' "
                 "(raise on every rank) or 'skip' (drop that update on every rank)."
+            )
+        if self.loss_over not in get_args(LossOver):
+            raise ValueError(
+                f"TrainConfig.loss_over={self.loss_over!r} is not allowed. Choose 'batches' "
+                "(each micro-batch's loss as the model returns it, averaged) or 'tokens' "
+                "(every predicted token of the step weighs the same)."
             )
 
 
@@ -91,7 +108,13 @@ class RunnerConfig:
     drop_last: bool = False
     """Drop the tail that does not fill a batch on every rank."""
     num_workers: int = 0
-    """DataLoader worker processes for datasets."""
+    """DataLoader worker processes for datasets (for a stream: a divisor of
+    stream_parts / data-parallel ranks)."""
+    stream_parts: int = 64
+    """An IterableDataset (a stream) is cut into this many parts, dealt to the
+    data-parallel ranks (train/stream.py): a multiple of every data-parallel world size the
+    run may resume at. The global order of samples, and so training, is the same at every
+    such world size and worker count. Saved with each checkpoint; a resume keeps it."""
     progress: bool = True
     """Show the progress bar on rank 0."""
     tensorboard: bool | None = None
@@ -154,7 +177,7 @@ class RunnerConfig:
                 f"RunnerConfig.save_every_minutes={minutes!r} must be a positive number of "
                 "minutes (e.g. 30) or None."
             )
-        for name in ("batch_size", "log_every"):
+        for name in ("batch_size", "log_every", "stream_parts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RunnerConfig.{name}={value!r} must be a positive int.")

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from shardwise.config.training import RunnerConfig
 from shardwise.distributed.worker_errors import refused
 from shardwise.train.progress import say
+from shardwise.train.stream import StreamLoader
 
 
 class ResumableSampler(DistributedSampler[int]):
@@ -56,20 +57,29 @@ def make_loader(
     world: int,
     *,
     pin_memory: bool = False,
+    device: torch.device | None = None,
 ) -> DataLoader[Any] | None:
     """This rank's DataLoader over `data`: a map-style Dataset (batches in pinned memory
     when `pin_memory`, as a CUDA job wants), or a DataLoader whose own settings are all
     kept (batch size, collate function, workers and their init function, prefetching,
-    persistent workers, pinned memory, drop_last); only its sampler is replaced."""
+    persistent workers, pinned memory, drop_last); only its sampler is replaced. An
+    IterableDataset (or a DataLoader over one) becomes a StreamLoader (train/stream.py),
+    whose collectives run on `device`."""
     if data is None:
         return None
-    if isinstance(getattr(data, "dataset", data), IterableDataset):
-        raise TypeError(
-            f"Runner({name}=...) is an IterableDataset, which shardwise cannot split across "
-            "ranks. Use a map-style Dataset, or shard the stream per rank yourself and "
-            "drive Engine.train_step directly."
-        )
     cfg = config
+    if isinstance(getattr(data, "dataset", data), IterableDataset):
+        return StreamLoader(  # type: ignore[return-value]  # the Runner tells them apart
+            data,
+            name,
+            parts=cfg.stream_parts,
+            batch_size=cfg.batch_size,
+            num_workers=cfg.num_workers,
+            rank=rank,
+            world=world,
+            device=device or torch.device("cpu"),
+            pin_memory=pin_memory,
+        )
     kept: dict[str, Any] = {"pin_memory": pin_memory}
     if isinstance(data, DataLoader):
         dataset, batch_size = data.dataset, data.batch_size
@@ -92,8 +102,8 @@ def make_loader(
         )
     else:
         raise TypeError(
-            f"Runner({name}=...) got {type(data).__name__}; expected a map-style Dataset "
-            "or a DataLoader over one."
+            f"Runner({name}=...) got {type(data).__name__}; expected a map-style Dataset, "
+            "an IterableDataset (a stream), or a DataLoader over either."
         )
     sampler: DistributedSampler[Any] = ResumableSampler(
         dataset,

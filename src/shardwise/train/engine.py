@@ -245,6 +245,7 @@ class Engine:
         self.scaler = wrapper_scaler if wrapper_scaler is not None else self._build_scaler()
         if self._pipeline:
             _check_pipelined(self.model, self.config, self.scaler)
+        _check_loss_over(self.train_config, self.config)
         self.micro_step = 0
         self.step = 0
         self.skipped_steps = 0
@@ -305,7 +306,9 @@ class Engine:
         `save_requested` is True on every rank."""
         self._save_requested = True
 
-    def train_step(self, batch: Any, *, force_update: bool = False) -> dict[str, Any]:
+    def train_step(
+        self, batch: Any, *, force_update: bool = False, loss_weight: float | None = None
+    ) -> dict[str, Any]:
         """Forward + backward one micro-batch; update on the last of the window.
 
         Returns the micro-batch's loss values as 0-dim device tensors (reading them waits
@@ -318,6 +321,9 @@ class Engine:
         raises `NonFiniteError` on every rank.
         A model returning `(losses, preds[, masks])` gets them back, untouched, under
         `vis_preds`/`vis_masks`. A model with its own `parse_losses` has it called.
+        `loss_weight` multiplies this micro-batch's loss and logged values (the Runner's
+        `loss_over='tokens'`: its tokens x data-parallel ranks x accumulate_steps over the
+        step's tokens on all ranks).
         """
         tc = self.train_config
         update = force_update or self.micro_step + 1 >= tc.accumulate_steps
@@ -339,6 +345,9 @@ class Engine:
                 outputs = self.forward(batch, "loss")
                 losses, passed = split_outputs(outputs)
                 loss, logs = model_parse_losses(unwrap(self.model), losses)
+                if loss_weight is not None:
+                    loss = loss * loss_weight
+                    logs = {k: v * loss_weight for k, v in logs.items()}
                 scaled = loss / tc.accumulate_steps
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         if self._held and update:
@@ -464,6 +473,20 @@ def call_model(model: nn.Module, batch: Any, mode: str) -> Any:
     if isinstance(batch, (list, tuple)):
         return model(*batch)
     return model(batch)
+
+
+def _check_loss_over(train: TrainConfig, config: ParallelConfig) -> None:
+    """loss_over='tokens' where it is not built, refused at construction."""
+    if train.loss_over != "tokens":
+        return
+    for name, degree in (("pp", config.pp), ("cp", config.cp)):
+        if degree > 1:
+            raise NotImplementedError(
+                f"TrainConfig.loss_over='tokens' with ParallelConfig.{name}={degree} is not "
+                "built yet: the schedule's micro-batches (pp) and the sequence's parts (cp) "
+                "each compute their own loss, which shardwise does not weight by tokens yet. "
+                "Use loss_over='batches' (each micro-batch's mean, averaged)."
+            )
 
 
 def _check_pipelined(model: nn.Module, config: ParallelConfig, scaler: Any) -> None:

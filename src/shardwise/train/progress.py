@@ -61,6 +61,8 @@ class Window:
 
     def restart(self) -> None:
         self.samples = self.tokens = 0
+        self.wait = 0.0
+        """Seconds the loop waited for its data (the loader's next batch) in this step."""
         self.start = time.perf_counter()
 
     def add(self, batch: Any) -> None:
@@ -76,6 +78,7 @@ class Window:
         row["samples_per_s"] = self.samples * world / elapsed
         if self.tokens:
             row["tokens_per_s"] = self.tokens * world / elapsed
+        row["data_wait_s"] = self.wait
         row["peak_mem_mb"] = _peak_memory_mb(device)
         row["dp_world"] = world  # a change marks a node lost or gained (shardwise plot)
         self.restart()
@@ -108,7 +111,8 @@ class Progress:
             console=Console(file=sys.stderr, width=None if sys.stderr.isatty() else 160),
             transient=False,
         )
-        self._task = self._bar.add_task("train", total=total, stats="")
+        # A stream's length is unknown (total 0): the bar counts steps without an end.
+        self._task = self._bar.add_task("train", total=total or None, stats="")
         self._bar.start()
 
     def update(self, row: dict[str, Any]) -> None:
@@ -122,7 +126,7 @@ class Progress:
         stats = (
             f"loss {row.get('loss', float('nan')):.4f}  lr {row.get('lr', 0.0):.2e}  "
             f"gnorm {row.get('grad_norm', float('nan')):.3f}  {rate}  "
-            f"mem {row['peak_mem_mb']:,.0f} MB"
+            f"wait {row.get('data_wait_s', 0.0):.2f} s  mem {row['peak_mem_mb']:,.0f} MB"
         )
         self._bar.update(self._task, completed=row["step"], stats=stats)
 

@@ -54,6 +54,7 @@ from shardwise.train.data import map_position
 from shardwise.train.engine import Engine, set_accumulation
 from shardwise.train.metrics import METRICS_FILE, free_name
 from shardwise.train.progress import say
+from shardwise.train.stream import StreamLoader
 
 PREEMPTED_EXIT_CODE = 75
 """os.EX_TEMPFAIL ("temporary failure, retry"): a checkpoint was saved on SIGTERM. torchrun
@@ -368,7 +369,22 @@ def resume(
     set_aside_newer(checkpoint_dir(config), engine.step)
     saved_world = int(manifest.get("world_size", world))
     batch = (loader.batch_size if loader else None) or 1
+    streamed = isinstance(loader, StreamLoader)
+    if streamed != ("stream" in position):
+        kinds = ("a stream", "map-style data")
+        then, now = kinds if not streamed else kinds[::-1]
+        raise refused(
+            ValueError(
+                f"RunnerConfig.resume={config.resume!r}: the checkpoint was saved training "
+                f"on {then}, and this run's train_data is {now}: where it stopped in one "
+                "means nothing in the other. Give the same kind of train_data, or start a "
+                "fresh run."
+            )
+        )
     keep_global_batch(position, engine, batch, world, config.resume)
+    if isinstance(loader, StreamLoader):
+        loader.load_state_dict(position["stream"], config.resume)
+        return int(position["epoch"]), 0
     return map_position(position, saved_world, loader, world, config.resume)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from shardwise.train.data import ResumableSampler, make_loader
 from shardwise.train.engine import Engine
 from shardwise.train.losses import VIS_KEYS, parse_losses
 from shardwise.train.metrics import MetricsLogger
+from shardwise.train.packing import count_label_tokens, packed_attention_notice
 from shardwise.train.progress import Progress, Window, count_batch, say
 from shardwise.train.resume import (
     Preempted,
@@ -63,6 +64,7 @@ from shardwise.train.resume import (
     step_to_resume,
 )
 from shardwise.train.resume import checkpoint_dir as _checkpoint_dir
+from shardwise.train.stream import StreamLoader
 
 EvaluateFn = Callable[[Any, Any], dict[str, float]]
 
@@ -76,11 +78,12 @@ def seed_everything(seed: int) -> None:
 
 def _data_parallel(engine: Engine, rank: int, world: int) -> tuple[int, int]:
     """(this rank's data-parallel index, the data-parallel ranks): under tensor
-    parallelism the ranks of one tp group read the same part of each batch, and under
+    parallelism the ranks of one tp group read the same part of each batch, under context
+    parallelism those of one cp group (each attends to its part of the sequence), and under
     pipeline parallelism the stages of one pipeline do."""
     info = wrap_info(engine.model)
     spec = info.mesh_spec if info is not None else None
-    if info is not None and spec is not None and (spec.tp > 1 or spec.pp > 1):
+    if info is not None and spec is not None and (spec.tp > 1 or spec.pp > 1 or spec.cp > 1):
         return info.dp_rank, info.dp_size
     return rank, world
 
@@ -93,6 +96,8 @@ def _refuse_short_batches(engine: Engine, *loaders: DataLoader[Any] | None) -> N
     if info is None or info.stages is None:
         return
     for name, loader in zip(("train_data", "val_data", "test_data"), loaders, strict=True):
+        if isinstance(loader, StreamLoader):
+            continue  # a stream's batches are always full
         if loader is None or loader.drop_last or loader.batch_size is None:
             continue
         per_rank = len(loader.sampler)  # type: ignore[arg-type]  # shardwise's own sampler
@@ -109,18 +114,23 @@ def _refuse_short_batches(engine: Engine, *loaders: DataLoader[Any] | None) -> N
             )
 
 
-def _total_steps(config: RunnerConfig, batches_per_epoch: int, accumulate_steps: int) -> int:
+def _total_steps(config: RunnerConfig, batches_per_epoch: int | None, accumulate_steps: int) -> int:
     """The optimizer steps the run is to take (for the progress bar): max_steps, or
-    max_epochs' worth at this world's batches per epoch, whichever comes first."""
+    max_epochs' worth at this world's batches per epoch, whichever comes first (a stream's
+    epoch has no known length: max_steps, or 0 for unknown)."""
     total = config.max_steps or 0
-    if config.max_epochs is not None:
+    if config.max_epochs is not None and batches_per_epoch is not None:
         by_epochs = math.ceil(batches_per_epoch / accumulate_steps) * config.max_epochs
         total = min(total, by_epochs) if total else by_epochs
     return total
 
 
 def _say_what_ended(
-    config: RunnerConfig, engine: Engine, epochs: int, batches_per_epoch: int, dp_world: int
+    config: RunnerConfig,
+    engine: Engine,
+    epochs: int,
+    batches_per_epoch: int | None,
+    dp_world: int,
 ) -> str:
     """The limit that ended training ('max_steps=8' or 'max_epochs=1'), said by rank 0 in
     one line. Whichever of the two comes first ends it, and an epoch's steps depend on the
@@ -132,10 +142,13 @@ def _say_what_ended(
         return ended
     ended = f"max_epochs={config.max_epochs}"
     short = f", before max_steps={config.max_steps}" if config.max_steps is not None else ""
-    per_epoch = math.ceil(batches_per_epoch / engine.train_config.accumulate_steps)
+    if batches_per_epoch is None:
+        epoch = "an epoch reads the stream once, until a rank runs out"
+    else:
+        per_epoch = math.ceil(batches_per_epoch / engine.train_config.accumulate_steps)
+        epoch = f"an epoch is {per_epoch} optimizer step(s) at {dp_world} data-parallel rank(s)"
     say(
-        f"finished after optimizer step {engine.step}: {ended} reached{short} (an epoch is "
-        f"{per_epoch} optimizer step(s) at {dp_world} data-parallel rank(s); "
+        f"finished after optimizer step {engine.step}: {ended} reached{short} ({epoch}; "
         "max_epochs=None trains until max_steps)"
     )
     return ended
@@ -178,13 +191,11 @@ class Runner:
         self.evaluate = evaluate
         cfg, rank, world = self.config, self.dp_rank, self.dp_world  # the sampler's split
         pin = engine.device.type == "cuda"  # pinned batches copy to a GPU asynchronously
-        self.train_loader = make_loader(
-            train_data, "train_data", cfg.shuffle, cfg, rank, world, pin_memory=pin
-        )
-        self.val_loader = make_loader(val_data, "val_data", False, cfg, rank, world, pin_memory=pin)
-        self.test_loader = make_loader(
-            test_data, "test_data", False, cfg, rank, world, pin_memory=pin
-        )
+        kw: dict[str, Any] = {"pin_memory": pin, "device": engine.device}
+        train = make_loader(train_data, "train_data", cfg.shuffle, cfg, rank, world, **kw)
+        self.train_loader = train
+        self.val_loader = make_loader(val_data, "val_data", False, cfg, rank, world, **kw)
+        self.test_loader = make_loader(test_data, "test_data", False, cfg, rank, world, **kw)
         _refuse_short_batches(engine, self.train_loader, self.val_loader, self.test_loader)
         self.logger = MetricsLogger(
             self.config.run_dir, enabled=self.rank == 0, tensorboard=self.config.tensorboard
@@ -215,13 +226,19 @@ class Runner:
         self._resumed = True
         configured = engine.train_config.accumulate_steps  # before a resume may change it
         epoch, skip = resume(cfg, engine, self.train_loader, self.dp_world)
-        total = _total_steps(cfg, len(self.train_loader), engine.train_config.accumulate_steps)
+        per_epoch = self._batches_per_epoch()
+        total = _total_steps(cfg, per_epoch, engine.train_config.accumulate_steps)
+        loader = self.train_loader
+        if isinstance(loader, StreamLoader) and loader.spec.packing is not None:
+            notice = packed_attention_notice(engine.model)  # on every rank: it may set use_cache
+            if notice:
+                say(notice)
         step_limit = cfg.max_steps or math.inf
         if cfg.resume is not None and self.rank == 0:
             keep_earlier_export(cfg)  # a resumed or restarted run exports anew at its end
         self._start_logger()
         progress = Progress(total, enabled=cfg.progress and self.rank == 0)
-        sampler = self.train_loader.sampler
+        sampler = getattr(self.train_loader, "sampler", None)
         batch = self.train_loader.batch_size or 1
         window = Window()
         saved_at = engine.step if cfg.resume else -1
@@ -245,26 +262,29 @@ class Runner:
                         sampler.skip = skip
                     # The segment of the epoch this pass trains starts skip*world samples in.
                     offset, consumed, skip = skip // batch, skip * self.dp_world, 0
-                    n = len(self.train_loader)
+                    n = per_epoch
                     window.restart()
-                    for i, data in enumerate(self.train_loader):
+                    for i, (data, last, weight) in enumerate(self._train_batches(epoch, window)):
                         window.add(data)
                         if _timer_due(cfg, last_save):
                             engine.request_save()
                         # A collective that times out here names the rank that never came.
                         with guard(f"train step {engine.step + engine.skipped_steps + 1}"):
-                            logs = engine.train_step(data, force_update=i == n - 1)
+                            logs = engine.train_step(data, force_update=last, loss_weight=weight)
                         if "grad_norm" not in logs:
                             continue
                         stop = logs.pop("stop", 0.0) > 0
                         logs = {k: v for k, v in logs.items() if k not in VIS_KEYS}
                         done = engine.step + engine.skipped_steps
-                        # Where the loop stands after this update: what a resume needs.
-                        position = {
+                        # Where the loop stands after this update: what a resume needs (a
+                        # stream's parts are gathered from every rank when it saves).
+                        position = {"epoch": epoch, "stream": True} if n is None else {
                             "epoch": epoch,
                             "batches_done": offset + i + 1,
                             "total_batches": offset + n,
                             "samples_done": consumed + (i + 1) * batch * self.dp_world,
+                        }  # fmt: skip
+                        position |= {
                             "world_size": self.dp_world,
                             "batch_size": batch,
                             "accumulate_steps": engine.train_config.accumulate_steps,
@@ -288,7 +308,7 @@ class Runner:
                             self.save(position, async_=cfg.async_save)
                             saved_at, last_save = engine.step, time.monotonic()
                             window.restart()
-                        if done >= step_limit and i < n - 1:
+                        if done >= step_limit and (n is None or i < n - 1):
                             break  # max_steps reached inside the epoch
                     else:
                         epoch += 1
@@ -315,12 +335,58 @@ class Runner:
         finally:
             progress.close()
             self.logger.close()
-        ended_by = _say_what_ended(cfg, engine, epoch, len(self.train_loader), self.dp_world)
+        ended_by = _say_what_ended(cfg, engine, epoch, per_epoch, self.dp_world)
         return {
             "steps": engine.step, "skipped_steps": engine.skipped_steps, "epochs": epoch,
             "ended_by": ended_by, "train": last_train, "val": last_val,
             "seconds": time.perf_counter() - start, "run_dir": str(Path(cfg.run_dir)),
         }  # fmt: skip
+
+    def _batches_per_epoch(self) -> int | None:
+        """This rank's batches in an epoch (None for a stream: unknown until it ends)."""
+        loader = self.train_loader
+        return None if isinstance(loader, StreamLoader) or loader is None else len(loader)
+
+    def _train_batches(self, epoch: int, window: Window) -> Iterator[tuple[Any, bool, Any]]:
+        """(micro-batch, whether it must update, its loss weight) for this epoch's training,
+        timing the waits for data into `window`. Under loss_over='tokens' the weight is the
+        micro-batch's tokens x data-parallel ranks x accumulate_steps over the tokens of its
+        whole step on every rank (one all-reduce a step), else None."""
+        engine, loader = self.engine, self.train_loader
+        steps = engine.train_config.accumulate_steps
+        source: Iterator[tuple[Any, bool]]
+        if isinstance(loader, StreamLoader):
+            source = ((d, False) for d in loader.batches(epoch, steps))
+        else:
+            n = len(loader)  # type: ignore[arg-type]
+            source = ((d, i == n - 1) for i, d in enumerate(loader))  # type: ignore[arg-type]
+        tokens = engine.train_config.loss_over == "tokens"
+        pending: list[tuple[Any, bool]] = []
+        while True:
+            start = time.perf_counter()
+            got = next(source, None)
+            window.wait += time.perf_counter() - start
+            if got is None:
+                return
+            if not tokens:
+                yield got[0], got[1], None
+                continue
+            pending.append(got)
+            if len(pending) == steps or got[1]:
+                counts = [count_label_tokens(d) for d, _ in pending]
+                total = self._step_tokens(sum(counts))
+                for (data, last), c in zip(pending, counts, strict=True):
+                    yield data, last, c * self.dp_world * steps / max(total, 1)
+                pending = []
+
+    def _step_tokens(self, mine: int) -> int:
+        """The tokens of one step on all data-parallel ranks (the ranks of a tp group hold
+        the same batch: counted once)."""
+        if self.world == 1:
+            return mine
+        moved = torch.tensor([float(mine)], dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(moved)
+        return round(float(moved.item()) * self.dp_world / self.world)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -333,6 +399,8 @@ class Runner:
         `wait_for_checkpoint()` (or the next save) has finished it."""
 
         state = {**position, "seed": self.config.seed, "config": saved_runner_fields(self.config)}
+        if isinstance(self.train_loader, StreamLoader) and "stream" in position:
+            state["stream"] = self.train_loader.state_dict()  # every rank's parts
         where, keep, only = self.checkpoint_dir, self.config.keep_last, self.adapters_only
         if async_:
             pending = save_checkpoint(
@@ -386,7 +454,10 @@ class Runner:
         self._start_logger()
         sums: dict[str, float] = {}
         count = 0
-        for i, batch in enumerate(loader):
+        if isinstance(loader, StreamLoader):
+            loader.restart()  # all of it, in step on every rank
+        batches = loader.batches(0, 1) if isinstance(loader, StreamLoader) else loader
+        for i, batch in enumerate(batches):
             if self.config.val_batches is not None and i >= self.config.val_batches:
                 break
             outputs = step(batch)

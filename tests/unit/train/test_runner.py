@@ -8,7 +8,7 @@ import signal
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from shardwise import Engine, Runner, RunnerConfig, TrainConfig
 from shardwise.cli import main as cli_main
@@ -141,18 +141,6 @@ def test_empty_dataloader(tmp_path):
         )
 
 
-def test_iterable_dataset_refused(tmp_path):
-    class Stream(IterableDataset):
-        def __iter__(self):
-            yield torch.zeros(2)
-
-    engine = Engine(GPT(CFG), lambda p: torch.optim.AdamW(p))
-    with pytest.raises(
-        TypeError, match=r"is an IterableDataset, which shardwise cannot split across ranks"
-    ):
-        Runner(engine, Stream(), config=RunnerConfig(run_dir=str(tmp_path)))
-
-
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -160,6 +148,7 @@ def test_iterable_dataset_refused(tmp_path):
         ({"batch_size": 0}, r"RunnerConfig\.batch_size=0 must be a positive int"),
         ({"val_every": 0}, r"RunnerConfig\.val_every=0 must be a positive int or None"),
         ({"log_every": -1}, r"RunnerConfig\.log_every=-1 must be a positive int"),
+        ({"stream_parts": 0}, r"RunnerConfig\.stream_parts=0 must be a positive int"),
     ],
 )
 def test_runner_config_errors(kwargs, match):
