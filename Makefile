@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -109,6 +109,11 @@ test-elastic: $(STAMP)
 # A real SLURM on this host (installed with apt-get when missing; root): srun, salloc and
 # sbatch launches equal to one process, the documented CPU job, and a job preempted with
 # SIGUSR1, requeued and resumed exactly (about 5 minutes); .ci/run runs it.
+# A streamed corpus (a datasets stream, packed, 2 DataLoader workers) stopped and resumed at
+# worlds 1, 2 and 4 and at other worker counts, through `shardwise run` (about 2 min).
+test-streams: $(STAMP)
+	$(VENV)/bin/pytest -q -m streams tests/e2e/test_streams.py
+
 test-slurm: $(STAMP)
 	$(VENV)/bin/pytest -q -s -m slurm tests/e2e/test_slurm.py
 

@@ -270,7 +270,8 @@ class StreamLoader:
         self.rank, self.world, self.device = rank, world, device
         self.spec = StreamSpec(data, parts, packing)
         self.starts = {p: PartStart() for p in range(parts)}
-        self._check_split(num_workers)
+        self._check_split(0)  # the workers once it is known whether a resume saved others
+        self._workers_checked = False
 
     def _check_split(self, workers: int, saved_workers: int | None = None) -> None:
         P, W = self.spec.count, self.world
@@ -325,6 +326,9 @@ class StreamLoader:
     def batches(self, epoch: int, window: int) -> Iterator[Any]:
         """Batches of `batch_size` for epoch `epoch`, `window` at a time (one optimizer
         step's), while every rank can fill its window (see the module's docstring)."""
+        if not self._workers_checked:
+            self._check_split(self.num_workers)
+            self._workers_checked = True
         samples = self._samples(epoch)
         need = window * self.batch_size
         try:
@@ -402,6 +406,7 @@ class StreamLoader:
                 )
             )
         self._check_split(self.num_workers, int(state.get("num_workers", 0)))
+        self._workers_checked = True
         saved_at = state["positions"]
         self.starts = {
             p: PartStart(*saved_at[str(p)]) if str(p) in saved_at else PartStart() for p in range(P)

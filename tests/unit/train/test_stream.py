@@ -20,6 +20,8 @@ from shardwise.train.packing import (
 from shardwise.train.stream import StreamLoader
 
 SEQ = 16
+# 4 workers on a 2-core machine: torch warns, as it should a user.
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 
 def documents(n=120, seed=0):
@@ -210,8 +212,9 @@ def test_parts_that_do_not_split_over_the_world_are_refused():
 @pytest.mark.parametrize(("world", "workers"), [(2, 3), (4, 4), (1, 3)])
 def test_workers_that_do_not_share_a_ranks_parts_evenly_are_refused(world, workers):
     per = 8 // world
+    stream = loaders(Docs(documents()), world, workers=workers)[0]
     with pytest.raises(ValueError, match=rf"num_workers={workers}: .* reads {per} part\(s\)"):
-        loaders(Docs(documents()), world, workers=workers)
+        next(stream.batches(0, 1))  # before anything is read
 
 
 def test_a_worker_count_that_does_not_divide_at_resume_names_the_saved_count():
@@ -257,6 +260,7 @@ def test_a_stream_whose_order_changed_is_refused_before_training(packed):
 # --- datasets streams --------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("parts", [8, 16])  # 8 divides the 8 shards: whole shards; 16 deals
 def test_a_datasets_stream_is_read_whole_in_either_cut(parts):
     datasets = pytest.importorskip("datasets")
@@ -278,6 +282,7 @@ def test_loss_over_refuses_other_values():
         TrainConfig(loss_over="rows")
 
 
+@pytest.mark.heavy
 def test_packed_rows_turn_off_a_transformers_cache_and_name_other_models():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
@@ -309,3 +314,42 @@ def test_runner_trains_a_packed_stream(tmp_path):
     summary = Runner(engine, pack(Docs(documents(40)), SEQ), config=cfg).fit()
     assert summary["steps"] > 3 and summary["ended_by"] == "max_epochs=1"
     assert summary["train"]["tokens_per_s"] > 0 and summary["train"]["data_wait_s"] >= 0
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_packed_row_of_two_documents_trains_as_the_two_apart(family):
+    transformers = pytest.importorskip("transformers")
+    kinds = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+    config = kinds[family](vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    a, b = [5, 9, 3, 7, 1, 4, 2], [8, 6, 11, 12, 10]
+    (row,) = list(pack([a, b], len(a) + len(b)))
+    packed = {k: v[None] for k, v in row.items()}
+    pad = len(a) - len(b)
+    apart = {
+        "input_ids": torch.tensor([a, b + [0] * pad]),
+        "attention_mask": torch.tensor([[1] * len(a), [1] * len(b) + [0] * pad]),
+        "labels": torch.tensor([a, b + [IGNORE_INDEX] * pad]),
+    }
+    assert count_label_tokens(packed) == count_label_tokens(apart) == len(a) - 1 + len(b) - 1
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    packed_attention_notice(model)  # turns the cache off, as the Runner does
+    together, grads = loss_and_grads(packed)
+    alone, grads_apart = loss_and_grads(apart)
+    torch.testing.assert_close(together, alone, rtol=1e-10, atol=1e-12)
+    for g, h in zip(grads, grads_apart, strict=True):
+        torch.testing.assert_close(g, h, rtol=1e-9, atol=1e-12)
+    # Negative control: with the cache on, transformers does not look for packed documents,
+    # and b's tokens attend to a's.
+    model.config.use_cache = True
+    crossed, _ = loss_and_grads(packed)
+    assert abs(float(crossed - alone)) > 1e-4
