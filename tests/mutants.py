@@ -101,8 +101,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "validation_not_all_reduced",
         "src/shardwise/train/runner.py",
-        "            dist.all_reduce(moved)\n            totals = moved.cpu()",
-        "            totals = moved.cpu()",
+        "        dist.all_reduce(moved)\n        totals = moved.cpu()",
+        "        totals = moved.cpu()",
         ("tests/distributed/test_runner_dist.py::test_validation_equals_one_process",),
     ),
     # 7. Clipping that scales small gradients up, and clipping applied twice.
@@ -1038,8 +1038,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "val_batches_one_too_many",
         "src/shardwise/train/runner.py",
-        "if self.config.val_batches is not None and i >= self.config.val_batches:",
-        "if self.config.val_batches is not None and i > self.config.val_batches:",
+        "if limit is not None and i >= limit:",
+        "if limit is not None and i > limit:",
         (
             "tests/unit/train/test_runner.py::"
             "test_validation_reads_val_batches_batches_and_weights_each_by_its_samples",
@@ -1048,8 +1048,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "val_mean_of_batch_means",
         "src/shardwise/train/runner.py",
-        "            samples = count_batch(batch)[0] or 1\n",
-        "            samples = 1\n",
+        "        samples = count_batch(batch)[0] or 1\n",
+        "        samples = 1\n",
         (
             "tests/unit/train/test_runner.py::"
             "test_validation_reads_val_batches_batches_and_weights_each_by_its_samples",
@@ -1306,8 +1306,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "runner_splits_data_over_every_rank_under_pp",
         "src/shardwise/train/runner.py",
-        "(spec.tp > 1 or spec.pp > 1)",
-        "spec.tp > 1",
+        "(spec.tp > 1 or spec.pp > 1 or spec.cp > 1)",
+        "(spec.tp > 1 or spec.cp > 1)",
         (
             "tests/distributed/test_pipeline.py::"
             "test_the_runner_gives_both_stages_of_a_pipeline_the_same_rows",
@@ -1918,8 +1918,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "le_data_parallel_ignores_pp",
         "src/shardwise/train/runner.py",
+        "    if info is not None and spec is not None and (spec.tp > 1 or spec.pp > 1 or spec.cp > 1):\n",
         "    if info is not None and spec is not None and (spec.tp > 1 or spec.pp > 1):\n",
-        "    if info is not None and spec is not None and spec.tp > 1:\n",
         (
             "tests/unit/train/test_runner.py::test_the_ranks_of_a_tp_group_or_a_pipeline_read_the_same_rows",
         ),

@@ -73,6 +73,7 @@ from shardwise.train import (
     Preempted,
     Runner,
     clip_grad_norm_,
+    pack,
     parse_losses,
     seed_everything,
 )
@@ -122,6 +123,7 @@ __all__ = [
     "load_checkpoint",
     "load_weights",
     "mean_across_ranks",
+    "pack",
     "parse_losses",
     "pipeline_eval",
     "pipeline_step",

@@ -52,6 +52,7 @@ PUBLIC: dict[str, str] = {
     "init_empty": "function",
     "load_checkpoint": "function",
     "load_weights": "function",
+    "pack": "function",
     "parse_losses": "function",
     "plan_wrap": "function",
     "register_wrap_policy": "function",

@@ -3,7 +3,8 @@
 engine.py (train/val/test steps, accumulation, clipping, loss scaling), nonfinite.py
 (NaN/inf on any rank), optim.py (optimizers built after wrapping, mmengine's OptimWrapper),
 losses.py (the loss contract), runner.py (the loop) with data.py (per-rank data),
-resume.py (resume and preemption) and progress.py (the progress bar), metrics.py and
+resume.py (resume and preemption) and progress.py (the progress bar), stream.py and
+packing.py (streamed data, packed documents), metrics.py and
 plot.py (what a run writes and draws).
 """
 
@@ -24,6 +25,7 @@ from shardwise.train.optim import (
     is_optim_wrapper,
     read_optim_wrapper,
 )
+from shardwise.train.packing import PackedStream, pack
 from shardwise.train.plot import plot_run
 from shardwise.train.resume import PREEMPTED_EXIT_CODE, Preempted
 from shardwise.train.runner import EvaluateFn, Runner, seed_everything
@@ -39,6 +41,7 @@ __all__ = [
     "NonFiniteError",
     "OptimWrapperLike",
     "OptimizerFactory",
+    "PackedStream",
     "Preempted",
     "Runner",
     "RunnerConfig",
@@ -52,6 +55,7 @@ __all__ = [
     "clip_grad_norm_",
     "is_optim_wrapper",
     "model_parse_losses",
+    "pack",
     "parse_losses",
     "plot_run",
     "read_metrics",

@@ -321,10 +321,7 @@ class Engine:
         raises `NonFiniteError` on every rank.
         A model returning `(losses, preds[, masks])` gets them back, untouched, under
         `vis_preds`/`vis_masks`. A model with its own `parse_losses` has it called.
-        `loss_weight` multiplies this micro-batch's loss and logged values (the Runner's
-        `loss_over='tokens'`: its tokens x data-parallel ranks x accumulate_steps over the
-        step's tokens on all ranks).
-        """
+        `loss_weight` multiplies the loss and logs (the Runner's `loss_over='tokens'`)."""
         tc = self.train_config
         update = force_update or self.micro_step + 1 >= tc.accumulate_steps
         if not self.model.training:  # train() walks every module: not on each micro-step
@@ -344,10 +341,7 @@ class Engine:
             with step_context(self.model, update or tc.sync_each_microbatch):
                 outputs = self.forward(batch, "loss")
                 losses, passed = split_outputs(outputs)
-                loss, logs = model_parse_losses(unwrap(self.model), losses)
-                if loss_weight is not None:
-                    loss = loss * loss_weight
-                    logs = {k: v * loss_weight for k, v in logs.items()}
+                loss, logs = _weighted(*model_parse_losses(unwrap(self.model), losses), loss_weight)
                 scaled = loss / tc.accumulate_steps
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         if self._held and update:
@@ -473,6 +467,15 @@ def call_model(model: nn.Module, batch: Any, mode: str) -> Any:
     if isinstance(batch, (list, tuple)):
         return model(*batch)
     return model(batch)
+
+
+def _weighted(
+    loss: torch.Tensor, logs: dict[str, torch.Tensor], weight: float | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and its logged values times `weight` (None: as they are)."""
+    if weight is None:
+        return loss, logs
+    return loss * weight, {k: v * weight for k, v in logs.items()}
 
 
 def _check_loss_over(train: TrainConfig, config: ParallelConfig) -> None:

@@ -142,7 +142,10 @@ class PackedStream(IterableDataset[dict[str, torch.Tensor]]):
 
 
 def pack(
-    documents: Any, seq_len: int, *, tokenize: Callable[[Any], Sequence[int]] | None = None
+    documents: Iterable[object],
+    seq_len: int,
+    *,
+    tokenize: Callable[[Any], Sequence[int]] | None = None,
 ) -> PackedStream:
     """Documents (any iterable: a datasets IterableDataset or Dataset, a torch
     IterableDataset, a list) as rows of `seq_len` tokens with `input_ids`, `labels` and
@@ -167,7 +170,7 @@ def packed_attention_notice(model: torch.nn.Module) -> str:
     if held:
         cached = [m for m in held if getattr(m.config, "use_cache", False)]
         for m in cached:
-            m.config.use_cache = False
+            m.config.use_cache = False  # type: ignore[union-attr]
         if not cached:
             return ""
         return (

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ from shardwise.train.data import ResumableSampler, make_loader
 from shardwise.train.engine import Engine
 from shardwise.train.losses import VIS_KEYS, parse_losses
 from shardwise.train.metrics import MetricsLogger
-from shardwise.train.packing import count_label_tokens, packed_attention_notice
+from shardwise.train.packing import packed_attention_notice
 from shardwise.train.progress import Progress, Window, count_batch, say
 from shardwise.train.resume import (
     Preempted,
@@ -64,7 +64,7 @@ from shardwise.train.resume import (
     step_to_resume,
 )
 from shardwise.train.resume import checkpoint_dir as _checkpoint_dir
-from shardwise.train.stream import StreamLoader
+from shardwise.train.stream import StreamLoader, micro_batches
 
 EvaluateFn = Callable[[Any, Any], dict[str, float]]
 
@@ -152,6 +152,16 @@ def _say_what_ended(
         "max_epochs=None trains until max_steps)"
     )
     return ended
+
+
+def _stream_epoch_end(epoch: int, step: int) -> str:
+    """What ended a stream's epoch, and what it left untrained (said once, by rank 0)."""
+    return (
+        f"epoch {epoch} of the stream ended after optimizer step {step}: a data-parallel rank "
+        "could not fill its next step, so the rows the other parts still held (up to one "
+        "step's, and more where parts differ in length) are not trained this epoch. Parts "
+        "of equal length lose least: more documents per part, or shards of equal size."
+    )
 
 
 def _timer_due(config: RunnerConfig, since: float) -> bool:
@@ -264,7 +274,9 @@ class Runner:
                     offset, consumed, skip = skip // batch, skip * self.dp_world, 0
                     n = per_epoch
                     window.restart()
-                    for i, (data, last, weight) in enumerate(self._train_batches(epoch, window)):
+                    for i, (data, last, weight) in enumerate(
+                        micro_batches(self.train_loader, engine, epoch, window, self.dp_world)
+                    ):
                         window.add(data)
                         if _timer_due(cfg, last_save):
                             engine.request_save()
@@ -311,6 +323,8 @@ class Runner:
                         if done >= step_limit and (n is None or i < n - 1):
                             break  # max_steps reached inside the epoch
                     else:
+                        if n is None:
+                            say(_stream_epoch_end(epoch, engine.step))
                         epoch += 1
                         if cfg.val_every is None and self.val_loader is not None:
                             last_val = self.validate()
@@ -346,47 +360,6 @@ class Runner:
         """This rank's batches in an epoch (None for a stream: unknown until it ends)."""
         loader = self.train_loader
         return None if isinstance(loader, StreamLoader) or loader is None else len(loader)
-
-    def _train_batches(self, epoch: int, window: Window) -> Iterator[tuple[Any, bool, Any]]:
-        """(micro-batch, whether it must update, its loss weight) for this epoch's training,
-        timing the waits for data into `window`. Under loss_over='tokens' the weight is the
-        micro-batch's tokens x data-parallel ranks x accumulate_steps over the tokens of its
-        whole step on every rank (one all-reduce a step), else None."""
-        engine, loader = self.engine, self.train_loader
-        steps = engine.train_config.accumulate_steps
-        source: Iterator[tuple[Any, bool]]
-        if isinstance(loader, StreamLoader):
-            source = ((d, False) for d in loader.batches(epoch, steps))
-        else:
-            n = len(loader)  # type: ignore[arg-type]
-            source = ((d, i == n - 1) for i, d in enumerate(loader))  # type: ignore[arg-type]
-        tokens = engine.train_config.loss_over == "tokens"
-        pending: list[tuple[Any, bool]] = []
-        while True:
-            start = time.perf_counter()
-            got = next(source, None)
-            window.wait += time.perf_counter() - start
-            if got is None:
-                return
-            if not tokens:
-                yield got[0], got[1], None
-                continue
-            pending.append(got)
-            if len(pending) == steps or got[1]:
-                counts = [count_label_tokens(d) for d, _ in pending]
-                total = self._step_tokens(sum(counts))
-                for (data, last), c in zip(pending, counts, strict=True):
-                    yield data, last, c * self.dp_world * steps / max(total, 1)
-                pending = []
-
-    def _step_tokens(self, mine: int) -> int:
-        """The tokens of one step on all data-parallel ranks (the ranks of a tp group hold
-        the same batch: counted once)."""
-        if self.world == 1:
-            return mine
-        moved = torch.tensor([float(mine)], dtype=torch.float64, device=self.engine.device)
-        dist.all_reduce(moved)
-        return round(float(moved.item()) * self.dp_world / self.world)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -452,30 +425,42 @@ class Runner:
             )
         self._preflight()
         self._start_logger()
-        sums: dict[str, float] = {}
-        count = 0
-        if isinstance(loader, StreamLoader):
-            loader.restart()  # all of it, in step on every rank
-        batches = loader.batches(0, 1) if isinstance(loader, StreamLoader) else loader
-        for i, batch in enumerate(batches):
-            if self.config.val_batches is not None and i >= self.config.val_batches:
-                break
-            outputs = step(batch)
-            metrics = self.evaluate(outputs, batch) if self.evaluate else _loss_metrics(outputs)
-            samples = count_batch(batch)[0] or 1
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * samples
-            count += samples
-        keys = sorted(sums)
-        totals = torch.tensor([sums[k] for k in keys] + [float(count)], dtype=torch.float64)
-        if self.world > 1:
-            moved = totals.to(self.engine.device)
-            dist.all_reduce(moved)
-            totals = moved.cpu()
-        result = {k: float(totals[i] / max(float(totals[-1]), 1.0)) for i, k in enumerate(keys)}
-        row = {"step": self.engine.step, "split": split, **result}
-        self._log(row)
+        result = _mean_metrics(loader, step, self.evaluate, self.config.val_batches,
+                               self.engine.device)  # fmt: skip
+        self._log({"step": self.engine.step, "split": split, **result})
         return result
+
+
+def _mean_metrics(
+    loader: Any,
+    step: Callable[[Any], Any],
+    evaluate: EvaluateFn | None,
+    limit: int | None,
+    device: torch.device,
+) -> dict[str, float]:
+    """Metrics averaged over every rank's samples (at most `limit` batches a rank); a
+    stream is read from its start, in step on every rank."""
+    sums: dict[str, float] = {}
+    count = 0
+    if isinstance(loader, StreamLoader):
+        loader.restart()
+    batches = loader.batches(0, 1) if isinstance(loader, StreamLoader) else loader
+    for i, batch in enumerate(batches):
+        if limit is not None and i >= limit:
+            break
+        outputs = step(batch)
+        metrics = evaluate(outputs, batch) if evaluate else _loss_metrics(outputs)
+        samples = count_batch(batch)[0] or 1
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value) * samples
+        count += samples
+    keys = sorted(sums)
+    totals = torch.tensor([sums[k] for k in keys] + [float(count)], dtype=torch.float64)
+    if rank_and_world()[1] > 1:
+        moved = totals.to(device)
+        dist.all_reduce(moved)
+        totals = moved.cpu()
+    return {k: float(totals[i] / max(float(totals[-1]), 1.0)) for i, k in enumerate(keys)}
 
 
 def _loss_metrics(outputs: Any) -> dict[str, float]:

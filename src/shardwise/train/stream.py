@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -54,7 +55,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from shardwise.distributed.worker_errors import refused
-from shardwise.train.packing import PackedStream, Packer, Packing, digest
+from shardwise.train.packing import PackedStream, Packer, Packing, count_label_tokens, digest
 
 END, REFUSED = "end", "refused"
 
@@ -426,3 +427,47 @@ def _pin(batch: Any) -> Any:
 def is_stream(data: Any) -> bool:
     """Whether `data` (or the dataset of a DataLoader) is an IterableDataset."""
     return isinstance(getattr(data, "dataset", data), IterableDataset)
+
+
+def micro_batches(
+    loader: Any, engine: Any, epoch: int, window: Any, dp_world: int
+) -> Iterator[tuple[Any, bool, float | None]]:
+    """(micro-batch, whether it must update, its loss weight) for one epoch of the Runner's
+    training data (a DataLoader or a StreamLoader), timing the waits for data into
+    `window.wait`. Under `loss_over='tokens'` the weight is the micro-batch's tokens x
+    data-parallel ranks x accumulate_steps over the tokens its whole step predicts on every
+    rank (one all-reduce a step; the ranks of a tp group hold the same batch and count
+    once), else None."""
+    steps = engine.train_config.accumulate_steps
+    source: Iterator[tuple[Any, bool]]
+    if isinstance(loader, StreamLoader):
+        source = ((d, False) for d in loader.batches(epoch, steps))
+    else:
+        n = len(loader)
+        source = ((d, i == n - 1) for i, d in enumerate(loader))
+    tokens = engine.train_config.loss_over == "tokens"
+    pending: list[tuple[Any, bool]] = []
+    while True:
+        start = time.perf_counter()
+        got = next(source, None)
+        window.wait += time.perf_counter() - start
+        if got is None:
+            return
+        if not tokens:
+            yield got[0], got[1], None
+            continue
+        pending.append(got)
+        if len(pending) == steps or got[1]:
+            counts = [count_label_tokens(d) for d, _ in pending]
+            total = _all_ranks_tokens(sum(counts), dp_world, engine.device)
+            for (data, last), c in zip(pending, counts, strict=True):
+                yield data, last, c * dp_world * steps / max(total, 1)
+            pending = []
+
+
+def _all_ranks_tokens(mine: int, dp_world: int, device: torch.device) -> int:
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    moved = torch.tensor([float(mine)], dtype=torch.float64, device=device)
+    dist.all_reduce(moved)
+    return round(float(moved.item()) * dp_world / dist.get_world_size())

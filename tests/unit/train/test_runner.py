@@ -579,16 +579,21 @@ def test_a_checkpoint_interval_in_minutes(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "expected"), [(1, 1, (3, 4)), (2, 1, (1, 2)), (1, 2, (1, 2)), (2, 2, (1, 2))]
+    ("tp", "pp", "cp", "expected"),
+    [(1, 1, 1, (3, 4)), (2, 1, 1, (1, 2)), (1, 2, 1, (1, 2)), (2, 2, 1, (1, 2)), (1, 1, 2, (1, 2))],
 )
-def test_the_ranks_of_a_tp_group_or_a_pipeline_read_the_same_rows(monkeypatch, tp, pp, expected):
+def test_the_ranks_of_a_tp_group_or_a_pipeline_read_the_same_rows(
+    monkeypatch, tp, pp, cp, expected
+):
     """Issue 48: the Runner splits the data over the data-parallel ranks: under tp the
-    ranks of one tp group, and under pp the stages of one pipeline, read the same rows."""
+    ranks of one tp group, under cp those of one cp group (each attends to its part of the
+    same rows; they read different rows before), and under pp the stages of one pipeline,
+    read the same rows."""
     from types import SimpleNamespace
 
     import shardwise.train.runner as runner_module
 
-    info = SimpleNamespace(mesh_spec=SimpleNamespace(tp=tp, pp=pp), dp_rank=1, dp_size=2)
+    info = SimpleNamespace(mesh_spec=SimpleNamespace(tp=tp, pp=pp, cp=cp), dp_rank=1, dp_size=2)
     monkeypatch.setattr(runner_module, "wrap_info", lambda model: info)
     engine = SimpleNamespace(model=None)
     assert runner_module._data_parallel(engine, 3, 4) == expected  # type: ignore[arg-type]

@@ -296,24 +296,54 @@ def test_packed_rows_turn_off_a_transformers_cache_and_name_other_models():
     assert "cannot tell whether its attention" in packed_attention_notice(torch.nn.Linear(2, 2))
 
 
-def test_runner_trains_a_packed_stream(tmp_path):
-    from shardwise.testing.models import GPT, GPTConfig
+class LM(torch.nn.Module):
+    """The test GPT, taking packed rows (its attention ignores position_ids)."""
 
-    class LM(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gpt = GPT(GPTConfig(vocab_size=256))
+    def __init__(self):
+        super().__init__()
+        from shardwise.testing.models import GPT, GPTConfig
 
-        def forward(self, input_ids, labels, position_ids):
-            return self.gpt(input_ids, labels)
+        torch.manual_seed(0)
+        self.gpt = GPT(GPTConfig(vocab_size=256))
 
+    def forward(self, input_ids, labels, position_ids):
+        return self.gpt(input_ids, labels)
+
+
+def runner(tmp_path, train, val=None, **config):
     engine = Engine(LM(), lambda p: torch.optim.SGD(p, lr=0.1),
                     train=TrainConfig(loss_over="tokens"))  # fmt: skip
     cfg = RunnerConfig(run_dir=str(tmp_path), batch_size=2, max_epochs=1, progress=False,
-                       stream_parts=4)  # fmt: skip
-    summary = Runner(engine, pack(Docs(documents(40)), SEQ), config=cfg).fit()
-    assert summary["steps"] > 3 and summary["ended_by"] == "max_epochs=1"
+                       stream_parts=4, **config)  # fmt: skip
+    return Runner(engine, train, val, config=cfg)
+
+
+def test_runner_trains_a_packed_stream_and_validates_on_all_of_another(tmp_path, capsys):
+    val = pack(Docs(documents(20, seed=1)), SEQ)
+    fit = runner(tmp_path, pack(Docs(documents(40)), SEQ), val, val_every=2, max_steps=4)
+    summary = fit.fit()
+    assert summary["steps"] == 4 and summary["ended_by"] == "max_steps=4"
     assert summary["train"]["tokens_per_s"] > 0 and summary["train"]["data_wait_s"] >= 0
+    vals = [r for r in fit.history if r["split"] == "val"]
+    assert len(vals) == 2 and vals[0]["loss"] != vals[1]["loss"]  # trained in between
+    again = fit.validate()  # the whole stream again, from its start
+    assert again["loss"] == pytest.approx(vals[1]["loss"], rel=1e-6)
+    err = capsys.readouterr().err
+    assert "LM gets position_ids that restart at each document; shardwise cannot tell" in err
+    summary = runner(tmp_path / "epoch", pack(Docs(documents(40)), SEQ)).fit()
+    err = capsys.readouterr().err
+    assert f"epoch 0 of the stream ended after optimizer step {summary['steps']}: a " in err
+    assert "an epoch reads the stream once" in err
+
+
+def test_a_resume_across_kinds_of_data_is_refused(tmp_path):
+    from torch.utils.data import TensorDataset
+
+    rows = list(pack(documents(40), SEQ))
+    table = TensorDataset(torch.stack([r["input_ids"] for r in rows]))
+    runner(tmp_path, pack(Docs(documents(40)), SEQ), max_steps=2, save_at_end=True).fit()
+    with pytest.raises(ValueError, match=r"saved training on a stream, and this run's train_data"):
+        runner(tmp_path, table, resume="latest", max_steps=4).fit()
 
 
 @pytest.mark.heavy
