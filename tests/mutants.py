@@ -3203,6 +3203,172 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/config/test_deepspeed.py::test_parallel_config_from_env_without_its_reader_is_a_bug_not_a_default",
         ),
     ),
+    Mutant(
+        "packed_labels_predict_across_documents",
+        "src/shardwise/train/packing.py",
+        "labels = [IGNORE_INDEX if p == 0 else t for t, p in zip(ids, positions, strict=True)]",
+        "labels = list(ids)",
+        (
+            "tests/unit/train/test_stream.py::test_rows_cut_documents_with_labels_and_positions_that_restart",
+            "tests/unit/train/test_stream.py::test_a_packed_row_of_two_documents_trains_as_the_two_apart",
+        ),
+    ),
+    Mutant(
+        "packed_positions_run_on_across_documents",
+        "src/shardwise/train/packing.py",
+        "        self.positions.extend(range(offset, n))",
+        "        self.positions.extend(range(len(self.positions), len(self.positions) + n - offset))",
+        (
+            "tests/unit/train/test_stream.py::test_rows_cut_documents_with_labels_and_positions_that_restart",
+        ),
+    ),
+    Mutant(
+        "packer_next_row_after_a_whole_document_restarts_it",
+        "src/shardwise/train/packing.py",
+        "        end = self.where[n] if len(self.where) > n else (self.next_document, 0)",
+        "        end = self.where[n] if len(self.where) > n else (self.next_document - 1, 0)",
+        ("tests/unit/train/test_stream.py::test_packer_reports_where_the_next_row_starts",),
+    ),
+    Mutant(
+        "label_tokens_count_each_rows_first",
+        "src/shardwise/train/packing.py",
+        "    return int((labels[..., 1:] != IGNORE_INDEX).sum())",
+        "    return int((labels != IGNORE_INDEX).sum())",
+        (
+            "tests/unit/train/test_stream.py::test_count_label_tokens_skips_ignored_labels_and_each_rows_first",
+        ),
+    ),
+    Mutant(
+        "packed_notice_leaves_the_cache_on",
+        "src/shardwise/train/packing.py",
+        "            m.config.use_cache = False  # type: ignore[union-attr]",
+        "            pass",
+        (
+            "tests/unit/train/test_stream.py::test_packed_rows_turn_off_a_transformers_cache_and_name_other_models",
+        ),
+    ),
+    Mutant(
+        "stream_workers_dealt_without_the_turn",
+        "src/shardwise/train/stream.py",
+        "        dealt = [turn[w :: self.num_workers] for w in range(self.num_workers)]",
+        "        dealt = [mine[w :: self.num_workers] for w in range(self.num_workers)]",
+        (
+            "tests/unit/train/test_stream.py::test_a_resume_mid_cycle_of_a_ranks_parts_keeps_the_order",
+        ),
+    ),
+    Mutant(
+        "stream_dealt_items_before_the_resume_kept",
+        "src/shardwise/train/stream.py",
+        "            if p in self.queues and n >= self.begin[p]:",
+        "            if p in self.queues:",
+        (
+            "tests/unit/train/test_stream.py::test_a_resume_takes_every_remaining_row_once",
+            "tests/unit/train/test_stream.py::test_a_resume_of_samples_not_packed_continues_each_part",
+        ),
+    ),
+    Mutant(
+        "stream_resume_offset_dropped",
+        "src/shardwise/train/stream.py",
+        "            packers[p].feed(got[0], packing.token_ids(got[1]), s.offset)  # a row ended inside it",
+        "            packers[p].feed(got[0], packing.token_ids(got[1]), 0)  # a row ended inside it",
+        ("tests/unit/train/test_stream.py::test_a_resume_takes_every_remaining_row_once",),
+    ),
+    Mutant(
+        "stream_fingerprint_not_checked",
+        "src/shardwise/train/stream.py",
+        "        if seen != s.check:",
+        "        if seen is None:",
+        (
+            "tests/unit/train/test_stream.py::test_a_stream_whose_order_changed_is_refused_before_training",
+        ),
+    ),
+    Mutant(
+        "stream_parts_split_check_dropped",
+        "src/shardwise/train/stream.py",
+        "        if P % W:",
+        "        if P < W:",
+        (
+            "tests/unit/train/test_stream.py::test_parts_that_do_not_split_over_the_world_are_refused",
+        ),
+    ),
+    Mutant(
+        "stream_workers_checked_against_all_parts",
+        "src/shardwise/train/stream.py",
+        "        if workers and (P // W) % workers:",
+        "        if workers and P % workers:",
+        (
+            "tests/unit/train/test_stream.py::test_workers_that_do_not_share_a_ranks_parts_evenly_are_refused",
+        ),
+    ),
+    Mutant(
+        "stream_epoch_end_keeps_positions",
+        "src/shardwise/train/stream.py",
+        "                    self.restart()  # the next epoch starts every part afresh",
+        "                    pass",
+        ("tests/unit/train/test_stream.py::test_every_epoch_reads_the_stream_from_its_start",),
+    ),
+    Mutant(
+        "stream_window_agreed_by_any_rank",
+        "src/shardwise/train/stream.py",
+        "        dist.all_reduce(flag, op=dist.ReduceOp.MIN)",
+        "        dist.all_reduce(flag, op=dist.ReduceOp.MAX)",
+        ("tests/e2e/test_streams.py",),
+    ),
+    Mutant(
+        "stream_state_saves_own_parts_only",
+        "src/shardwise/train/stream.py",
+        "            dist.all_gather_object(found, mine)",
+        "            found = [mine]",
+        ("tests/e2e/test_streams.py",),
+    ),
+    Mutant(
+        "tokens_weight_ignores_data_parallel_ranks",
+        "src/shardwise/train/stream.py",
+        "                yield data, last, c * dp_world * steps / max(total, 1)",
+        "                yield data, last, c * steps / max(total, 1)",
+        ("tests/e2e/test_streams.py",),
+    ),
+    Mutant(
+        "tokens_weight_ignores_accumulation",
+        "src/shardwise/train/stream.py",
+        "                yield data, last, c * dp_world * steps / max(total, 1)",
+        "                yield data, last, c * dp_world / max(total, 1)",
+        (
+            "tests/unit/train/test_stream.py::test_tokens_weigh_each_micro_batch_by_its_share_of_the_step",
+        ),
+    ),
+    Mutant(
+        "engine_weight_not_on_logs",
+        "src/shardwise/train/engine.py",
+        "    return loss * weight, {k: v * weight for k, v in logs.items()}",
+        "    return loss * weight, logs",
+        ("tests/unit/train/test_stream.py::test_the_engine_weighs_the_loss_and_what_it_logs",),
+    ),
+    Mutant(
+        "loss_over_tokens_under_cp_allowed",
+        "src/shardwise/train/engine.py",
+        '    for name, degree in (("pp", config.pp), ("cp", config.cp)):',
+        '    for name, degree in (("pp", config.pp),):',
+        (
+            "tests/unit/train/test_stream.py::test_loss_over_refuses_other_values_and_where_it_is_not_built",
+        ),
+    ),
+    Mutant(
+        "resume_kind_checked_one_way",
+        "src/shardwise/train/resume.py",
+        '    if streamed != ("stream" in position):',
+        '    if streamed and "stream" not in position:',
+        ("tests/unit/train/test_stream.py::test_a_resume_across_kinds_of_data_is_refused",),
+    ),
+    Mutant(
+        "stream_validation_continues_where_it_stopped",
+        "src/shardwise/train/runner.py",
+        "    if isinstance(loader, StreamLoader):\n        loader.restart()",
+        "    if False:\n        loader.restart()",
+        (
+            "tests/unit/train/test_stream.py::test_runner_trains_a_packed_stream_and_validates_on_all_of_another",
+        ),
+    ),
 )
 
 

@@ -186,6 +186,27 @@ def test_a_resume_takes_every_remaining_row_once(first, then):
         ]
 
 
+@pytest.mark.parametrize(("batch", "then"), [(3, (2, 2)), (3, (1, 4)), (5, (2, 1))])
+def test_a_resume_mid_cycle_of_a_ranks_parts_keeps_the_order(batch, then):
+    """3 rows a rank a step over 4 parts a rank: the stop falls between parts, so the
+    workers must be dealt the parts from the one whose turn it is."""
+    docs = documents()
+    whole = run(loaders(pack(Docs(docs), SEQ), 2, batch=batch, workers=2))
+    before = loaders(pack(Docs(docs), SEQ), 2, batch=batch, workers=2)
+    done = run(before, steps=3)
+    after = loaders(pack(Docs(docs), SEQ), then[0], batch=batch * 2 // then[0], workers=then[1])
+    state = saved(before)
+    for ld in after:
+        ld.load_state_dict(state, "latest")
+    rest = run(after)
+    assert step_rows(done) + step_rows(rest) == step_rows(whole)
+    if then == (2, 2):
+        flat = [[b["input_ids"].tolist() for b in step[r]] for step in done + rest for r in (0, 1)]
+        assert flat == [
+            [b["input_ids"].tolist() for b in step[r]] for step in whole for r in (0, 1)
+        ]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_resume_of_samples_not_packed_continues_each_part(workers):
     whole = run(loaders(Docs(samples()), 2, batch=3))
@@ -277,12 +298,63 @@ def test_a_datasets_stream_is_read_whole_in_either_cut(parts):
 # --- the Runner ----------------------------------------------------------------------------
 
 
-def test_loss_over_refuses_other_values():
+def test_loss_over_refuses_other_values_and_where_it_is_not_built():
+    from shardwise import ParallelConfig
+    from shardwise.train.engine import _check_loss_over
+
     with pytest.raises(ValueError, match=r"TrainConfig\.loss_over='rows' is not allowed"):
         TrainConfig(loss_over="rows")
+    tokens = TrainConfig(loss_over="tokens")
+    for name in ("pp", "cp"):
+        with pytest.raises(NotImplementedError, match=rf"'tokens' with ParallelConfig\.{name}=2 "):
+            _check_loss_over(tokens, ParallelConfig(strategy="full_shard", **{name: 2}))
+        _check_loss_over(TrainConfig(), ParallelConfig(strategy="full_shard", **{name: 2}))
+    _check_loss_over(tokens, ParallelConfig(strategy="full_shard", tp=2))
 
 
-@pytest.mark.heavy
+def test_tokens_weigh_each_micro_batch_by_its_share_of_the_step():
+    from types import SimpleNamespace
+
+    from shardwise.train.progress import Window
+    from shardwise.train.stream import micro_batches
+
+    def batch(valid):  # rows of 6 labels, `valid` of them predicted after the first
+        labels = torch.full((1, 6), IGNORE_INDEX)
+        labels[0, 1 : 1 + valid] = 7
+        return {"labels": labels}
+
+    data = [batch(v) for v in (1, 3, 4, 4, 2)]  # windows of 2: (1, 3), (4, 4), then (2)
+    engine = SimpleNamespace(train_config=TrainConfig(accumulate_steps=2, loss_over="tokens"),
+                             device=torch.device("cpu"))  # fmt: skip
+    got = list(micro_batches(data, engine, 0, Window(), 1))
+    assert [w for _, _, w in got] == [2 * 1 / 4, 2 * 3 / 4, 2 * 4 / 8, 2 * 4 / 8, 2 * 2 / 2]
+    assert [last for _, last, _ in got] == [False, False, False, False, True]
+    engine.train_config = TrainConfig(accumulate_steps=2)
+    assert [w for _, _, w in micro_batches(data, engine, 0, Window(), 1)] == [None] * 5
+
+
+def test_the_engine_weighs_the_loss_and_what_it_logs():
+    class Mean(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.inner = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.inner(x).pow(2).mean()
+
+    x = torch.ones(2, 3)
+    moved, logged = [], []
+    for weight in (None, 0.25):
+        model = Mean()
+        before = model.inner.weight.detach().clone()
+        engine = Engine(model, lambda p: torch.optim.SGD(p, lr=1.0))
+        logged.append(engine.train_step(x, loss_weight=weight)["loss"])
+        moved.append(model.inner.weight.detach() - before)
+    assert logged[1] == pytest.approx(logged[0] * 0.25)
+    torch.testing.assert_close(moved[1], moved[0] * 0.25)
+
+
 def test_packed_rows_turn_off_a_transformers_cache_and_name_other_models():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
@@ -313,20 +385,22 @@ class LM(torch.nn.Module):
 def runner(tmp_path, train, val=None, **config):
     engine = Engine(LM(), lambda p: torch.optim.SGD(p, lr=0.1),
                     train=TrainConfig(loss_over="tokens"))  # fmt: skip
-    cfg = RunnerConfig(run_dir=str(tmp_path), batch_size=2, max_epochs=1, progress=False,
-                       stream_parts=4, **config)  # fmt: skip
+    values = {"batch_size": 2, "max_epochs": 1, "progress": False, "stream_parts": 4}
+    cfg = RunnerConfig(run_dir=str(tmp_path), **(values | config))
     return Runner(engine, train, val, config=cfg)
 
 
 def test_runner_trains_a_packed_stream_and_validates_on_all_of_another(tmp_path, capsys):
     val = pack(Docs(documents(20, seed=1)), SEQ)
-    fit = runner(tmp_path, pack(Docs(documents(40)), SEQ), val, val_every=2, max_steps=4)
+    # One batch a validation: each starts the stream afresh, not where the last one stopped.
+    fit = runner(tmp_path, pack(Docs(documents(40)), SEQ), val, val_every=2, max_steps=4,
+                 val_batches=1)  # fmt: skip
     summary = fit.fit()
     assert summary["steps"] == 4 and summary["ended_by"] == "max_steps=4"
     assert summary["train"]["tokens_per_s"] > 0 and summary["train"]["data_wait_s"] >= 0
     vals = [r for r in fit.history if r["split"] == "val"]
     assert len(vals) == 2 and vals[0]["loss"] != vals[1]["loss"]  # trained in between
-    again = fit.validate()  # the whole stream again, from its start
+    again = fit.validate()  # the same first batch again
     assert again["loss"] == pytest.approx(vals[1]["loss"], rel=1e-6)
     err = capsys.readouterr().err
     assert "LM gets position_ids that restart at each document; shardwise cannot tell" in err
@@ -334,6 +408,22 @@ def test_runner_trains_a_packed_stream_and_validates_on_all_of_another(tmp_path,
     err = capsys.readouterr().err
     assert f"epoch 0 of the stream ended after optimizer step {summary['steps']}: a " in err
     assert "an epoch reads the stream once" in err
+
+
+def test_a_dataloader_over_a_stream_keeps_its_batch_size_and_workers():
+    from torch.utils.data import DataLoader
+
+    (stream,) = loaders(DataLoader(Docs(samples()), batch_size=3, num_workers=2), 1)
+    assert (stream.batch_size, stream.num_workers) == (3, 2)
+    assert firsts(run([stream]))[:2] == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match=r"DataLoader\(\.\.\., batch_size=None\)\): shardwise"):
+        loaders(DataLoader(Docs(samples()), batch_size=None), 1)
+
+
+def test_every_epoch_reads_the_stream_from_its_start(tmp_path):
+    one = runner(tmp_path / "one", pack(Docs(documents(40)), SEQ)).fit()
+    two = runner(tmp_path / "two", pack(Docs(documents(40)), SEQ), max_epochs=2).fit()
+    assert two["steps"] == 2 * one["steps"] and two["epochs"] == 2
 
 
 def test_a_resume_across_kinds_of_data_is_refused(tmp_path):
