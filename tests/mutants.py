@@ -3206,8 +3206,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "packed_labels_predict_across_documents",
         "src/shardwise/train/packing.py",
-        "labels = [IGNORE_INDEX if p == 0 else t for t, p in zip(ids, positions, strict=True)]",
-        "labels = list(ids)",
+        "labels = input_ids.masked_fill(position_ids == 0, IGNORE_INDEX)",
+        "labels = input_ids.clone()",
         (
             "tests/unit/train/test_stream.py::test_rows_cut_documents_with_labels_and_positions_that_restart",
             "tests/unit/train/test_stream.py::test_a_packed_row_of_two_documents_trains_as_the_two_apart",
@@ -3216,8 +3216,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "packed_positions_run_on_across_documents",
         "src/shardwise/train/packing.py",
-        "        self.positions.extend(range(offset, n))",
-        "        self.positions.extend(range(len(self.positions), len(self.positions) + n - offset))",
+        "            positions += range(start, start + take)",
+        "            positions += range(len(positions), len(positions) + take)",
         (
             "tests/unit/train/test_stream.py::test_rows_cut_documents_with_labels_and_positions_that_restart",
         ),
@@ -3225,8 +3225,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "packer_next_row_after_a_whole_document_restarts_it",
         "src/shardwise/train/packing.py",
-        "        end = self.where[n] if len(self.where) > n else (self.next_document, 0)",
-        "        end = self.where[n] if len(self.where) > n else (self.next_document - 1, 0)",
+        "        end = self.pending[0][:2] if self.pending else (self.next_document, 0)",
+        "        end = self.pending[0][:2] if self.pending else (self.next_document - 1, 0)",
         ("tests/unit/train/test_stream.py::test_packer_reports_where_the_next_row_starts",),
     ),
     Mutant(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import zlib
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,8 @@ class Packing:
             ids = document
         if isinstance(ids, torch.Tensor):
             return [int(t) for t in ids.reshape(-1).tolist()]
+        if isinstance(ids, list):
+            return ids  # ints: digest() refuses anything else
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
             raise TypeError(
                 f"pack(): a document gave {type(ids).__name__}, not token ids. Pass "
@@ -79,7 +82,13 @@ class Packing:
 def digest(ids: Sequence[int]) -> int:
     """A document's fingerprint (crc32 of its ids), to check on resume that a stream still
     gives the same documents in the same order."""
-    return zlib.crc32(array("q", ids).tobytes())
+    try:
+        return zlib.crc32(array("q", ids).tobytes())
+    except (TypeError, OverflowError) as exc:
+        raise TypeError(
+            f"pack(): a document's token ids must be ints ({exc}). Make tokenize return "
+            "a list of int ids."
+        ) from None
 
 
 class Packer:
@@ -88,40 +97,48 @@ class Packer:
 
     def __init__(self, seq_len: int) -> None:
         self.seq_len = seq_len
-        self.ids: list[int] = []
-        self.positions: list[int] = []
-        self.where: list[tuple[int, int]] = []  # (document, token) of each buffered token
+        self.pending: deque[tuple[int, int, list[int]]] = deque()
+        """(document, its first token not yet in a row, its ids), oldest first."""
+        self.size = 0
+        """Tokens pending."""
         self.digests: dict[int, int] = {}
         self.next_document = 0
 
-    def feed(self, index: int, ids: Sequence[int], offset: int = 0) -> None:
+    def feed(self, index: int, ids: list[int], offset: int = 0) -> None:
         """Add document `index` (its ids from token `offset` on)."""
         self.digests[index] = digest(ids)
-        n = len(ids)
-        self.ids.extend(ids[offset:])
-        self.positions.extend(range(offset, n))
-        self.where.extend((index, t) for t in range(offset, n))
+        if len(ids) > offset:
+            self.pending.append((index, offset, ids))
+            self.size += len(ids) - offset
         self.next_document = index + 1
 
     def row(self) -> tuple[dict[str, torch.Tensor], tuple[int, int, int, int]] | None:
         """The next full row and where it ends: (document, offset) the next row starts
         at, and the index and digest of the last document this row touched; None until
         enough tokens were fed."""
-        n = self.seq_len
-        if len(self.ids) < n:
+        if self.size < self.seq_len:
             return None
-        ids, positions = self.ids[:n], self.positions[:n]
-        last = self.where[n - 1][0]
-        end = self.where[n] if len(self.where) > n else (self.next_document, 0)
-        del self.ids[:n], self.positions[:n], self.where[:n]
+        ids: list[int] = []
+        positions: list[int] = []
+        need, last = self.seq_len, -1
+        while need:
+            last, start, doc = self.pending[0]
+            take = min(need, len(doc) - start)
+            ids += doc[start : start + take]
+            positions += range(start, start + take)
+            need -= take
+            if start + take == len(doc):
+                self.pending.popleft()
+            else:
+                self.pending[0] = (last, start + take, doc)
+        self.size -= self.seq_len
+        end = self.pending[0][:2] if self.pending else (self.next_document, 0)
         for done in [d for d in self.digests if d < last]:
             del self.digests[done]
-        labels = [IGNORE_INDEX if p == 0 else t for t, p in zip(ids, positions, strict=True)]
-        row = {
-            "input_ids": torch.tensor(ids, dtype=torch.long),
-            "labels": torch.tensor(labels, dtype=torch.long),
-            "position_ids": torch.tensor(positions, dtype=torch.long),
-        }
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        position_ids = torch.tensor(positions, dtype=torch.long)
+        labels = input_ids.masked_fill(position_ids == 0, IGNORE_INDEX)
+        row = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
         return row, (end[0], end[1], last, self.digests[last])
 
 

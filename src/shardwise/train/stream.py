@@ -217,17 +217,51 @@ def read_parts(
 
 
 class _WorkerParts(IterableDataset[Any]):
-    """In DataLoader worker w: read_parts over the parts dealt to w."""
+    """In DataLoader worker w: read_parts over the parts dealt to w, `chunk` items a message,
+    their tensors as bytes (a tensor crossing processes costs a shared-memory file each)."""
 
     def __init__(
-        self, spec: StreamSpec, dealt: list[list[int]], starts: dict[int, PartStart]
+        self, spec: StreamSpec, dealt: list[list[int]], starts: dict[int, PartStart], chunk: int
     ) -> None:
-        self.spec, self.dealt, self.starts = spec, dealt, starts
+        self.spec, self.dealt, self.starts, self.chunk = spec, dealt, starts, chunk
 
-    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+    def __iter__(self) -> Iterator[list[Any]]:
         info = get_worker_info()
         mine = self.dealt[info.id if info is not None else 0]
-        yield from read_parts(self.spec, mine, {p: self.starts[p] for p in mine})
+        items = read_parts(self.spec, mine, {p: self.starts[p] for p in mine})
+        while chunk := [_to_wire(item) for item in itertools.islice(items, self.chunk)]:
+            yield chunk
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        return _Wire(t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_wire(v) for v in value)
+    return value
+
+
+def _from_wire(value: Any) -> Any:
+    if isinstance(value, _Wire):
+        raw = torch.frombuffer(bytearray(value.data), dtype=torch.uint8)
+        return raw.view(value.dtype).reshape(value.shape)
+    if isinstance(value, dict):
+        return {k: _from_wire(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_from_wire(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class _Wire:
+    """A tensor as bytes, for the queue from a DataLoader worker."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    data: bytes
 
 
 def _as_is(item: Any) -> Any:
@@ -315,14 +349,25 @@ class StreamLoader:
         P = self.spec.count
         turn = sorted(mine, key=lambda p: p + P * starts[p].rows)
         dealt = [turn[w :: self.num_workers] for w in range(self.num_workers)]
+        chunk = self.batch_size
         loader = DataLoader(
-            _WorkerParts(self.spec, dealt, starts),
+            _WorkerParts(self.spec, dealt, starts, chunk),
             batch_size=None,
             num_workers=self.num_workers,
             collate_fn=_as_is,
             worker_init_fn=self.worker_init_fn,
         )
-        yield from loader
+        # One chunk from each worker in turn (the DataLoader's order), dealt back item by
+        # item; every worker's items end with END (or REFUSED) where its parts run out.
+        chunks = iter(loader)
+        while True:
+            got = [next(chunks, [(END,)]) for _ in range(self.num_workers)]
+            for i in range(chunk):
+                for items in got:
+                    item = _from_wire(items[i]) if i < len(items) else (END,)
+                    yield item
+                    if item[0] in (END, REFUSED):
+                        return
 
     def batches(self, epoch: int, window: int) -> Iterator[Any]:
         """Batches of `batch_size` for epoch `epoch`, `window` at a time (one optimizer

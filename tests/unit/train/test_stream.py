@@ -126,6 +126,8 @@ def test_pack_refuses_a_row_without_two_tokens(seq_len):
 def test_pack_refuses_a_document_that_is_not_token_ids():
     with pytest.raises(TypeError, match=r"a document gave str, not token ids\. Pass tokenize"):
         list(pack(["some text"], 4))
+    with pytest.raises(TypeError, match=r"a document's token ids must be ints \(.*float"):
+        list(pack([[1.5, 2.0]], 4))
     rows = list(pack(["abcd", "ef"], 3, tokenize=lambda s: [ord(c) for c in s]))
     assert [r["input_ids"].tolist() for r in rows] == [[97, 98, 99], [100, 101, 102]]
 
