@@ -3203,6 +3203,142 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/config/test_deepspeed.py::test_parallel_config_from_env_without_its_reader_is_a_bug_not_a_default",
         ),
     ),
+    # The wholesale five-habits pass over the pipeline's tables (test_pipeline_tables.py).
+    Mutant(
+        "pp_zbv_runs_one_stage_per_rank",
+        "src/shardwise/config/pipeline.py",
+        'MULTI_STAGE: tuple[str, ...] = ("interleaved_1f1b", "zbv")',
+        'MULTI_STAGE: tuple[str, ...] = ("interleaved_1f1b",)',
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_every_schedule_picks_its_stages_per_rank_when_none_is_given",
+        ),
+    ),
+    Mutant(
+        "pp_interleaved_takes_exactly_two_stages_per_rank",
+        "src/shardwise/config/pipeline.py",
+        '("2 or more", per_rank >= 2)',
+        '("2 or more", per_rank == 2)',
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_every_schedule_takes_its_stages_per_rank_and_refuses_the_others",
+        ),
+    ),
+    Mutant(
+        "pp_split_takes_an_empty_name",
+        "src/shardwise/config/pipeline.py",
+        "if not all(isinstance(n, str) and n for n in names):",
+        "if not all(isinstance(n, str) for n in names):",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_an_empty_or_missing_name_in_pp_split_is_refused",
+        ),
+    ),
+    Mutant(
+        "pp_default_micro_batches_two_more_than_the_stages",
+        "src/shardwise/config/pipeline.py",
+        "    return 2 * pp\n",
+        "    return pp + 2\n",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_the_default_micro_batches_are_twice_the_stages",
+        ),
+    ),
+    Mutant(
+        "pp_split_gives_the_whole_remainder_to_the_first_stage",
+        "src/shardwise/plan/stages.py",
+        "return [base + (1 if s < extra else 0) for s in range(pp)]",
+        "return [base + (extra if s == 0 else 0) for s in range(pp)]",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_the_auto_split_is_as_even_as_possible_with_the_remainder_first",
+        ),
+    ),
+    Mutant(
+        "pp_parameters_below_the_root_on_the_path_taken",
+        "src/shardwise/plan/stages.py",
+        "if any(True for _ in model.parameters(recurse=False)) or _holds_own_params(model, parts):",
+        "if any(True for _ in model.parameters(recurse=False)):",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_a_module_below_the_root_holding_its_own_parameters_is_refused",
+        ),
+    ),
+    Mutant(
+        "pp_rank_steps_by_its_stages_per_rank",
+        "src/shardwise/plan/stages.py",
+        "return list(range(pp_rank, len(self.stages), self.degree))",
+        "return list(range(pp_rank, len(self.stages), self.per_rank))",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_three_ranks_of_two_stages_each_hold_every_third_stage",
+        ),
+    ),
+    Mutant(
+        "pp_is_last_reads_the_first_stage_of_a_rank",
+        "src/shardwise/parallelize/stages.py",
+        "return self.chunks[-1].index == self.plan.pp - 1",
+        "return self.chunks[0].index == self.plan.pp - 1",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_three_ranks_of_two_stages_each_hold_every_third_stage",
+        ),
+    ),
+    Mutant(
+        "pp_loss_of_a_mapping_not_read",
+        "src/shardwise/parallelize/stages.py",
+        'loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)',
+        'loss = getattr(out, "loss", out)',
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_each_form_of_the_last_stages_output_gives_its_loss",
+        ),
+    ),
+    Mutant(
+        "pp_loss_of_a_tuple_is_its_last",
+        "src/shardwise/parallelize/stages.py",
+        "        loss = loss[0]\n",
+        "        loss = loss[-1]\n",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_each_form_of_the_last_stages_output_gives_its_loss",
+        ),
+    ),
+    Mutant(
+        "pp_target_keyword_reaches_the_first_stage",
+        "src/shardwise/parallelize/stages.py",
+        'TARGET_NAMES = ("labels", "targets", "target")',
+        'TARGET_NAMES = ("labels", "targets")',
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_every_target_keyword_reaches_the_last_stage_only",
+        ),
+    ),
+    Mutant(
+        "pp_keyword_block_receives_under_its_last_argument",
+        "src/shardwise/parallelize/stages.py",
+        'return params[0].name if params else "hidden_states"',
+        'return params[-1].name if params else "hidden_states"',
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_a_block_called_by_keyword_receives_the_hidden_states_under_its_first_argument",
+        ),
+    ),
+    Mutant(
+        "pp_tied_aliases_map_first_to_last",
+        "src/shardwise/parallelize/pipeline.py",
+        "return {last: first for first, last in state.plan.tied}",
+        "return {first: last for first, last in state.plan.tied}",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_the_last_stage_names_each_tied_parameter_by_its_first_stage_name",
+        ),
+    ),
+    Mutant(
+        "pp_tokens_counted_without_the_shift",
+        "src/shardwise/parallelize/pipeline.py",
+        "return (labels[..., 1:] != -100).sum().clamp_min(1)",
+        "return (labels != -100).sum().clamp_min(1)",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_a_causal_lm_counts_the_labels_it_predicts_after_the_shift",
+        ),
+    ),
+    Mutant(
+        "pp_list_batch_taken_as_one_argument",
+        "src/shardwise/parallelize/pipeline.py",
+        "args = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)",
+        "args = tuple(batch) if isinstance(batch, tuple) else (batch,)",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_each_form_of_a_batch_becomes_the_forwards_keywords",
+        ),
+    ),
 )
 
 
