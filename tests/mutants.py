@@ -3339,6 +3339,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/parallelize/test_pipeline_tables.py::test_each_form_of_a_batch_becomes_the_forwards_keywords",
         ),
     ),
+    Mutant(
+        "pp_a_bare_list_of_blocks_split",
+        "src/shardwise/plan/stages.py",
+        "    if not container:\n        raise _refuse(",
+        "    if False:\n        raise _refuse(",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_a_model_that_is_its_own_list_of_blocks_is_refused_by_the_reason",
+        ),
+    ),
 )
 
 

@@ -279,3 +279,13 @@ def test_a_causal_lm_counts_the_labels_it_predicts_after_the_shift() -> None:
     ignored = torch.full((2, 4), -100)
     assert int(_counted_tokens(causal, {"labels": ignored})) == 1  # type: ignore[arg-type]
     assert _counted_tokens(nn.Linear(1, 1), {"labels": labels}) is None  # another model's loss
+
+
+@pytest.mark.parametrize("split", ["auto", ("2",)], ids=["auto", "given"])
+def test_a_model_that_is_its_own_list_of_blocks_is_refused_by_the_reason(split: object) -> None:
+    """A bare Sequential of blocks cannot take the targets its last stage needs for the loss;
+    its 'auto' split failed with KeyError '.0', a given one named blocks '.1' to '.3'."""
+    model = nn.Sequential(*(_Block() for _ in range(4)))
+    with pytest.raises(ValueError, match=r"pp_split: the blocks are the Sequential itself, and "
+                       r"a pipeline's last stage runs the model's forward"):  # fmt: skip
+        plan_stages(model, 2, split)  # type: ignore[arg-type]
