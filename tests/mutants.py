@@ -3348,6 +3348,84 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/parallelize/test_pipeline_tables.py::test_a_model_that_is_its_own_list_of_blocks_is_refused_by_the_reason",
         ),
     ),
+    # The wholesale five-habits pass over expert parallel (test_expert_tables.py).
+    Mutant(
+        "ep_with_cpu_offload_taken",
+        "src/shardwise/config/experts.py",
+        '"cpu_offload": cfg.cpu_offload not in (None, False),',
+        '"cpu_offload": False,',
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_ep_with_cpu_offload_is_refused_and_without_ep_it_is_taken",
+        ),
+    ),
+    Mutant(
+        "ep_experts_of_another_first_dimension_found",
+        "src/shardwise/parallelize/experts.py",
+        "if any(p.dim() < 2 or p.shape[0] != n for p in params):",
+        "if any(p.dim() < 2 for p in params):",
+        ("tests/unit/parallelize/test_expert_tables.py::test_each_condition_of_an_experts_module",),
+    ),
+    Mutant(
+        "ep_experts_without_parameters_found",
+        "src/shardwise/parallelize/experts.py",
+        "if not isinstance(n, int) or n < 1 or not params:",
+        "if not isinstance(n, int) or n < 1:",
+        ("tests/unit/parallelize/test_expert_tables.py::test_each_condition_of_an_experts_module",),
+    ),
+    Mutant(
+        "ep_divisors_offered_without_the_count_itself",
+        "src/shardwise/parallelize/experts.py",
+        "fits = [d for d in range(1, n + 1) if n % d == 0]",
+        "fits = [d for d in range(1, n) if n % d == 0]",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_an_ep_that_does_not_divide_the_experts_offers_every_divisor",
+        ),
+    ),
+    Mutant(
+        "moe_unknown_word_taken_until_applied",
+        "src/shardwise/parallelize/moe.py",
+        "placement_for(how, 3)  # an unknown word is refused at plan time",
+        "pass  # an unknown word is refused at plan time",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_an_unknown_word_for_an_experts_parameter_is_refused_when_the_style_is_made",
+        ),
+    ),
+    Mutant(
+        "moe_transposed_experts_split",
+        "src/shardwise/parallelize/moe.py",
+        'if getattr(module, "is_transposed", False):',
+        "if False:",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_experts_stored_transposed_are_refused",
+        ),
+    ),
+    Mutant(
+        "moe_experts_parameter_of_two_dims_split",
+        "src/shardwise/parallelize/moe.py",
+        "if param.ndim != 3:",
+        "if param.ndim < 2:",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_an_experts_parameter_that_is_not_3d_is_refused_by_its_shape",
+        ),
+    ),
+    Mutant(
+        "ep_plan_still_describes_the_experts",
+        "src/shardwise/parallelize/experts.py",
+        "said = {k: v for k, v in plan.described.items() if k in kept}",
+        "said = dict(plan.described)",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_under_ep_the_plan_describes_only_what_it_still_splits",
+        ),
+    ),
+    Mutant(
+        "ep_counts_per_rank_shifted",
+        "src/shardwise/parallelize/experts.py",
+        "return torch.diff(torch.searchsorted(owner, ranks))",
+        "return torch.diff(torch.searchsorted(owner, ranks, right=True))",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_each_rank_is_sent_the_copies_of_its_experts",
+        ),
+    ),
 )
 
 
