@@ -3426,6 +3426,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/parallelize/test_expert_tables.py::test_each_rank_is_sent_the_copies_of_its_experts",
         ),
     ),
+    Mutant(
+        "expert_load_inf_taken",
+        "src/shardwise/parallelize/experts.py",
+        "and math.isfinite(load) and load >= 1",
+        "and load >= 1",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_an_expert_load_that_is_not_finite_is_refused",
+        ),
+    ),
 )
 
 

@@ -7,6 +7,7 @@ split, the tp plan's description under ep, and the counts each rank is sent.
 from __future__ import annotations
 
 import collections
+import math
 import re
 
 import pytest
@@ -15,8 +16,10 @@ import transformers
 from torch import nn
 
 import shardwise
+from shardwise.cli.plan_experts import _expert_load
 from shardwise.parallelize.experts import (
     _per_rank,
+    check_expert_load,
     check_expert_parallel,
     find_experts,
     plan_without_experts,
@@ -137,3 +140,14 @@ def test_each_rank_is_sent_the_copies_of_its_experts(owners: list[int], ep: int)
     count = collections.Counter(owners)
     got = _per_rank(torch.tensor(owners, dtype=torch.long), ep)
     assert got.tolist() == [count[r] for r in range(ep)]
+
+
+@pytest.mark.parametrize("load", [math.inf, -math.inf, math.nan])
+def test_an_expert_load_that_is_not_finite_is_refused(load: float) -> None:
+    """+inf passed `load >= 1` and failed later inside the simulation, with OverflowError
+    from math.ceil; NaN and -inf compare false and were refused."""
+    with pytest.raises(ValueError, match=r"a number >= 1 \(1: perfectly balanced\), or 'worst'"):
+        check_expert_load(load)
+    with pytest.raises(ValueError, match=rf"--expert-load {load}: give the busiest rank's"):
+        _expert_load(str(load), 2.0)
+    assert check_expert_load(1e6) == 1e6 and check_expert_load("worst") == "worst"
