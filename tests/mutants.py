@@ -3435,6 +3435,80 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/parallelize/test_expert_tables.py::test_an_expert_load_that_is_not_finite_is_refused",
         ),
     ),
+    # The wholesale five-habits pass over the router loss and the batch statements
+    # (test_batch_stat_tables.py).
+    Mutant(
+        "rb_loss_without_num_experts_not_refused",
+        "src/shardwise/parallelize/router_loss.py",
+        "    if num_experts is None:\n        raise",
+        "    if False:\n        raise",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_the_loss_without_the_number_of_experts_is_refused",
+        ),
+    ),
+    Mutant(
+        "rb_probe_without_a_mask_only",
+        "src/shardwise/parallelize/router_loss.py",
+        "for m in (None, mask):",
+        "for m in (None,):",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_the_probe_rejects_each_function_that_is_not_the_loss",
+        ),
+    ),
+    Mutant(
+        "rb_probe_takes_a_number",
+        "src/shardwise/parallelize/router_loss.py",
+        "if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):",
+        "if not isinstance(got, torch.Tensor):",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_the_probe_rejects_each_function_that_is_not_the_loss",
+        ),
+    ),
+    Mutant(
+        "bs_router_class_not_a_mixture",
+        "src/shardwise/parallelize/batch_stats.py",
+        '_MOE_CLASS = re.compile(r"moe|expert|router", re.IGNORECASE)',
+        '_MOE_CLASS = re.compile(r"moe|expert", re.IGNORECASE)',
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_each_word_in_a_class_name_marks_a_mixture_of_experts",
+        ),
+    ),
+    Mutant(
+        "bs_model_itself_named_first",
+        "src/shardwise/parallelize/batch_stats.py",
+        "for fqn, module in named[1:] + named[:1]:",
+        "for fqn, module in named:",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_the_model_itself_is_named_only_when_no_submodule_is_a_mixture_of_experts",
+        ),
+    ),
+    Mutant(
+        "bs_partly_replaced_family_not_stated",
+        "src/shardwise/parallelize/batch_stats.py",
+        "unseen_moe = moe is not None and not (replaced and not differ)",
+        "unseen_moe = moe is not None and not replaced",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_each_outcome_of_replacing_the_familys_loss",
+        ),
+    ),
+    Mutant(
+        "bs_three_norms_and_0_more",
+        "src/shardwise/parallelize/batch_stats.py",
+        'f" and {len(norms) - 3} more" if len(norms) > 3 else ""',
+        'f" and {len(norms) - 3} more" if len(norms) >= 3 else ""',
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_the_batchnorm_statement_names_up_to_three_layers",
+        ),
+    ),
+    Mutant(
+        "bs_sharded_model_named_by_fsdps_class",
+        "src/shardwise/parallelize/batch_stats.py",
+        "return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))",
+        "return type(module)",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_a_sharded_model_is_named_by_its_own_class",
+        ),
+    ),
 )
 
 
