@@ -3509,6 +3509,141 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/parallelize/test_batch_stat_tables.py::test_a_sharded_model_is_named_by_its_own_class",
         ),
     ),
+    # The wholesale five-habits pass over adapters and QLoRA (test_adapter_plan_tables.py,
+    # test_quantized_tables.py, checkpoint/test_adapter_tables.py).
+    Mutant(
+        "ad_lora_b_output_always_whole",
+        "src/shardwise/parallelize/adapters.py",
+        "output_layouts=base.output_layouts[0],",
+        "output_layouts=Replicate(),",
+        (
+            "tests/unit/parallelize/test_adapter_plan_tables.py::test_lora_b_gives_its_output_the_layout_of_its_column_split_base",
+        ),
+    ),
+    Mutant(
+        "ad_lora_a_input_always_split",
+        "src/shardwise/parallelize/adapters.py",
+        "input_layouts=base.input_layouts[0], output_layouts=Replicate()",
+        "input_layouts=None, output_layouts=Replicate()",
+        (
+            "tests/unit/parallelize/test_adapter_plan_tables.py::test_lora_a_takes_its_input_in_the_layout_of_its_row_split_base",
+        ),
+    ),
+    Mutant(
+        "ad_adapted_conv1d_split",
+        "src/shardwise/parallelize/adapters.py",
+        "if not isinstance(wrapper.base_layer, nn.Linear):",
+        "if False:",
+        (
+            "tests/unit/parallelize/test_adapter_plan_tables.py::test_an_adapted_layer_that_is_not_a_linear_is_refused",
+        ),
+    ),
+    Mutant(
+        "ad_adapted_layer_of_another_style_split",
+        "src/shardwise/parallelize/adapters.py",
+        "if not isinstance(style, ColwiseParallel | RowwiseParallel):",
+        "if False:",
+        (
+            "tests/unit/parallelize/test_adapter_plan_tables.py::test_an_adapted_layer_planned_with_another_style_is_refused",
+        ),
+    ),
+    Mutant(
+        "qlora_nested_absmax_one_entry",
+        "src/shardwise/plan/quantized.py",
+        "4 + 4 * math.ceil(blocks / _NESTED_BLOCK) + 256 * 4",
+        "4 + 4 + 256 * 4",
+        (
+            "tests/unit/plan/test_quantized_tables.py::test_a_quant_state_is_counted_ahead_as_bitsandbytes_holds_it",
+        ),
+    ),
+    Mutant(
+        "qlora_blocks_of_64_always",
+        "src/shardwise/plan/quantized.py",
+        'blocks = math.ceil(p.numel() / int(getattr(p, "blocksize", 64) or 64))',
+        "blocks = math.ceil(p.numel() / 64)",
+        (
+            "tests/unit/plan/test_quantized_tables.py::test_a_quant_state_is_counted_ahead_as_bitsandbytes_holds_it",
+        ),
+    ),
+    Mutant(
+        "qlora_refusal_counts_the_named_weight_too",
+        "src/shardwise/plan/quantized.py",
+        'more = f" and {len(found) - 1} more" if len(found) > 1 else ""',
+        'more = f" and {len(found)} more" if len(found) > 1 else ""',
+        (
+            "tests/unit/plan/test_quantized_tables.py::test_a_refusal_names_the_first_weight_and_counts_the_others",
+        ),
+    ),
+    Mutant(
+        "qlora_tp_refusal_names_the_first_weight_of_any_kind",
+        "src/shardwise/plan/quantized.py",
+        "four = [q for q in found if q.bits == 4] or found",
+        "four = found",
+        (
+            "tests/unit/plan/test_quantized_tables.py::test_tp_over_a_base_of_both_kinds_names_a_4bit_weight",
+        ),
+    ),
+    Mutant(
+        "qlora_unquantized_refused_at_world_one",
+        "src/shardwise/plan/quantized.py",
+        'if sharded and unquantized and config.strategy != "ddp":',
+        'if unquantized and config.strategy != "ddp":',
+        (
+            "tests/unit/plan/test_quantized_tables.py::test_a_4bit_weight_not_quantized_yet_is_taken_where_nothing_is_sharded",
+        ),
+    ),
+    Mutant(
+        "ck_prompt_learning_cpt_exported",
+        "src/shardwise/checkpoint/adapters.py",
+        '"MULTITASK_PROMPT_TUNING", "CPT"}',
+        '"MULTITASK_PROMPT_TUNING"}',
+        (
+            "tests/unit/checkpoint/test_adapter_tables.py::test_every_prompt_learning_method_is_refused_by_an_export",
+        ),
+    ),
+    Mutant(
+        "ck_export_of_two_active_adapters_writes_the_first",
+        "src/shardwise/checkpoint/adapters.py",
+        'if len(record["names"]) != 1:',
+        'if not record["names"]:',
+        ("tests/unit/checkpoint/test_adapter_tables.py::test_an_export_writes_one_active_adapter",),
+    ),
+    Mutant(
+        "ck_merge_with_a_lora_bias",
+        "src/shardwise/checkpoint/adapters.py",
+        'for flag in ("use_dora", "lora_bias"):',
+        'for flag in ("use_dora",):',
+        (
+            "tests/unit/checkpoint/test_adapter_tables.py::test_each_lora_flag_a_merge_does_not_implement_is_refused",
+        ),
+    ),
+    Mutant(
+        "ck_auto_mapping_beside_a_task_type",
+        "src/shardwise/checkpoint/adapters.py",
+        'if config.get("task_type") is None:',
+        "if True:",
+        (
+            "tests/unit/checkpoint/test_adapter_tables.py::test_adapter_config_with_a_task_type_is_the_one_peft_writes",
+        ),
+    ),
+    Mutant(
+        "ck_merge_keeps_the_other_adapters_copy",
+        "src/shardwise/checkpoint/adapters.py",
+        "return any(name != adapter and name in parts for name in configs)",
+        "return False",
+        (
+            "tests/unit/checkpoint/test_adapter_tables.py::test_a_merge_with_a_second_adapter_loaded_merges_the_active_one_only",
+        ),
+    ),
+    Mutant(
+        "ck_unfilled_adapter_loaded",
+        "src/shardwise/checkpoint/adapters.py",
+        "unfilled = sorted(k for k in missing if k in trainable)",
+        "unfilled: list[str] = []",
+        (
+            "tests/unit/checkpoint/test_adapter_tables.py::test_a_load_that_left_a_trainable_tensor_unfilled_is_refused",
+        ),
+    ),
 )
 
 
