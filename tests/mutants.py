@@ -3644,6 +3644,33 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/checkpoint/test_adapter_tables.py::test_a_load_that_left_a_trainable_tensor_unfilled_is_refused",
         ),
     ),
+    Mutant(
+        "le_timeout_inf_taken",
+        "src/shardwise/cli/launch.py",
+        'if not 0 < s < float("inf"):  # an infinite timeout',
+        "if not s > 0:  # an infinite timeout",
+        (
+            "tests/unit/cli/test_launch_tables.py::test_a_collective_timeout_that_is_not_a_finite_number_of_seconds_is_refused",
+        ),
+    ),
+    Mutant(
+        "le_timeout_env_inf_taken",
+        "src/shardwise/distributed/process_group.py",
+        'if not 0 < value < float("inf"):',
+        "if not value > 0:",
+        (
+            "tests/unit/cli/test_launch_tables.py::test_a_collective_timeout_that_is_not_a_finite_number_of_seconds_is_refused",
+        ),
+    ),
+    Mutant(
+        "le_init_timeout_inf_taken",
+        "src/shardwise/distributed/process_group.py",
+        'if not 0 < timeout_s < float("inf"):',
+        "if timeout_s <= 0:",
+        (
+            "tests/unit/cli/test_launch_tables.py::test_a_collective_timeout_that_is_not_a_finite_number_of_seconds_is_refused",
+        ),
+    ),
 )
 
 
