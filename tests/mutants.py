@@ -3671,6 +3671,128 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/cli/test_launch_tables.py::test_a_collective_timeout_that_is_not_a_finite_number_of_seconds_is_refused",
         ),
     ),
+    # The wholesale five-habits pass over the launcher and resume (test_launch_tables.py,
+    # test_resume_tables.py).
+    Mutant(
+        "le_nproc_of_zero_taken",
+        "src/shardwise/cli/launch.py",
+        '    if n < 1:\n        raise argparse.ArgumentTypeError(f"--nproc=',
+        '    if n < 0:\n        raise argparse.ArgumentTypeError(f"--nproc=',
+        (
+            "tests/unit/cli/test_launch_tables.py::test_an_nproc_that_is_no_positive_count_is_refused",
+        ),
+    ),
+    Mutant(
+        "le_node_rank_equal_to_the_nodes_taken",
+        "src/shardwise/cli/launch.py",
+        "not 0 <= args.node_rank < int(nnodes)",
+        "not 0 <= args.node_rank <= int(nnodes)",
+        ("tests/unit/cli/test_launch_tables.py::test_a_node_rank_is_below_the_number_of_nodes",),
+    ),
+    Mutant(
+        "le_config_given_with_equals_unread",
+        "src/shardwise/cli/launch.py",
+        '        if arg.startswith("--config="):\n            return arg.partition("=")[2]\n',
+        "",
+        (
+            "tests/unit/cli/test_launch_tables.py::test_each_spelling_of_the_config_argument_is_checked",
+        ),
+    ),
+    Mutant(
+        "le_layout_checked_without_tp",
+        "src/shardwise/cli/launch.py",
+        "            tp=parallel.tp_size,\n",
+        "",
+        (
+            "tests/unit/cli/test_launch_tables.py::test_the_tensor_parallel_degree_is_checked_before_spawning",
+        ),
+    ),
+    Mutant(
+        "data_sampler_skips_every_epoch",
+        "src/shardwise/train/data.py",
+        "        self.skip = 0\n",
+        "",
+        (
+            "tests/unit/train/test_resume_tables.py::test_the_sampler_skips_once_then_gives_whole_epochs",
+        ),
+    ),
+    Mutant(
+        "data_older_position_counted_at_the_new_batch",
+        "src/shardwise/train/data.py",
+        'consumed = int(position.get("samples_done", done * saved_batch * saved))',
+        'consumed = int(position.get("samples_done", done * batch * saved))',
+        (
+            "tests/unit/train/test_resume_tables.py::test_an_older_checkpoint_without_its_sample_count_resumes_at_a_new_batch_size",
+        ),
+    ),
+    Mutant(
+        "data_skip_of_a_whole_epoch_stays_in_it",
+        "src/shardwise/train/data.py",
+        "return (epoch + 1, 0) if skip >= per_rank else (epoch, skip)",
+        "return (epoch + 1, 0) if skip > per_rank else (epoch, skip)",
+        ("tests/unit/train/test_resume_tables.py::test_a_skip_of_a_whole_epoch_starts_the_next",),
+    ),
+    Mutant(
+        "data_stream_inside_a_dataloader_taken",
+        "src/shardwise/train/data.py",
+        'if isinstance(getattr(data, "dataset", data), IterableDataset):',
+        "if isinstance(data, IterableDataset):",
+        (
+            "tests/unit/train/test_resume_tables.py::test_a_stream_is_refused_bare_or_inside_a_dataloader",
+        ),
+    ),
+    Mutant(
+        "resume_seed_change_unnamed",
+        "src/shardwise/train/resume.py",
+        '_RUNNER_FIELDS = ("max_steps", "max_epochs", "batch_size", "seed")',
+        '_RUNNER_FIELDS = ("max_steps", "max_epochs", "batch_size")',
+        (
+            "tests/unit/train/test_resume_tables.py::test_every_runner_field_a_resume_compares_is_named_alone",
+        ),
+    ),
+    Mutant(
+        "resume_momentum_change_unnamed",
+        "src/shardwise/train/resume.py",
+        '_HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps", "momentum")',
+        '_HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps")',
+        (
+            "tests/unit/train/test_resume_tables.py::test_every_hyperparameter_a_resume_compares_is_named_alone",
+        ),
+    ),
+    Mutant(
+        "resume_saved_betas_list_named_a_change",
+        "src/shardwise/train/resume.py",
+        "if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):",
+        "if isinstance(a, list) and isinstance(b, list):",
+        (
+            "tests/unit/train/test_resume_tables.py::test_values_that_only_look_different_are_not_named",
+        ),
+    ),
+    Mutant(
+        "resume_numbers_compared_exactly",
+        "src/shardwise/train/resume.py",
+        "return not math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)",
+        "return float(a) != float(b)",
+        (
+            "tests/unit/train/test_resume_tables.py::test_values_that_only_look_different_are_not_named",
+        ),
+    ),
+    Mutant(
+        "resume_scheduled_lr_compared_as_it_ended",
+        "src/shardwise/train/resume.py",
+        'name = "initial_lr" if key == "lr" and "initial_lr" in saved else key',
+        "name = key",
+        (
+            "tests/unit/train/test_resume_tables.py::test_the_learning_rate_a_scheduler_moved_is_compared_by_its_start",
+        ),
+    ),
+    Mutant(
+        "resume_empty_tensorboard_dir_is_a_run",
+        "src/shardwise/train/resume.py",
+        'if board.is_dir() and any(board.rglob("events.out.tfevents*")):',
+        "if board.is_dir():",
+        ("tests/unit/train/test_resume_tables.py::test_each_trace_of_an_earlier_run_is_named",),
+    ),
 )
 
 
