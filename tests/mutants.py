@@ -3793,6 +3793,68 @@ MUTANTS: tuple[Mutant, ...] = (
         "if board.is_dir():",
         ("tests/unit/train/test_resume_tables.py::test_each_trace_of_an_earlier_run_is_named",),
     ),
+    # The wholesale five-habits pass over testing/parity.py (test_parity_tables.py).
+    Mutant(
+        "pa_parameter_inf_passes",
+        "src/shardwise/testing/parity.py",
+        "if not bool(torch.isfinite(tensor).all()):",
+        "if bool(torch.isnan(tensor).any()):",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_a_parameter_with_any_value_that_is_not_finite_is_refused",
+        ),
+    ),
+    Mutant(
+        "pa_worst_of_minus_inf_passes",
+        "src/shardwise/testing/parity.py",
+        "bad = [v for v in values if not math.isfinite(v)]",
+        "bad = [v for v in values if math.isnan(v) or v == math.inf]",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_worst_of_refuses_every_value_that_is_not_finite",
+        ),
+    ),
+    Mutant(
+        "pa_lengths_not_compared",
+        "src/shardwise/testing/parity.py",
+        "if len(reference.losses) != len(candidate.losses):",
+        "if False:",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_trajectories_of_different_lengths_are_refused",
+        ),
+    ),
+    Mutant(
+        "pa_first_parameter_named_the_worst",
+        "src/shardwise/testing/parity.py",
+        "            if r > worst_rel:\n",
+        "            if not worst:\n",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_the_worst_parameter_is_named_wherever_it_comes",
+        ),
+    ),
+    Mutant(
+        "pa_loss_at_the_bound_refused",
+        "src/shardwise/testing/parity.py",
+        "        if r > rtol:\n",
+        "        if r >= rtol:\n",
+        ("tests/unit/testing/test_parity_tables.py::test_a_difference_at_the_bound_passes",),
+    ),
+    Mutant(
+        "pa_parameters_compared_when_asked_not_to",
+        "src/shardwise/testing/parity.py",
+        "    if check_params:\n",
+        "    if True:\n",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_parameters_are_not_compared_when_asked_not_to",
+        ),
+    ),
+    Mutant(
+        "pa_parameters_kept_in_their_dtype",
+        "src/shardwise/testing/parity.py",
+        "out[name] = t.detach().float().cpu().clone()",
+        "out[name] = t.detach().cpu().clone()",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_a_bf16_models_parameters_come_back_whole_in_fp32",
+        ),
+    ),
 )
 
 
