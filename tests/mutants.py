@@ -3312,21 +3312,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "src/shardwise/train/stream.py",
         "        dist.all_reduce(flag, op=dist.ReduceOp.MIN)",
         "        dist.all_reduce(flag, op=dist.ReduceOp.MAX)",
-        ("tests/e2e/test_streams.py",),
+        (
+            "tests/e2e/test_streams.py::test_a_resume_at_the_same_world_trains_the_same_batches_bit_for_bit",
+            "tests/e2e/test_streams.py::test_a_resume_at_another_world_trains_each_document_as_often",
+        ),
     ),
     Mutant(
         "stream_state_saves_own_parts_only",
         "src/shardwise/train/stream.py",
         "            dist.all_gather_object(found, mine)",
         "            found = [mine]",
-        ("tests/e2e/test_streams.py",),
+        (
+            "tests/e2e/test_streams.py::test_a_resume_at_the_same_world_trains_the_same_batches_bit_for_bit",
+            "tests/e2e/test_streams.py::test_a_resume_at_another_world_trains_each_document_as_often",
+        ),
     ),
     Mutant(
         "tokens_weight_ignores_data_parallel_ranks",
         "src/shardwise/train/stream.py",
         "                yield data, last, c * dp_world * steps / max(total, 1)",
         "                yield data, last, c * steps / max(total, 1)",
-        ("tests/e2e/test_streams.py",),
+        (
+            "tests/e2e/test_streams.py::test_a_resume_at_the_same_world_trains_the_same_batches_bit_for_bit",
+            "tests/e2e/test_streams.py::test_a_resume_at_another_world_trains_each_document_as_often",
+        ),
     ),
     Mutant(
         "tokens_weight_ignores_accumulation",
@@ -3367,6 +3376,658 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if False:\n        loader.restart()",
         (
             "tests/unit/train/test_stream.py::test_runner_trains_a_packed_stream_and_validates_on_all_of_another",
+        ),
+    ),
+    # The wholesale five-habits pass over the pipeline's tables (test_pipeline_tables.py).
+    Mutant(
+        "pp_zbv_runs_one_stage_per_rank",
+        "src/shardwise/config/pipeline.py",
+        'MULTI_STAGE: tuple[str, ...] = ("interleaved_1f1b", "zbv")',
+        'MULTI_STAGE: tuple[str, ...] = ("interleaved_1f1b",)',
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_every_schedule_picks_its_stages_per_rank_when_none_is_given",
+        ),
+    ),
+    Mutant(
+        "pp_interleaved_takes_exactly_two_stages_per_rank",
+        "src/shardwise/config/pipeline.py",
+        '("2 or more", per_rank >= 2)',
+        '("2 or more", per_rank == 2)',
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_every_schedule_takes_its_stages_per_rank_and_refuses_the_others",
+        ),
+    ),
+    Mutant(
+        "pp_split_takes_an_empty_name",
+        "src/shardwise/config/pipeline.py",
+        "if not all(isinstance(n, str) and n for n in names):",
+        "if not all(isinstance(n, str) for n in names):",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_an_empty_or_missing_name_in_pp_split_is_refused",
+        ),
+    ),
+    Mutant(
+        "pp_default_micro_batches_two_more_than_the_stages",
+        "src/shardwise/config/pipeline.py",
+        "    return 2 * pp\n",
+        "    return pp + 2\n",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_the_default_micro_batches_are_twice_the_stages",
+        ),
+    ),
+    Mutant(
+        "pp_split_gives_the_whole_remainder_to_the_first_stage",
+        "src/shardwise/plan/stages.py",
+        "return [base + (1 if s < extra else 0) for s in range(pp)]",
+        "return [base + (extra if s == 0 else 0) for s in range(pp)]",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_the_auto_split_is_as_even_as_possible_with_the_remainder_first",
+        ),
+    ),
+    Mutant(
+        "pp_parameters_below_the_root_on_the_path_taken",
+        "src/shardwise/plan/stages.py",
+        "if any(True for _ in model.parameters(recurse=False)) or _holds_own_params(model, parts):",
+        "if any(True for _ in model.parameters(recurse=False)):",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_a_module_below_the_root_holding_its_own_parameters_is_refused",
+        ),
+    ),
+    Mutant(
+        "pp_rank_steps_by_its_stages_per_rank",
+        "src/shardwise/plan/stages.py",
+        "return list(range(pp_rank, len(self.stages), self.degree))",
+        "return list(range(pp_rank, len(self.stages), self.per_rank))",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_three_ranks_of_two_stages_each_hold_every_third_stage",
+        ),
+    ),
+    Mutant(
+        "pp_is_last_reads_the_first_stage_of_a_rank",
+        "src/shardwise/parallelize/stages.py",
+        "return self.chunks[-1].index == self.plan.pp - 1",
+        "return self.chunks[0].index == self.plan.pp - 1",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_three_ranks_of_two_stages_each_hold_every_third_stage",
+        ),
+    ),
+    Mutant(
+        "pp_loss_of_a_mapping_not_read",
+        "src/shardwise/parallelize/stages.py",
+        'loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)',
+        'loss = getattr(out, "loss", out)',
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_each_form_of_the_last_stages_output_gives_its_loss",
+        ),
+    ),
+    Mutant(
+        "pp_loss_of_a_tuple_is_its_last",
+        "src/shardwise/parallelize/stages.py",
+        "        loss = loss[0]\n",
+        "        loss = loss[-1]\n",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_each_form_of_the_last_stages_output_gives_its_loss",
+        ),
+    ),
+    Mutant(
+        "pp_target_keyword_reaches_the_first_stage",
+        "src/shardwise/parallelize/stages.py",
+        'TARGET_NAMES = ("labels", "targets", "target")',
+        'TARGET_NAMES = ("labels", "targets")',
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_every_target_keyword_reaches_the_last_stage_only",
+        ),
+    ),
+    Mutant(
+        "pp_keyword_block_receives_under_its_last_argument",
+        "src/shardwise/parallelize/stages.py",
+        'return params[0].name if params else "hidden_states"',
+        'return params[-1].name if params else "hidden_states"',
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_a_block_called_by_keyword_receives_the_hidden_states_under_its_first_argument",
+        ),
+    ),
+    Mutant(
+        "pp_tied_aliases_map_first_to_last",
+        "src/shardwise/parallelize/pipeline.py",
+        "return {last: first for first, last in state.plan.tied}",
+        "return {first: last for first, last in state.plan.tied}",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_the_last_stage_names_each_tied_parameter_by_its_first_stage_name",
+        ),
+    ),
+    Mutant(
+        "pp_tokens_counted_without_the_shift",
+        "src/shardwise/parallelize/pipeline.py",
+        "return (labels[..., 1:] != -100).sum().clamp_min(1)",
+        "return (labels != -100).sum().clamp_min(1)",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_a_causal_lm_counts_the_labels_it_predicts_after_the_shift",
+        ),
+    ),
+    Mutant(
+        "pp_list_batch_taken_as_one_argument",
+        "src/shardwise/parallelize/pipeline.py",
+        "args = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)",
+        "args = tuple(batch) if isinstance(batch, tuple) else (batch,)",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_each_form_of_a_batch_becomes_the_forwards_keywords",
+        ),
+    ),
+    Mutant(
+        "pp_a_bare_list_of_blocks_split",
+        "src/shardwise/plan/stages.py",
+        "    if not container:\n        raise _refuse(",
+        "    if False:\n        raise _refuse(",
+        (
+            "tests/unit/parallelize/test_pipeline_tables.py::test_a_model_that_is_its_own_list_of_blocks_is_refused_by_the_reason",
+        ),
+    ),
+    # The wholesale five-habits pass over expert parallel (test_expert_tables.py).
+    Mutant(
+        "ep_with_cpu_offload_taken",
+        "src/shardwise/config/experts.py",
+        '"cpu_offload": cfg.cpu_offload not in (None, False),',
+        '"cpu_offload": False,',
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_ep_with_cpu_offload_is_refused_and_without_ep_it_is_taken",
+        ),
+    ),
+    Mutant(
+        "ep_experts_of_another_first_dimension_found",
+        "src/shardwise/parallelize/experts.py",
+        "if any(p.dim() < 2 or p.shape[0] != n for p in params):",
+        "if any(p.dim() < 2 for p in params):",
+        ("tests/unit/parallelize/test_expert_tables.py::test_each_condition_of_an_experts_module",),
+    ),
+    Mutant(
+        "ep_experts_without_parameters_found",
+        "src/shardwise/parallelize/experts.py",
+        "if not isinstance(n, int) or n < 1 or not params:",
+        "if not isinstance(n, int) or n < 1:",
+        ("tests/unit/parallelize/test_expert_tables.py::test_each_condition_of_an_experts_module",),
+    ),
+    Mutant(
+        "ep_divisors_offered_without_the_count_itself",
+        "src/shardwise/parallelize/experts.py",
+        "fits = [d for d in range(1, n + 1) if n % d == 0]",
+        "fits = [d for d in range(1, n) if n % d == 0]",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_an_ep_that_does_not_divide_the_experts_offers_every_divisor",
+        ),
+    ),
+    Mutant(
+        "moe_unknown_word_taken_until_applied",
+        "src/shardwise/parallelize/moe.py",
+        "placement_for(how, 3)  # an unknown word is refused at plan time",
+        "pass  # an unknown word is refused at plan time",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_an_unknown_word_for_an_experts_parameter_is_refused_when_the_style_is_made",
+        ),
+    ),
+    Mutant(
+        "moe_transposed_experts_split",
+        "src/shardwise/parallelize/moe.py",
+        'if getattr(module, "is_transposed", False):',
+        "if False:",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_experts_stored_transposed_are_refused",
+        ),
+    ),
+    Mutant(
+        "moe_experts_parameter_of_two_dims_split",
+        "src/shardwise/parallelize/moe.py",
+        "if param.ndim != 3:",
+        "if param.ndim < 2:",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_an_experts_parameter_that_is_not_3d_is_refused_by_its_shape",
+        ),
+    ),
+    Mutant(
+        "ep_plan_still_describes_the_experts",
+        "src/shardwise/parallelize/experts.py",
+        "said = {k: v for k, v in plan.described.items() if k in kept}",
+        "said = dict(plan.described)",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_under_ep_the_plan_describes_only_what_it_still_splits",
+        ),
+    ),
+    Mutant(
+        "ep_counts_per_rank_shifted",
+        "src/shardwise/parallelize/experts.py",
+        "return torch.diff(torch.searchsorted(owner, ranks))",
+        "return torch.diff(torch.searchsorted(owner, ranks, right=True))",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_each_rank_is_sent_the_copies_of_its_experts",
+        ),
+    ),
+    Mutant(
+        "expert_load_inf_taken",
+        "src/shardwise/parallelize/experts.py",
+        "and math.isfinite(load) and load >= 1",
+        "and load >= 1",
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_an_expert_load_that_is_not_finite_is_refused",
+        ),
+    ),
+    # The wholesale five-habits pass over the router loss and the batch statements
+    # (test_batch_stat_tables.py).
+    Mutant(
+        "rb_loss_without_num_experts_not_refused",
+        "src/shardwise/parallelize/router_loss.py",
+        "    if num_experts is None:\n        raise",
+        "    if False:\n        raise",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_the_loss_without_the_number_of_experts_is_refused",
+        ),
+    ),
+    Mutant(
+        "rb_probe_without_a_mask_only",
+        "src/shardwise/parallelize/router_loss.py",
+        "for m in (None, mask):",
+        "for m in (None,):",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_the_probe_rejects_each_function_that_is_not_the_loss",
+        ),
+    ),
+    Mutant(
+        "rb_probe_takes_a_number",
+        "src/shardwise/parallelize/router_loss.py",
+        "if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):",
+        "if not isinstance(got, torch.Tensor):",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_the_probe_rejects_each_function_that_is_not_the_loss",
+        ),
+    ),
+    Mutant(
+        "bs_router_class_not_a_mixture",
+        "src/shardwise/parallelize/batch_stats.py",
+        '_MOE_CLASS = re.compile(r"moe|expert|router", re.IGNORECASE)',
+        '_MOE_CLASS = re.compile(r"moe|expert", re.IGNORECASE)',
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_each_word_in_a_class_name_marks_a_mixture_of_experts",
+        ),
+    ),
+    Mutant(
+        "bs_model_itself_named_first",
+        "src/shardwise/parallelize/batch_stats.py",
+        "for fqn, module in named[1:] + named[:1]:",
+        "for fqn, module in named:",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_the_model_itself_is_named_only_when_no_submodule_is_a_mixture_of_experts",
+        ),
+    ),
+    Mutant(
+        "bs_partly_replaced_family_not_stated",
+        "src/shardwise/parallelize/batch_stats.py",
+        "unseen_moe = moe is not None and not (replaced and not differ)",
+        "unseen_moe = moe is not None and not replaced",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_each_outcome_of_replacing_the_familys_loss",
+        ),
+    ),
+    Mutant(
+        "bs_three_norms_and_0_more",
+        "src/shardwise/parallelize/batch_stats.py",
+        'f" and {len(norms) - 3} more" if len(norms) > 3 else ""',
+        'f" and {len(norms) - 3} more" if len(norms) >= 3 else ""',
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_the_batchnorm_statement_names_up_to_three_layers",
+        ),
+    ),
+    Mutant(
+        "bs_sharded_model_named_by_fsdps_class",
+        "src/shardwise/parallelize/batch_stats.py",
+        "return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))",
+        "return type(module)",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_a_sharded_model_is_named_by_its_own_class",
+        ),
+    ),
+    # The wholesale five-habits pass over adapters and QLoRA (test_adapter_plan_tables.py,
+    # test_quantized_tables.py, checkpoint/test_adapter_tables.py).
+    Mutant(
+        "ad_lora_b_output_always_whole",
+        "src/shardwise/parallelize/adapters.py",
+        "output_layouts=base.output_layouts[0],",
+        "output_layouts=Replicate(),",
+        (
+            "tests/unit/parallelize/test_adapter_plan_tables.py::test_lora_b_gives_its_output_the_layout_of_its_column_split_base",
+        ),
+    ),
+    Mutant(
+        "ad_lora_a_input_always_split",
+        "src/shardwise/parallelize/adapters.py",
+        "input_layouts=base.input_layouts[0], output_layouts=Replicate()",
+        "input_layouts=None, output_layouts=Replicate()",
+        (
+            "tests/unit/parallelize/test_adapter_plan_tables.py::test_lora_a_takes_its_input_in_the_layout_of_its_row_split_base",
+        ),
+    ),
+    Mutant(
+        "ad_adapted_conv1d_split",
+        "src/shardwise/parallelize/adapters.py",
+        "if not isinstance(wrapper.base_layer, nn.Linear):",
+        "if False:",
+        (
+            "tests/unit/parallelize/test_adapter_plan_tables.py::test_an_adapted_layer_that_is_not_a_linear_is_refused",
+        ),
+    ),
+    Mutant(
+        "ad_adapted_layer_of_another_style_split",
+        "src/shardwise/parallelize/adapters.py",
+        "if not isinstance(style, ColwiseParallel | RowwiseParallel):",
+        "if False:",
+        (
+            "tests/unit/parallelize/test_adapter_plan_tables.py::test_an_adapted_layer_planned_with_another_style_is_refused",
+        ),
+    ),
+    Mutant(
+        "qlora_nested_absmax_one_entry",
+        "src/shardwise/plan/quantized.py",
+        "4 + 4 * math.ceil(blocks / _NESTED_BLOCK) + 256 * 4",
+        "4 + 4 + 256 * 4",
+        (
+            "tests/unit/plan/test_quantized_tables.py::test_a_quant_state_is_counted_ahead_as_bitsandbytes_holds_it",
+        ),
+    ),
+    Mutant(
+        "qlora_blocks_of_64_always",
+        "src/shardwise/plan/quantized.py",
+        'blocks = math.ceil(p.numel() / int(getattr(p, "blocksize", 64) or 64))',
+        "blocks = math.ceil(p.numel() / 64)",
+        (
+            "tests/unit/plan/test_quantized_tables.py::test_a_quant_state_is_counted_ahead_as_bitsandbytes_holds_it",
+        ),
+    ),
+    Mutant(
+        "qlora_refusal_counts_the_named_weight_too",
+        "src/shardwise/plan/quantized.py",
+        'more = f" and {len(found) - 1} more" if len(found) > 1 else ""',
+        'more = f" and {len(found)} more" if len(found) > 1 else ""',
+        (
+            "tests/unit/plan/test_quantized_tables.py::test_a_refusal_names_the_first_weight_and_counts_the_others",
+        ),
+    ),
+    Mutant(
+        "qlora_tp_refusal_names_the_first_weight_of_any_kind",
+        "src/shardwise/plan/quantized.py",
+        "four = [q for q in found if q.bits == 4] or found",
+        "four = found",
+        (
+            "tests/unit/plan/test_quantized_tables.py::test_tp_over_a_base_of_both_kinds_names_a_4bit_weight",
+        ),
+    ),
+    Mutant(
+        "qlora_unquantized_refused_at_world_one",
+        "src/shardwise/plan/quantized.py",
+        'if sharded and unquantized and config.strategy != "ddp":',
+        'if unquantized and config.strategy != "ddp":',
+        (
+            "tests/unit/plan/test_quantized_tables.py::test_a_4bit_weight_not_quantized_yet_is_taken_where_nothing_is_sharded",
+        ),
+    ),
+    Mutant(
+        "ck_prompt_learning_cpt_exported",
+        "src/shardwise/checkpoint/adapters.py",
+        '"MULTITASK_PROMPT_TUNING", "CPT"}',
+        '"MULTITASK_PROMPT_TUNING"}',
+        (
+            "tests/unit/checkpoint/test_adapter_tables.py::test_every_prompt_learning_method_is_refused_by_an_export",
+        ),
+    ),
+    Mutant(
+        "ck_export_of_two_active_adapters_writes_the_first",
+        "src/shardwise/checkpoint/adapters.py",
+        'if len(record["names"]) != 1:',
+        'if not record["names"]:',
+        ("tests/unit/checkpoint/test_adapter_tables.py::test_an_export_writes_one_active_adapter",),
+    ),
+    Mutant(
+        "ck_merge_with_a_lora_bias",
+        "src/shardwise/checkpoint/adapters.py",
+        'for flag in ("use_dora", "lora_bias"):',
+        'for flag in ("use_dora",):',
+        (
+            "tests/unit/checkpoint/test_adapter_tables.py::test_each_lora_flag_a_merge_does_not_implement_is_refused",
+        ),
+    ),
+    Mutant(
+        "ck_auto_mapping_beside_a_task_type",
+        "src/shardwise/checkpoint/adapters.py",
+        'if config.get("task_type") is None:',
+        "if True:",
+        (
+            "tests/unit/checkpoint/test_adapter_tables.py::test_adapter_config_with_a_task_type_is_the_one_peft_writes",
+        ),
+    ),
+    Mutant(
+        "ck_merge_keeps_the_other_adapters_copy",
+        "src/shardwise/checkpoint/adapters.py",
+        "return any(name != adapter and name in parts for name in configs)",
+        "return False",
+        (
+            "tests/unit/checkpoint/test_adapter_tables.py::test_a_merge_with_a_second_adapter_loaded_merges_the_active_one_only",
+        ),
+    ),
+    Mutant(
+        "ck_unfilled_adapter_loaded",
+        "src/shardwise/checkpoint/adapters.py",
+        "unfilled = sorted(k for k in missing if k in trainable)",
+        "unfilled: list[str] = []",
+        (
+            "tests/unit/checkpoint/test_adapter_tables.py::test_a_load_that_left_a_trainable_tensor_unfilled_is_refused",
+        ),
+    ),
+    Mutant(
+        "le_timeout_inf_taken",
+        "src/shardwise/cli/launch.py",
+        'if not 0 < s < float("inf"):  # an infinite timeout',
+        "if not s > 0:  # an infinite timeout",
+        (
+            "tests/unit/cli/test_launch_tables.py::test_a_collective_timeout_that_is_not_a_finite_number_of_seconds_is_refused",
+        ),
+    ),
+    Mutant(
+        "le_timeout_env_inf_taken",
+        "src/shardwise/distributed/process_group.py",
+        'if not 0 < value < float("inf"):',
+        "if not value > 0:",
+        (
+            "tests/unit/cli/test_launch_tables.py::test_a_collective_timeout_that_is_not_a_finite_number_of_seconds_is_refused",
+        ),
+    ),
+    Mutant(
+        "le_init_timeout_inf_taken",
+        "src/shardwise/distributed/process_group.py",
+        'if not 0 < timeout_s < float("inf"):',
+        "if timeout_s <= 0:",
+        (
+            "tests/unit/cli/test_launch_tables.py::test_a_collective_timeout_that_is_not_a_finite_number_of_seconds_is_refused",
+        ),
+    ),
+    # The wholesale five-habits pass over the launcher and resume (test_launch_tables.py,
+    # test_resume_tables.py).
+    Mutant(
+        "le_nproc_of_zero_taken",
+        "src/shardwise/cli/launch.py",
+        '    if n < 1:\n        raise argparse.ArgumentTypeError(f"--nproc=',
+        '    if n < 0:\n        raise argparse.ArgumentTypeError(f"--nproc=',
+        (
+            "tests/unit/cli/test_launch_tables.py::test_an_nproc_that_is_no_positive_count_is_refused",
+        ),
+    ),
+    Mutant(
+        "le_node_rank_equal_to_the_nodes_taken",
+        "src/shardwise/cli/launch.py",
+        "not 0 <= args.node_rank < int(nnodes)",
+        "not 0 <= args.node_rank <= int(nnodes)",
+        ("tests/unit/cli/test_launch_tables.py::test_a_node_rank_is_below_the_number_of_nodes",),
+    ),
+    Mutant(
+        "le_config_given_with_equals_unread",
+        "src/shardwise/cli/launch.py",
+        '        if arg.startswith("--config="):\n            return arg.partition("=")[2]\n',
+        "",
+        (
+            "tests/unit/cli/test_launch_tables.py::test_each_spelling_of_the_config_argument_is_checked",
+        ),
+    ),
+    Mutant(
+        "le_layout_checked_without_tp",
+        "src/shardwise/cli/launch.py",
+        "            tp=parallel.tp_size,\n",
+        "",
+        (
+            "tests/unit/cli/test_launch_tables.py::test_the_tensor_parallel_degree_is_checked_before_spawning",
+        ),
+    ),
+    Mutant(
+        "data_sampler_skips_every_epoch",
+        "src/shardwise/train/data.py",
+        "        self.skip = 0\n",
+        "",
+        (
+            "tests/unit/train/test_resume_tables.py::test_the_sampler_skips_once_then_gives_whole_epochs",
+        ),
+    ),
+    Mutant(
+        "data_older_position_counted_at_the_new_batch",
+        "src/shardwise/train/data.py",
+        'consumed = int(position.get("samples_done", done * saved_batch * saved))',
+        'consumed = int(position.get("samples_done", done * batch * saved))',
+        (
+            "tests/unit/train/test_resume_tables.py::test_an_older_checkpoint_without_its_sample_count_resumes_at_a_new_batch_size",
+        ),
+    ),
+    Mutant(
+        "data_skip_of_a_whole_epoch_stays_in_it",
+        "src/shardwise/train/data.py",
+        "return (epoch + 1, 0) if skip >= per_rank else (epoch, skip)",
+        "return (epoch + 1, 0) if skip > per_rank else (epoch, skip)",
+        ("tests/unit/train/test_resume_tables.py::test_a_skip_of_a_whole_epoch_starts_the_next",),
+    ),
+    Mutant(
+        "data_stream_inside_a_dataloader_not_a_stream",
+        "src/shardwise/train/data.py",
+        'if isinstance(getattr(data, "dataset", data), IterableDataset):',
+        "if isinstance(data, IterableDataset):",
+        (
+            "tests/unit/train/test_resume_tables.py::test_a_stream_is_taken_bare_or_inside_a_dataloader",
+        ),
+    ),
+    Mutant(
+        "resume_seed_change_unnamed",
+        "src/shardwise/train/resume.py",
+        '_RUNNER_FIELDS = ("max_steps", "max_epochs", "batch_size", "seed")',
+        '_RUNNER_FIELDS = ("max_steps", "max_epochs", "batch_size")',
+        (
+            "tests/unit/train/test_resume_tables.py::test_every_runner_field_a_resume_compares_is_named_alone",
+        ),
+    ),
+    Mutant(
+        "resume_momentum_change_unnamed",
+        "src/shardwise/train/resume.py",
+        '_HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps", "momentum")',
+        '_HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps")',
+        (
+            "tests/unit/train/test_resume_tables.py::test_every_hyperparameter_a_resume_compares_is_named_alone",
+        ),
+    ),
+    Mutant(
+        "resume_saved_betas_list_named_a_change",
+        "src/shardwise/train/resume.py",
+        "if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):",
+        "if isinstance(a, list) and isinstance(b, list):",
+        (
+            "tests/unit/train/test_resume_tables.py::test_values_that_only_look_different_are_not_named",
+        ),
+    ),
+    Mutant(
+        "resume_numbers_compared_exactly",
+        "src/shardwise/train/resume.py",
+        "return not math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)",
+        "return float(a) != float(b)",
+        (
+            "tests/unit/train/test_resume_tables.py::test_values_that_only_look_different_are_not_named",
+        ),
+    ),
+    Mutant(
+        "resume_scheduled_lr_compared_as_it_ended",
+        "src/shardwise/train/resume.py",
+        'name = "initial_lr" if key == "lr" and "initial_lr" in saved else key',
+        "name = key",
+        (
+            "tests/unit/train/test_resume_tables.py::test_the_learning_rate_a_scheduler_moved_is_compared_by_its_start",
+        ),
+    ),
+    Mutant(
+        "resume_empty_tensorboard_dir_is_a_run",
+        "src/shardwise/train/resume.py",
+        'if board.is_dir() and any(board.rglob("events.out.tfevents*")):',
+        "if board.is_dir():",
+        ("tests/unit/train/test_resume_tables.py::test_each_trace_of_an_earlier_run_is_named",),
+    ),
+    # The wholesale five-habits pass over testing/parity.py (test_parity_tables.py).
+    Mutant(
+        "pa_parameter_inf_passes",
+        "src/shardwise/testing/parity.py",
+        "if not bool(torch.isfinite(tensor).all()):",
+        "if bool(torch.isnan(tensor).any()):",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_a_parameter_with_any_value_that_is_not_finite_is_refused",
+        ),
+    ),
+    Mutant(
+        "pa_worst_of_minus_inf_passes",
+        "src/shardwise/testing/parity.py",
+        "bad = [v for v in values if not math.isfinite(v)]",
+        "bad = [v for v in values if math.isnan(v) or v == math.inf]",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_worst_of_refuses_every_value_that_is_not_finite",
+        ),
+    ),
+    Mutant(
+        "pa_lengths_not_compared",
+        "src/shardwise/testing/parity.py",
+        "if len(reference.losses) != len(candidate.losses):",
+        "if False:",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_trajectories_of_different_lengths_are_refused",
+        ),
+    ),
+    Mutant(
+        "pa_first_parameter_named_the_worst",
+        "src/shardwise/testing/parity.py",
+        "            if r > worst_rel:\n",
+        "            if not worst:\n",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_the_worst_parameter_is_named_wherever_it_comes",
+        ),
+    ),
+    Mutant(
+        "pa_loss_at_the_bound_refused",
+        "src/shardwise/testing/parity.py",
+        "        if r > rtol:\n",
+        "        if r >= rtol:\n",
+        ("tests/unit/testing/test_parity_tables.py::test_a_difference_at_the_bound_passes",),
+    ),
+    Mutant(
+        "pa_parameters_compared_when_asked_not_to",
+        "src/shardwise/testing/parity.py",
+        "    if check_params:\n",
+        "    if True:\n",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_parameters_are_not_compared_when_asked_not_to",
+        ),
+    ),
+    Mutant(
+        "pa_parameters_kept_in_their_dtype",
+        "src/shardwise/testing/parity.py",
+        "out[name] = t.detach().float().cpu().clone()",
+        "out[name] = t.detach().cpu().clone()",
+        (
+            "tests/unit/testing/test_parity_tables.py::test_a_bf16_models_parameters_come_back_whole_in_fp32",
         ),
     ),
 )

@@ -98,7 +98,7 @@ def seconds_arg(value: str) -> float:
         s = float(value)
     except ValueError:
         s = -1.0
-    if not s > 0:
+    if not 0 < s < float("inf"):  # an infinite timeout fails in every worker's timedelta
         raise argparse.ArgumentTypeError(
             f"--timeout={value!r}: use a positive number of seconds (the collective timeout)"
         )

@@ -305,7 +305,7 @@ def _timeout_from_env(env: Mapping[str, str]) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not 0 < value < float("inf"):  # timedelta(seconds=inf) is an OverflowError
         raise ValueError(
             f"Environment variable {TIMEOUT_ENV}={raw!r} must be a positive number of seconds "
             f"(the collective timeout; default {DEFAULT_TIMEOUT_S:g})."
@@ -387,8 +387,10 @@ def init_distributed(
     env = os.environ if env is None else env
     if timeout_s is None:
         timeout_s = _timeout_from_env(env)
-    if timeout_s <= 0:
-        raise ValueError(f"init_distributed(timeout_s={timeout_s}) must be > 0 seconds.")
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(
+            f"init_distributed(timeout_s={timeout_s}) must be > 0 seconds, and finite."
+        )
     job = _read_env(env)
     _die_with_launcher(env)
     rank, world, local_rank, local_world = (

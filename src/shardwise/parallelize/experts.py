@@ -145,8 +145,9 @@ EXPERT_LOAD_CHOICES = (
 
 
 def check_expert_load(load: object) -> ExpertLoad:
-    """`load` if it is one a stated routing takes; a ValueError naming the choices."""
-    if load == "worst" or (isinstance(load, (int, float)) and load >= 1):
+    """`load` if it is one a stated routing takes; a ValueError naming the choices. An
+    infinite load is no count of rows ('worst' is the most that can reach a rank)."""
+    if load == "worst" or (isinstance(load, (int, float)) and math.isfinite(load) and load >= 1):
         return load
     raise ValueError(f"expert_load={load!r}: {EXPERT_LOAD_CHOICES}")
 

@@ -226,6 +226,13 @@ def plan_stages(
                 f"{first!r} is not a block of a ModuleList or Sequential: name the blocks at "
                 f"which each later stage begins ({_EXAMPLE})."
             )
+    if not container:
+        raise _refuse(
+            f"the blocks are the {type(model).__name__} itself, and a pipeline's last stage "
+            "runs the model's forward on the batch, targets included, to return the loss, "
+            "which a bare list of blocks cannot. Hold the blocks in a module of your own "
+            "(self.blocks = ...) whose forward takes the targets and returns the loss."
+        )
     n_blocks = len(list(blocks.children()))
     starts = _starts(container, n_blocks, pp, split, per_rank)
     before, after = _siblings(model, container)
