@@ -4030,6 +4030,25 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/testing/test_parity_tables.py::test_a_bf16_models_parameters_come_back_whole_in_fp32",
         ),
     ),
+    # Fifth outside audit (bugs chosen from the code alone): its two survivors.
+    Mutant(
+        "audit5_stated_rows_rounded_down",
+        "src/shardwise/parallelize/experts.py",
+        'rows = bound if self.load == "worst" else min(math.ceil(self.load * tokens * k), bound)',
+        'rows = bound if self.load == "worst" else min(int(self.load * tokens * k), bound)',
+        (
+            "tests/unit/parallelize/test_expert_tables.py::test_a_stated_load_sends_the_busiest_rank_its_rows_rounded_up",
+        ),
+    ),
+    Mutant(
+        "audit5_groups_stay_current_after_a_raising_forward",
+        "src/shardwise/parallelize/global_batch.py",
+        "model.register_forward_hook(leave, with_kwargs=True, always_call=True)",
+        "model.register_forward_hook(leave, with_kwargs=True)",
+        (
+            "tests/unit/parallelize/test_batch_stat_tables.py::test_a_training_forward_leaves_its_groups_however_it_ends",
+        ),
+    ),
 )
 
 

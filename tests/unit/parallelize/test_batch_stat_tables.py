@@ -164,3 +164,36 @@ def test_a_sharded_model_is_named_by_its_own_class() -> None:
     assert batch_stats.user_class(model) is _Mixture
     (notice,) = _stated(model, 2, ([], []))
     assert notice.startswith("shardwise: _Mixture has a mixture of experts (experts)")
+
+
+@pytest.mark.parametrize("mode", ["raises", "returns"])
+def test_a_training_forward_leaves_its_groups_however_it_ends(mode):
+    """Fifth audit: after a wrapped model's training forward, raised or returned, its
+    data-parallel groups are no longer current, so a global_batch_sum outside any forward
+    does not reduce over ranks that never come."""
+    import torch
+    from torch import nn
+
+    from shardwise.parallelize.global_batch import BatchGroups, attach, current
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen = None
+            self.layer = nn.Linear(2, 2)
+
+        def forward(self, x):
+            self.seen = current()
+            if mode == "raises":
+                raise RuntimeError("a bad batch")
+            return self.layer(x)
+
+    model = Model().train()
+    groups = BatchGroups((), 2)
+    attach(model, groups)
+    try:
+        model(torch.zeros(1, 2))
+    except RuntimeError:
+        pass
+    assert model.seen is groups  # current inside the forward
+    assert current() is None

@@ -151,3 +151,33 @@ def test_an_expert_load_that_is_not_finite_is_refused(load: float) -> None:
     with pytest.raises(ValueError, match=rf"--expert-load {load}: give the busiest rank's"):
         _expert_load(str(load), 2.0)
     assert check_expert_load(1e6) == 1e6 and check_expert_load("worst") == "worst"
+
+
+@pytest.mark.parametrize(
+    ("load", "tokens", "k", "ep", "local"),
+    [
+        (1.5, 3, 1, 2, 4),
+        (1.25, 5, 2, 4, 2),
+        (1.1, 7, 1, 2, 8),
+        (2, 3, 1, 2, 1),
+        ("worst", 3, 2, 2, 1),
+    ],
+)
+def test_a_stated_load_sends_the_busiest_rank_its_rows_rounded_up(load, tokens, k, ep, local):
+    """Fifth audit: the busiest rank receives load x tokens x k rows, a fraction rounded up
+    (a row is whole: 4.5 rows reach it as 5), never more than can reach it."""
+    from fractions import Fraction
+
+    from shardwise.parallelize.experts import StatedRouting
+
+    bound = ep * tokens * min(k, local)
+    if load == "worst":
+        rows = bound
+    else:
+        exact = Fraction(load).limit_denominator(100) * tokens * k
+        rows = min(-(-exact.numerator // exact.denominator), bound)  # the ceiling, exactly
+    routing = StatedRouting(load)
+    sent, received = routing.splits(tokens, k, ep, local)
+    assert sum(sent) == tokens * k and max(sent) - min(sent) <= 1
+    assert sum(received) == rows and max(received) - min(received) <= 1
+    assert routing.seen == [(tokens, k, rows)]
