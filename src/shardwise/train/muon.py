@@ -143,7 +143,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: Iterable[nn.Parameter | tuple[str, nn.Parameter]],
         lr: float = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
@@ -293,7 +293,7 @@ def _check_settings(
 
 
 def _named(
-    params: Iterable[Any], context: MuonContext | None
+    params: Iterable[object], context: MuonContext | None
 ) -> list[tuple[str | None, nn.Parameter]]:
     out: list[tuple[str | None, nn.Parameter]] = []
     for item in params:
@@ -304,8 +304,13 @@ def _named(
             )
         if isinstance(item, tuple):
             out.append((str(item[0]), item[1]))
+        elif isinstance(item, torch.Tensor):
+            out.append((context.names.get(id(item)) if context else None, item))  # type: ignore[arg-type]
         else:
-            out.append((context.names.get(id(item)) if context else None, item))
+            raise TypeError(
+                f"shardwise.Muon got a {type(item).__name__} among its parameters; pass "
+                "parameters or model.named_parameters()."
+            )
     return out
 
 
