@@ -3,7 +3,8 @@
 A bias-free MLP (32 -> 70 -> 40 -> 24: 70 rows split unevenly over 4 shard ranks) and a
 tiny llama built from its config (no download) are trained 3 steps with float32
 Newton–Schulz and an SGD fallback (AdamW's float32 rounding alone lands near 1e-5), under
-ddp, full_shard, shard_grad_op, hybrid 2 x 2 and dp 2 x tp 2, each rank on its part of the
+ddp, full_shard, shard_grad_op, hybrid 2 x 2 and dp 2 x tp 2 (and the llama with peft's
+LoRA adapters, whose A and B are matrices of their own, under full_shard and hybrid), each rank on its part of the
 same global batch. Compared with one process on the whole batch: the loss at every step
 and the final parameters, within 1e-5 relative. The negative control orthogonalises each
 rank's local shard and must miss by about its measured size. Newton–Schulz is counted on
@@ -60,7 +61,20 @@ def llama() -> nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
 
 
-MODELS = {"mlp": mlp, "llama": llama}
+def lora() -> nn.Module:
+    """The llama with LoRA adapters (B not zero, so every A and B trains from step 1)."""
+    import peft
+
+    base = llama()
+    torch.manual_seed(1)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False,
+    )  # fmt: skip
+    return peft.get_peft_model(base, config)
+
+
+MODELS = {"mlp": mlp, "llama": llama, "lora": lora}
 
 
 def batches(model: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -87,7 +101,7 @@ def loss_of(model_name: str, model: nn.Module, batch: tuple[torch.Tensor, ...]) 
 
 def make_muon(model: nn.Module, cls: type[shardwise.Muon] | None = None) -> shardwise.Muon:
     return (cls or shardwise.Muon)(
-        model.named_parameters(),
+        [(n, p) for n, p in model.named_parameters() if p.requires_grad],
         **MUON,
         fallback=lambda ps: torch.optim.SGD(ps, lr=0.1),
         process_group=getattr(model, "process_group", None),
@@ -139,6 +153,8 @@ CASES = [  # name, model, ParallelConfig fields, optimizer class
     ("llama_full_shard", "llama", dict(strategy="full_shard"), None),
     ("llama_hybrid_2x2", "llama", dict(strategy="hybrid_shard", dp_shard=2), None),
     ("llama_dp2_tp2", "llama", dict(strategy="full_shard", tp=2), None),
+    ("lora_full_shard", "lora", dict(strategy="full_shard"), None),
+    ("lora_hybrid_2x2", "lora", dict(strategy="hybrid_shard", dp_shard=2), None),
 ]
 
 
@@ -167,6 +183,7 @@ def _distributed_cases() -> dict:  # type: ignore[type-arg]
             result = train(model_name, model, opt, shard)
         result["newton_schulz"] = calls["newton_schulz"]
         result["matrices"] = len(opt.matrix_names)
+        result["matrix_names"] = list(opt.matrix_names)
         out[name] = result
     out["engine"] = _engine_run()
     out["torch_muon"] = _torch_muon_refused()
@@ -258,6 +275,25 @@ def test_newton_schulz_once_per_matrix_in_the_job(case: str, ranks: list[dict]) 
     matrices = ranks[0][case]["matrices"]
     assert sum(per_rank) == matrices * STEPS, f"{case}: {per_rank} runs per rank"
     assert sum(1 for n in per_rank if n) > 1, f"{case}: every matrix on one owner {per_rank}"
+
+
+def test_traffic_is_bucketed_by_owner(ranks: list[dict]) -> None:  # type: ignore[type-arg]
+    """One gather and one scatter per owner and step (4 owners for the llama's 14 matrices),
+    not one per matrix; under hybrid each rank gathers only where the owner is in its
+    replica, and every rank receives each matrix's part by one broadcast per owner."""
+    for r in ranks:
+        full = r["llama_full_shard"]["collectives"]
+        assert full == {"gather": 4 * STEPS, "scatter": 4 * STEPS}, full
+        hybrid = r["llama_hybrid_2x2"]["collectives"]
+        assert hybrid["broadcast"] == 4 * STEPS, hybrid
+        assert hybrid["gather"] == hybrid["scatter"] == 2 * STEPS, hybrid
+        assert r["mlp_ddp"]["collectives"] == {"broadcast": 3 * STEPS}
+
+
+def test_lora_a_and_b_are_matrices_of_their_own(results: dict) -> None:  # type: ignore[type-arg]
+    names = results["lora_full_shard"]["matrix_names"]
+    assert len(names) == 12  # 2 layers x (q_proj, v_proj, down_proj) x (A, B)
+    assert sum("lora_A" in n for n in names) == sum("lora_B" in n for n in names) == 6
 
 
 def test_engine_takes_muon_and_refuses_torch_muon(results: dict) -> None:  # type: ignore[type-arg]
