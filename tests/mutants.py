@@ -3431,7 +3431,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "src/shardwise/train/muon.py",
         "        if name is None and fallback_names:",
         "        if False:",
-        ("tests/unit/train/test_muon_optimizer.py::test_unnamed_parameters_refused_unless_split_by_shape",),
+        (
+            "tests/unit/train/test_muon_optimizer.py::test_unnamed_parameters_refused_unless_split_by_shape",
+        ),
     ),
     Mutant(
         "muon_owners_not_balanced",
@@ -3488,16 +3490,20 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "muon_under_cp_allowed",
         "src/shardwise/train/muon.py",
-        '        for field, what in (("pp", "pipeline stages"), ("ep", "experts"), ("cp", "cp")):',
-        '        for field, what in (("pp", "pipeline stages"), ("ep", "experts")):',
-        ("tests/unit/train/test_muon_optimizer.py::test_layouts_not_built_are_refused_at_construction",),
+        '        for field, what in (("ep", "experts"), ("cp", "cp")):',
+        '        for field, what in (("ep", "experts"),):',
+        (
+            "tests/unit/train/test_muon_optimizer.py::test_layouts_not_built_are_refused_at_construction",
+        ),
     ),
     Mutant(
         "muon_fallback_state_lost_on_load",
         "src/shardwise/train/muon.py",
         '            self.fallback.param_groups = [g for g in self.param_groups if not g["use_muon"]]\n            self.fallback.state = self.state\n',
         '            self.fallback.param_groups = [g for g in self.param_groups if not g["use_muon"]]\n',
-        ("tests/unit/train/test_muon_optimizer.py::test_fallback_is_stepped_and_shares_groups_and_state",),
+        (
+            "tests/unit/train/test_muon_optimizer.py::test_fallback_is_stepped_and_shares_groups_and_state",
+        ),
     ),
     Mutant(
         "muon_infinite_lr_allowed",
@@ -3511,7 +3517,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "src/shardwise/train/muon.py",
         "        if not isinstance(p, DTensor) and group is None and world > 1:",
         "        if False:",
-        ("tests/unit/train/test_muon_optimizer.py::test_plain_tensors_across_ranks_need_their_group",),
+        (
+            "tests/unit/train/test_muon_optimizer.py::test_plain_tensors_across_ranks_need_their_group",
+        ),
+    ),
+    Mutant(
+        "muon_other_stage_read_as_copies",
+        "src/shardwise/train/muon_comm.py",
+        "    if PP_DIM in root_names and PP_DIM not in names:",
+        "    if False:",
+        ("tests/distributed/test_muon.py::test_pipeline_stages_equal_one_process",),
     ),
 )
 

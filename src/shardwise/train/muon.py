@@ -16,9 +16,11 @@ Unlike torch 2.13's Muon it never writes Newton–Schulz's normalisation into th
 buffer (pytorch#190597: with bf16 parameters and nesterov=False torch divides the buffer
 itself by its norm every step).
 
-Built: one process, ddp, full_shard, shard_grad_op, hybrid_shard, tp with any of them, and
-adapters (LoRA A and B are matrices of their own). Refused at construction, one line each:
-pipeline stages, expert parallelism and context parallelism (not verified yet).
+Built: one process, ddp, full_shard, shard_grad_op, hybrid_shard, tp with any of them,
+pipeline stages (each stage's matrices on that stage's ranks: another stage's ranks hold
+other matrices, not copies) and adapters (LoRA A and B are matrices of their own). Refused
+at construction, one line each: expert parallelism and context parallelism (not verified
+yet), and 3-D stacks of experts.
 
 Must not: step the model's other optimizer state, or read the model beyond the names and
 group the Engine hands over.
@@ -83,7 +85,7 @@ def muon_context(model: nn.Module) -> Iterator[None]:
     info = wrap_info(model) or wrap_info(inner)
     if info is not None:
         cfg = info.config
-        for field, what in (("pp", "pipeline stages"), ("ep", "experts"), ("cp", "cp")):
+        for field, what in (("ep", "experts"), ("cp", "cp")):
             if int(getattr(cfg, field, 1)) > 1:
                 refused = f"{what} (ParallelConfig.{field}={getattr(cfg, field)})"
     token = _CONTEXT.set(MuonContext(names, group, refused))
@@ -164,7 +166,7 @@ class Muon(torch.optim.Optimizer):
         if context is not None and context.refused:
             raise NotImplementedError(
                 f"shardwise.Muon under {context.refused} is not built yet (its matrices' "
-                "layout over stages or experts is unverified); use AdamW, or train without it."
+                "layout there is unverified); use AdamW, or train without it."
             )
         named = _named(params, context)
         matrices, others = split_parameters(named, fallback_names, matrix_names)

@@ -35,6 +35,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardwise.distributed.mesh import PP_DIM
+
 WIRE_DTYPE = torch.float32
 """Every piece crosses the wire in this dtype, on every rank (see the module docstring)."""
 
@@ -116,14 +118,22 @@ def _on_root_mesh(param: DTensor, name: str) -> tuple[torch.Tensor, list[object]
     root = mesh._get_root_mesh()
     if root is mesh or root.mesh.shape == mesh.mesh.shape:
         return mesh.mesh.clone(), list(param.placements)
-    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    names, root_names = mesh.mesh_dim_names or (), tuple(root.mesh_dim_names or ())
     if not names or any(n not in root_names for n in names):
         raise NotImplementedError(
             f"shardwise.Muon: {name} lies on mesh dims {names}, which are not dims of its "
             f"root mesh {root_names} (a flattened mesh); its replicas cannot be found."
         )
+    ranks = root.mesh.clone()
+    if PP_DIM in root_names and PP_DIM not in names:
+        # Another pipeline stage holds other matrices, not copies: keep this stage's ranks.
+        at = root_names.index(PP_DIM)
+        coordinate = root.get_coordinate()
+        assert coordinate is not None  # this rank is in the mesh its parameter lives on
+        ranks = ranks.select(at, coordinate[at])
+        root_names = root_names[:at] + root_names[at + 1 :]
     by_name = dict(zip(names, param.placements, strict=True))
-    return root.mesh.clone(), [by_name.get(n, Replicate()) for n in root_names]
+    return ranks, [by_name.get(n, Replicate()) for n in root_names]
 
 
 def choose_owners(layouts: Sequence[MatrixLayout], sizes: Sequence[int]) -> list[int]:

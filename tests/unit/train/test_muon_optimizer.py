@@ -248,7 +248,7 @@ def test_groups_and_expert_stacks_refused() -> None:
 
 
 def test_layouts_not_built_are_refused_at_construction() -> None:
-    for field, what in (("pp", "pipeline stages"), ("ep", "experts"), ("cp", "cp")):
+    for field, what in (("ep", "experts"), ("cp", "cp")):
         info = mock.Mock()
         info.config = mock.Mock(**{"pp": 1, "ep": 1, "cp": 1, field: 2})
         model = _mlp()
