@@ -298,7 +298,7 @@ def test_equals_one_process(case: str, results: dict, references: dict) -> None:
 def test_pipeline_stages_equal_one_process(ranks: list[dict], references: dict) -> None:  # type: ignore[type-arg]
     for r in ranks:
         loss, param = _errors(r["llama_pp2_dp2"], references["llama"], stage=True)
-        # measured: losses 1.4e-7, parameters 5.8e-6 (the llama's o_proj, as under FSDP)
+        # measured: losses 6.9e-8, parameters 4.6e-6 on stage 0's ranks
         assert loss < RTOL and param < RTOL, (loss, param)
     stages = {frozenset(r["llama_pp2_dp2"]["params"]) for r in ranks}
     assert len(stages) == 2 and set().union(*stages) == set(references["llama"]["params"])
