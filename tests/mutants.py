@@ -3490,8 +3490,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "muon_under_cp_allowed",
         "src/shardwise/train/muon.py",
-        '        for field, what in (("ep", "experts"), ("cp", "cp")):',
-        '        for field, what in (("ep", "experts"),):',
+        '        for field, what in (("cp", "cp"),):',
+        "        for field, what in ():",
         (
             "tests/unit/train/test_muon_optimizer.py::test_layouts_not_built_are_refused_at_construction",
         ),
@@ -3527,6 +3527,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if PP_DIM in root_names and PP_DIM not in names:",
         "    if False:",
         ("tests/distributed/test_muon.py::test_pipeline_stages_equal_one_process",),
+    ),
+    Mutant(
+        "muon_expert_stack_as_one_matrix",
+        "src/shardwise/train/muon.py",
+        "                return torch.stack([newton_schulz(m, *settings) for m in whole])",
+        "                return newton_schulz(whole.flatten(0, 1), *settings).view_as(whole)",
+        ("tests/unit/train/test_muon_optimizer.py::test_each_expert_is_a_matrix_of_its_own",),
+    ),
+    Mutant(
+        "muon_expert_lr_from_the_stack",
+        "src/shardwise/train/muon.py",
+        "p.shape[-2:])  # one expert's matrix",
+        "p.shape)  # one expert's matrix",
+        ("tests/unit/train/test_muon_optimizer.py::test_each_expert_is_a_matrix_of_its_own",),
     ),
 )
 

@@ -5,7 +5,8 @@ tiny llama built from its config (no download) are trained 3 steps with float32
 Newton–Schulz and an SGD fallback (AdamW's float32 rounding alone lands near 1e-5), under
 ddp, full_shard, shard_grad_op, hybrid 2 x 2 and dp 2 x tp 2 (and the llama with peft's
 LoRA adapters, whose A and B are matrices of their own, under full_shard and hybrid; and
-pp 2 x dp 2 through the Engine), each rank on its part of the
+pp 2 x dp 2 through the Engine; a tiny mixtral's 3-D expert stacks, each expert's matrix
+on its own, under full_shard and ep 2), each rank on its part of the
 same global batch. Compared with one process on the whole batch: the loss at every step
 and the final parameters, within 1e-5 relative. The negative control orthogonalises each
 rank's local shard and must miss by about its measured size. Newton–Schulz is counted on
@@ -75,7 +76,16 @@ def lora() -> nn.Module:
     return peft.get_peft_model(base, config)
 
 
-MODELS = {"mlp": mlp, "llama": llama, "lora": lora}
+def mixtral() -> nn.Module:
+    """A mixture of 4 experts (3-D stacks: each expert's matrix is a matrix of its own)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(config)
+
+
+MODELS = {"mlp": mlp, "llama": llama, "lora": lora, "mixtral": mixtral}
 
 
 def batches(model: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -156,6 +166,8 @@ CASES = [  # name, model, ParallelConfig fields, optimizer class
     ("llama_dp2_tp2", "llama", dict(strategy="full_shard", tp=2), None),
     ("lora_full_shard", "lora", dict(strategy="full_shard"), None),
     ("lora_hybrid_2x2", "lora", dict(strategy="hybrid_shard", dp_shard=2), None),
+    ("mixtral_full_shard", "mixtral", dict(strategy="full_shard"), None),
+    ("mixtral_ep2", "mixtral", dict(strategy="full_shard", ep=2), None),
 ]
 
 
@@ -183,7 +195,9 @@ def _distributed_cases() -> dict:  # type: ignore[type-arg]
         with mock.patch.object(muon_module, "newton_schulz", _counting_newton_schulz(calls)):
             result = train(model_name, model, opt, shard)
         result["newton_schulz"] = calls["newton_schulz"]
-        result["matrices"] = len(opt.matrix_names)
+        stacks = [p for g in opt.param_groups if g["use_muon"] for p in g["params"]]
+        # a 3-D stack holds one matrix per expert
+        result["matrices"] = sum(p.shape[0] if p.ndim == 3 else 1 for p in stacks)
         result["matrix_names"] = list(opt.matrix_names)
         out[name] = result
     out["engine"] = _engine_run()
@@ -332,6 +346,13 @@ def test_traffic_is_bucketed_by_owner(ranks: list[dict]) -> None:  # type: ignor
         assert hybrid["broadcast"] == 4 * STEPS, hybrid
         assert hybrid["gather"] == hybrid["scatter"] == 2 * STEPS, hybrid
         assert r["mlp_ddp"]["collectives"] == {"broadcast": 3 * STEPS}
+
+
+def test_each_expert_is_a_matrix_of_its_own(results: dict) -> None:  # type: ignore[type-arg]
+    for case in ("mixtral_full_shard", "mixtral_ep2"):
+        names = results[case]["matrix_names"]
+        assert sum(".experts." in n for n in names) == 4, names  # 2 layers x 2 stacks
+        assert results[case]["matrices"] == 8 + 4 * 4  # 8 attention matrices, 16 experts'
 
 
 def test_lora_a_and_b_are_matrices_of_their_own(results: dict) -> None:  # type: ignore[type-arg]

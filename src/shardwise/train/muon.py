@@ -18,9 +18,9 @@ itself by its norm every step).
 
 Built: one process, ddp, full_shard, shard_grad_op, hybrid_shard, tp with any of them,
 pipeline stages (each stage's matrices on that stage's ranks: another stage's ranks hold
-other matrices, not copies) and adapters (LoRA A and B are matrices of their own). Refused
-at construction, one line each: expert parallelism and context parallelism (not verified
-yet), and 3-D stacks of experts.
+other matrices, not copies), experts (a 3-D stack is assembled whole and each expert's
+matrix orthogonalised on its own) and adapters (LoRA A and B are matrices of their own).
+Refused at construction, in one line: context parallelism (not verified yet).
 
 Must not: step the model's other optimizer state, or read the model beyond the names and
 group the Engine hands over.
@@ -54,7 +54,13 @@ DEFAULT_FALLBACK_NAMES: tuple[str, ...] = (
 )
 """Regular expressions (re.search on the parameter's name) for parameters that go to the
 fallback optimizer. Biases, norms' weights and any other parameter that is not 2-D go there
-by shape; a 3-D stack of experts is refused (per-expert Muon is not built yet)."""
+by shape, except a 3-D stack of experts (`EXPERT_NAMES`): each expert's matrix is
+orthogonalised on its own."""
+
+EXPERT_NAMES: tuple[str, ...] = (r"(^|\.)experts\.",)
+"""Regular expressions for 3-D parameters that stack one matrix per expert (transformers'
+`experts.gate_up_proj`, `experts.down_proj`): Muon treats each expert's matrix as a matrix,
+never the stack as one."""
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -85,7 +91,7 @@ def muon_context(model: nn.Module) -> Iterator[None]:
     info = wrap_info(model) or wrap_info(inner)
     if info is not None:
         cfg = info.config
-        for field, what in (("ep", "experts"), ("cp", "cp")):
+        for field, what in (("cp", "cp"),):
             if int(getattr(cfg, field, 1)) > 1:
                 refused = f"{what} (ParallelConfig.{field}={getattr(cfg, field)})"
     token = _CONTEXT.set(MuonContext(names, group, refused))
@@ -140,7 +146,8 @@ class Muon(torch.optim.Optimizer):
     dtype (bf16 as torch; float32 for parity checks). `fallback`: a factory taking the
     other parameters (default: AdamW with `lr` and torch's other AdamW defaults).
     `fallback_names`: regular expressions sending matching parameters to the fallback;
-    `matrix_names`: expressions that keep a 2-D parameter on Muon whatever its name.
+    `matrix_names`: expressions that keep a 2-D parameter on Muon whatever its name;
+    `expert_names`: expressions naming 3-D stacks of expert matrices (each expert its own).
     `process_group`: where plain-tensor parameters are replicated (ddp's group)."""
 
     def __init__(
@@ -159,6 +166,7 @@ class Muon(torch.optim.Optimizer):
         fallback: OptimizerFactory | None = None,
         fallback_names: Sequence[str] = DEFAULT_FALLBACK_NAMES,
         matrix_names: Sequence[str] = (),
+        expert_names: Sequence[str] = EXPERT_NAMES,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         _check_settings(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
@@ -169,7 +177,7 @@ class Muon(torch.optim.Optimizer):
                 "layout there is unverified); use AdamW, or train without it."
             )
         named = _named(params, context)
-        matrices, others = split_parameters(named, fallback_names, matrix_names)
+        matrices, others = split_parameters(named, fallback_names, matrix_names, expert_names)
         group = process_group
         if group is None and context is not None:
             group = context.process_group
@@ -189,6 +197,7 @@ class Muon(torch.optim.Optimizer):
         self.matrix_names = [n for n, _ in matrices]
         self.fallback_names = [n for n, _ in others]
         self._layouts = _layouts(matrices, group)
+        self.expert_names = [n for n, p in matrices if p.ndim == 3]
         self._owners = muon_comm.choose_owners(
             list(self._layouts.values()), [p.numel() for _, p in matrices]
         )
@@ -239,7 +248,7 @@ class Muon(torch.optim.Optimizer):
             lr = float(group["lr"])
             local = _local(p)
             local.mul_(1 - lr * group["weight_decay"])
-            step = adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+            step = adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:])  # one expert's matrix
             local.add_(update.to(local.device), alpha=-step)
         if self.fallback is not None:
             self.fallback.step()
@@ -257,9 +266,15 @@ class Muon(torch.optim.Optimizer):
         update = grad.lerp(buf, m) if group["nesterov"] else buf
 
         def orthogonalise(whole: torch.Tensor) -> torch.Tensor:
-            return newton_schulz(
-                whole, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
+            settings = (
+                group["ns_coefficients"],
+                group["ns_steps"],
+                group["eps"],
+                group["ns_dtype"],
             )
+            if whole.ndim == 3:  # a stack of experts: each expert's matrix on its own
+                return torch.stack([newton_schulz(m, *settings) for m in whole])
+            return newton_schulz(whole, *settings)
 
         layout = self._layouts[id(p)]
         return muon_comm.Item(tuple(p.shape), update, layout, self._owner_of[id(p)], orthogonalise)
@@ -320,19 +335,20 @@ def split_parameters(
     named: Sequence[tuple[str | None, nn.Parameter]],
     fallback_names: Sequence[str] = DEFAULT_FALLBACK_NAMES,
     matrix_names: Sequence[str] = (),
+    expert_names: Sequence[str] = EXPERT_NAMES,
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """(matrices for Muon, the rest for the fallback): 2-D parameters whose names match no
-    `fallback_names` (or match a `matrix_names`) are matrices."""
+    `fallback_names` (or match a `matrix_names`) are matrices, and so are 3-D stacks named
+    by `expert_names` (one matrix per expert)."""
     matrices, others = [], []
     for i, (name, p) in enumerate(named):
         label = name if name is not None else f"params[{i}]"
-        if p.ndim == 3:
-            raise NotImplementedError(
-                f"shardwise.Muon: {label} is a 3-D stack of {p.shape[0]} expert matrices; "
-                "per-expert Newton–Schulz is not built yet. Send it to the fallback "
-                f"with fallback_names=(*shardwise.train.muon.DEFAULT_FALLBACK_NAMES, "
-                f"{re.escape(label)!r})."
-            )
+        if p.ndim == 3 and name is not None and _any(expert_names, name):
+            if not _any(fallback_names, name):
+                matrices.append((label, p))
+            else:
+                others.append((label, p))
+            continue
         forced = name is not None and any(re.search(r, name) for r in matrix_names)
         if p.ndim != 2 or (not forced and name is not None and _any(fallback_names, name)):
             others.append((label, p))

@@ -239,16 +239,38 @@ def test_unnamed_parameters_refused_unless_split_by_shape() -> None:
     assert opt.matrix_names == ["params[0]", "params[1]"]
 
 
-def test_groups_and_expert_stacks_refused() -> None:
+def test_groups_refused() -> None:
     with pytest.raises(TypeError, match=r"got a parameter group \(a dict\)"):
         Muon([{"params": list(_mlp().parameters())}])
-    stack = nn.Parameter(torch.zeros(4, 3, 5))
-    with pytest.raises(NotImplementedError, match=r"experts.w is a 3-D stack of 4 expert"):
-        Muon([("experts.w", stack)])
+    with pytest.raises(TypeError, match=r"got a str among its parameters"):
+        Muon(["weight"])  # type: ignore[list-item]
+
+
+def test_each_expert_is_a_matrix_of_its_own() -> None:
+    """A 3-D stack of experts steps as its experts would one by one (Newton–Schulz and the
+    lr ratio per expert's (3, 6) matrix, not the stack's (4, 3)), never as one matrix."""
+    g = torch.Generator().manual_seed(0)
+    stack = nn.Parameter(torch.randn(4, 3, 6, generator=g))
+    apart = [nn.Parameter(m.detach().clone()) for m in stack]
+    grads = torch.randn(2, 4, 3, 6, generator=g)
+    together = Muon([("mlp.experts.down_proj", stack)], lr=0.1)
+    one_by_one = Muon([(f"mlp.expert{i}.weight", p) for i, p in enumerate(apart)], lr=0.1)
+    assert together.expert_names == ["mlp.experts.down_proj"]
+    for grad in grads:
+        stack.grad = grad.clone()
+        for p, gi in zip(apart, grad, strict=True):
+            p.grad = gi.clone()
+        together.step()
+        one_by_one.step()
+    assert torch.equal(stack.detach(), torch.stack([p.detach() for p in apart]))
+    _, others = split_parameters([("conv.weight", nn.Parameter(torch.zeros(4, 6, 3)))])
+    assert [n for n, _ in others] == ["conv.weight"]  # 3-D and not experts: by shape
+    _, others = split_parameters([("experts.w", stack)], fallback_names=[r"experts"])
+    assert [n for n, _ in others] == ["experts.w"]
 
 
 def test_layouts_not_built_are_refused_at_construction() -> None:
-    for field, what in (("ep", "experts"), ("cp", "cp")):
+    for field, what in (("cp", "cp"),):
         info = mock.Mock()
         info.config = mock.Mock(**{"pp": 1, "ep": 1, "cp": 1, field: 2})
         model = _mlp()
