@@ -115,7 +115,7 @@ test-streams: $(STAMP)
 	$(VENV)/bin/pytest -q -m streams tests/e2e/test_streams.py
 
 # shardwise.Muon at world 4 (ddp, full_shard, shard_grad_op, hybrid 2x2, dp 2 x tp 2,
-# pp 2 x dp 2; an MLP, a tiny llama, the llama with LoRA) against one process, its negative control and Newton–Schulz counted
+# pp 2 x dp 2, ep 2; an MLP, a tiny llama, the llama with LoRA, a tiny mixtral) against one process, its negative control and Newton–Schulz counted
 # once per matrix in the job (about 30 s).
 test-muon: $(STAMP)
 	$(VENV)/bin/pytest -q -m muon tests/distributed/test_muon.py
