@@ -3542,6 +3542,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "p.shape)  # one expert's matrix",
         ("tests/unit/train/test_muon_optimizer.py::test_each_expert_is_a_matrix_of_its_own",),
     ),
+    Mutant(
+        "muon_ns_dtype_string_from_a_checkpoint",
+        "src/shardwise/train/muon.py",
+        '                _dtype(group["ns_dtype"]),  # a checkpoint gives it back as a string',
+        '                group["ns_dtype"],  # a checkpoint gives it back as a string',
+        (
+            "tests/unit/train/test_muon_optimizer.py::test_a_checkpoint_gives_ns_dtype_back_as_a_string",
+            "tests/distributed/test_muon.py::test_checkpoint_moves_between_layouts",
+        ),
+    ),
 )
 
 

@@ -133,6 +133,17 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> floa
     return lr * 0.2 * math.sqrt(max(rows, cols))  # "match_rms_adamw"
 
 
+def _dtype(value: torch.dtype | str) -> torch.dtype:
+    """A group's ns_dtype: a torch.dtype, or its name as a checkpoint gives it back
+    ('torch.float32': DCP stores a group's dtypes as strings)."""
+    if isinstance(value, torch.dtype):
+        return value
+    found = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"shardwise.Muon: ns_dtype={value!r} is not a torch dtype.")
+    return found
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -267,10 +278,10 @@ class Muon(torch.optim.Optimizer):
 
         def orthogonalise(whole: torch.Tensor) -> torch.Tensor:
             settings = (
-                group["ns_coefficients"],
+                tuple(group["ns_coefficients"]),
                 group["ns_steps"],
                 group["eps"],
-                group["ns_dtype"],
+                _dtype(group["ns_dtype"]),  # a checkpoint gives it back as a string
             )
             if whole.ndim == 3:  # a stack of experts: each expert's matrix on its own
                 return torch.stack([newton_schulz(m, *settings) for m in whole])

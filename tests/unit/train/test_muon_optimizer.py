@@ -298,3 +298,24 @@ def test_engine_names_the_parameters() -> None:
     assert isinstance(engine.optimizer, Muon)
     assert engine.optimizer.matrix_names == ["q_proj.weight", "gate_proj.weight"]
     assert "embed_tokens.weight" in engine.optimizer.fallback_names
+
+
+def test_a_checkpoint_gives_ns_dtype_back_as_a_string() -> None:
+    """DCP hands a group's dtype back as 'torch.float32': the loaded dtype is used (here
+    float32 over the constructor's bf16), and a name that is no dtype is refused."""
+    a = _mlp()
+    opt = Muon(a.named_parameters(), ns_dtype=torch.float32)
+    _train(a, opt, 1)
+    state = copy.deepcopy(opt.state_dict())
+    state["param_groups"][0]["ns_dtype"] = "torch.float32"
+    b = copy.deepcopy(a)
+    again = Muon(b.named_parameters(), ns_dtype=torch.bfloat16)
+    again.load_state_dict(state)
+    _train(a, opt, 1)
+    _train(b, again, 1)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    state["param_groups"][0]["ns_dtype"] = "torch.nonsense"
+    again.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"ns_dtype='torch.nonsense' is not a torch dtype"):
+        _train(b, again, 1)
