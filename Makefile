@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-muon test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -113,6 +113,12 @@ test-elastic: $(STAMP)
 # worlds 1, 2 and 4 and at other worker counts, through `shardwise run` (about 2 min).
 test-streams: $(STAMP)
 	$(VENV)/bin/pytest -q -m streams tests/e2e/test_streams.py
+
+# shardwise.Muon at world 4 (ddp, full_shard, shard_grad_op, hybrid 2x2, dp 2 x tp 2,
+# pp 2 x dp 2, ep 2; an MLP, a tiny llama, the llama with LoRA, a tiny mixtral) against one process, its negative control and Newton–Schulz counted
+# once per matrix in the job (about 30 s).
+test-muon: $(STAMP)
+	$(VENV)/bin/pytest -q -m muon tests/distributed/test_muon.py
 
 test-slurm: $(STAMP)
 	$(VENV)/bin/pytest -q -s -m slurm tests/e2e/test_slurm.py

@@ -69,6 +69,7 @@ from shardwise.plan import (
 from shardwise.train import (
     PREEMPTED_EXIT_CODE,
     Engine,
+    Muon,
     NonFiniteError,
     Preempted,
     Runner,
@@ -93,6 +94,7 @@ __all__ = [
     "Engine",
     "InitializationError",
     "MeshSpec",
+    "Muon",
     "NoPlanFitsError",
     "NonFiniteError",
     "ParallelConfig",

@@ -87,6 +87,8 @@ PUBLIC: dict[str, str] = {
     "StagePlan": "class",
     # issue 49: attention for a model of your own under context parallel
     "context_attention": "function",
+    # issue 52: Muon on whole matrices under every layout
+    "Muon": "class",
 }
 
 OLD_PATHS: dict[str, list[str]] = {

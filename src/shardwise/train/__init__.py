@@ -2,6 +2,7 @@
 
 engine.py (train/val/test steps, accumulation, clipping, loss scaling), nonfinite.py
 (NaN/inf on any rank), optim.py (optimizers built after wrapping, mmengine's OptimWrapper),
+muon.py and muon_comm.py (Muon on whole matrices under every layout),
 losses.py (the loss contract), runner.py (the loop) with data.py (per-rank data),
 resume.py (resume and preemption) and progress.py (the progress bar), stream.py and
 packing.py (streamed data, packed documents), metrics.py and
@@ -12,6 +13,7 @@ from shardwise.config.training import RunnerConfig, TrainConfig
 from shardwise.train.engine import MODES, Engine, clip_grad_norm_, total_grad_norm
 from shardwise.train.losses import VIS_KEYS, model_parse_losses, parse_losses, split_outputs
 from shardwise.train.metrics import METRICS_FILE, MetricsLogger, read_metrics
+from shardwise.train.muon import Muon
 from shardwise.train.nonfinite import NonFiniteError
 from shardwise.train.optim import (
     OptimizerFactory,
@@ -38,6 +40,7 @@ __all__ = [
     "Engine",
     "EvaluateFn",
     "MetricsLogger",
+    "Muon",
     "NonFiniteError",
     "OptimWrapperLike",
     "OptimizerFactory",

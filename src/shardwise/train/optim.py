@@ -21,11 +21,13 @@ from typing import Any, Protocol, TypeGuard, cast
 import torch
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import TrainConfig
 from shardwise.parallelize.stages import pipeline_state
 from shardwise.parallelize.wrapped import unwrap
+from shardwise.train.muon import muon_context
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -81,13 +83,15 @@ def build_optimizer(optimizer: object, model: nn.Module) -> torch.optim.Optimize
             # stage still joins the update's norm and steps.
             built = optimizer([{"params": []}])
         else:
-            built = optimizer(trainable)
+            with muon_context(model):  # shardwise.Muon reads the names and ddp's group
+                built = optimizer(trainable)
         if not isinstance(built, torch.optim.Optimizer):
             raise TypeError(
                 f"Engine: the optimizer factory returned {type(built).__name__}, not a "
                 "torch.optim.Optimizer."
             )
         check_hyperparameters(built)
+        refuse_torch_muon(built)
         return built
     ids = {id(p) for p in model_params}
     held = [p for g in optimizer.param_groups for p in g["params"]]
@@ -112,7 +116,26 @@ def build_optimizer(optimizer: object, model: nn.Module) -> torch.optim.Optimize
             stacklevel=3,
         )
     check_hyperparameters(optimizer)
+    refuse_torch_muon(optimizer)
     return optimizer
+
+
+def refuse_torch_muon(optimizer: torch.optim.Optimizer) -> None:
+    """torch.optim.Muon over sharded (DTensor) parameters runs: DTensor assembles every
+    matmul of Newton–Schulz (1.6x FSDP's traffic) and every rank repeats every iteration.
+    Refused, naming shardwise.Muon, which takes the same hyperparameters."""
+    if type(optimizer) is not torch.optim.Muon:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(isinstance(p, DTensor) for p in params):
+        g = optimizer.defaults
+        raise ValueError(
+            "Engine: torch.optim.Muon over sharded (DTensor) parameters repeats Newton–Schulz "
+            "on every rank at 1.6x FSDP's traffic; use optimizer=lambda p: shardwise.Muon(p, "
+            f"lr={g['lr']}, weight_decay={g['weight_decay']}, momentum={g['momentum']}, "
+            f"nesterov={g['nesterov']}, ns_steps={g['ns_steps']}), which orthogonalises each "
+            "whole matrix once."
+        )
 
 
 def _drop_frozen(optimizer: torch.optim.Optimizer) -> None:
