@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-ray test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -113,6 +113,12 @@ test-elastic: $(STAMP)
 # worlds 1, 2 and 4 and at other worker counts, through `shardwise run` (about 2 min).
 test-streams: $(STAMP)
 	$(VENV)/bin/pytest -q -m streams tests/e2e/test_streams.py
+
+# shardwise's Runner inside Ray Train's TorchTrainer on a local Ray cluster (2 CPUs): 2
+# workers equal to one, a worker killed mid-run resumed from the reported checkpoint, and a
+# restart at another number of workers (about 3 minutes); .ci/run runs it.
+test-ray: $(STAMP)
+	$(VENV)/bin/pytest -q -m ray tests/integrations/test_ray.py
 
 test-slurm: $(STAMP)
 	$(VENV)/bin/pytest -q -s -m slurm tests/e2e/test_slurm.py
