@@ -55,9 +55,9 @@ def test_node_rank_zero_hosts_the_store_and_one_node_still_listens_on_the_port(
 ) -> None:
     env = {**KUBEFLOW, "PET_NNODES": "1", "PET_NODE_RANK": "0"}
     got = _torchrun(_args(), monkeypatch, env)
+    assert "--standalone" not in got  # standalone would listen on a port of its own
     assert _value(got, "--rdzv_conf") == "is_host=1"
     assert _value(got, "--rdzv_endpoint") == "job-node-0-0.job:29400"
-    assert "--standalone" not in got
     env.pop("PET_MASTER_ADDR")  # torchrun's --master-addr defaults to 127.0.0.1
     assert _value(_torchrun(_args(), monkeypatch, env), "--rdzv_endpoint") == "127.0.0.1:29400"
 
