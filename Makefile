@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-muon test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-muon test-ray test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -119,6 +119,12 @@ test-streams: $(STAMP)
 # once per matrix in the job (about 30 s).
 test-muon: $(STAMP)
 	$(VENV)/bin/pytest -q -m muon tests/distributed/test_muon.py
+
+# shardwise's Runner inside Ray Train's TorchTrainer on a local Ray cluster (2 CPUs): 2
+# workers equal to one, a worker killed mid-run resumed from the reported checkpoint, and a
+# restart at another number of workers (about 3 minutes); .ci/run runs it.
+test-ray: $(STAMP)
+	$(VENV)/bin/pytest -q -m ray tests/integrations/test_ray.py
 
 test-slurm: $(STAMP)
 	$(VENV)/bin/pytest -q -s -m slurm tests/e2e/test_slurm.py

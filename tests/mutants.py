@@ -4232,6 +4232,83 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/distributed/test_muon.py::test_checkpoint_moves_between_layouts",
         ),
     ),
+    # Issue 53: torchrun's PET_* variables (Kubeflow Trainer) and shardwise under Ray Train.
+    Mutant(
+        "pet_variable_beats_its_flag",
+        "src/shardwise/cli/launch.py",
+        "        if getattr(args, attr, None) is not None:\n            continue",
+        "        if getattr(args, attr, None) is not None and var not in env:\n            continue",
+        (
+            "tests/unit/cli/test_launch_pet.py::test_a_flag_beats_its_variable",
+            "tests/e2e/test_launch_robust.py::test_kubeflow_two_nodes_and_a_flag_beats_its_variable",
+        ),
+    ),
+    Mutant(
+        "pet_one_node_stays_standalone",
+        "src/shardwise/cli/launch.py",
+        "    if _max_nodes(nnodes) == 1 and not args.rdzv_endpoint:",
+        "    if _max_nodes(nnodes) == 1:",
+        (
+            "tests/unit/cli/test_launch_pet.py::test_node_rank_zero_hosts_the_store_and_one_node_still_listens_on_the_port",
+            "tests/e2e/test_launch_robust.py::test_kubeflow_variables_start_their_ranks_on_their_port",
+        ),
+    ),
+    Mutant(
+        "pet_every_node_hosts_the_store",
+        "src/shardwise/cli/launch.py",
+        "        args.rdzv_host = args.node_rank == 0",
+        "        args.rdzv_host = True",
+        ("tests/unit/cli/test_launch_pet.py::test_every_variable_is_read_as_torchrun_reads_it",),
+    ),
+    Mutant(
+        "pet_master_addr_default_localhost",
+        "src/shardwise/cli/launch.py",
+        'addr = env.get("PET_MASTER_ADDR") or "127.0.0.1"',
+        'addr = env.get("PET_MASTER_ADDR") or "localhost"',
+        (
+            "tests/unit/cli/test_launch_pet.py::test_node_rank_zero_hosts_the_store_and_one_node_still_listens_on_the_port",
+        ),
+    ),
+    Mutant(
+        "pet_master_port_zero_taken",
+        "src/shardwise/cli/launch.py",
+        "    if not 0 < port < 65536:",
+        "    if not 0 <= port < 65536:",
+        ("tests/unit/cli/test_launch_pet.py::test_a_malformed_variable_is_one_line_naming_it",),
+    ),
+    Mutant(
+        "pet_master_addr_without_port_ignored",
+        "src/shardwise/cli/launch.py",
+        'elif getattr(args, "rdzv_endpoint", None) is None and env.get("PET_MASTER_ADDR"):',
+        'elif getattr(args, "rdzv_endpoint", None) is None and env.get("PET_MASTER_HOST"):',
+        ("tests/unit/cli/test_launch_pet.py::test_an_address_without_a_port_is_refused",),
+    ),
+    Mutant(
+        "ray_reports_no_checkpoint",
+        "src/shardwise/integrations/ray.py",
+        "checkpoint = ray.train.Checkpoint.from_directory(str(path)) if rank0 else None",
+        "checkpoint = None",
+        (
+            "tests/integrations/test_ray.py::test_a_killed_worker_resumes_from_the_reported_checkpoint",
+        ),
+    ),
+    Mutant(
+        "ray_restart_ignores_rays_checkpoint",
+        "src/shardwise/integrations/ray.py",
+        "self.config = dataclasses.replace(self.config, resume=reported)",
+        "self.config = dataclasses.replace(self.config, resume=self.config.resume)",
+        (
+            "tests/integrations/test_ray.py::test_a_killed_worker_resumes_from_the_reported_checkpoint",
+            "tests/integrations/test_ray.py::test_a_new_trainer_of_the_run_resumes_at_another_number_of_workers",
+        ),
+    ),
+    Mutant(
+        "ray_async_save_allowed",
+        "src/shardwise/integrations/ray.py",
+        "        if self.config.async_save:",
+        "        if self.config.async_save is None:",
+        ("tests/integrations/test_ray.py::test_an_asynchronous_save_is_refused",),
+    ),
 )
 
 

@@ -53,7 +53,7 @@ ROWS: tuple[tuple[str, ...], ...] = (
     ("plan",),
     ("config", "distributed"),
 )
-HOSTS = ("mmengine", "lightning", "pytorch_lightning")
+HOSTS = ("mmengine", "lightning", "pytorch_lightning", "ray")
 MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 250
 MAX_TOP_LEVEL = 12

@@ -744,3 +744,88 @@ def test_a_rank_stalled_inside_a_checkpoint_is_named_with_the_phase(tmp_path, ph
     named = "finishing an asynchronous checkpoint save" if phase == "async" else phase
     said = f"StallError: rank 0: {named} stalled: rank(s) 1 did not arrive"
     assert said in out.stderr, out.stderr[-3000:]
+
+
+# Kubeflow Trainer's torch runtime starts the launcher with torchrun's PET_* variables and
+# no flags. Each rank writes the world, its local rank, whether something listens on
+# PET_MASTER_PORT (the rendezvous store) and an all_reduce of rank + 1.
+PET_WORKER = """
+import socket
+info = shardwise.init_distributed()
+try:
+    socket.create_connection(("127.0.0.1", int(os.environ["PET_MASTER_PORT"])), 5).close()
+    listening = 1
+except OSError:
+    listening = 0
+t = torch.tensor([float(info.rank + 1)])
+dist.all_reduce(t)
+(OUT / f"rank{info.rank}").write_text(f"{info.world_size} {info.local_rank} {listening} {t.item()}")
+shardwise.shutdown()
+"""
+
+
+def _pet(nnodes: int, node_rank: int, port: int) -> dict[str, str]:
+    return {
+        "PET_NNODES": str(nnodes), "PET_NPROC_PER_NODE": "3", "PET_NODE_RANK": str(node_rank),
+        "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
+    }  # fmt: skip
+
+
+def test_kubeflow_variables_start_their_ranks_on_their_port(tmp_path):
+    """Issue 53: PET_NPROC_PER_NODE=3 started 2 ranks, and nothing listened on
+    PET_MASTER_PORT. Now: 3 ranks in one world, the store on that port."""
+    script = _script(tmp_path, PET_WORKER)
+    log = tmp_path / "launcher.log"
+    proc = _start([*SHARDWISE, "run", str(script), str(tmp_path)], log, **_pet(1, 0, free_port()))
+    try:
+        code = proc.wait(timeout=240)
+    finally:
+        _kill_session(proc)
+    assert code == 0, log.read_text()[-3000:]
+    seen = sorted(p.name for p in tmp_path.glob("rank*"))
+    assert seen == ["rank0", "rank1", "rank2"], log.read_text()[-3000:]
+    for r in range(3):
+        assert (tmp_path / f"rank{r}").read_text() == f"3 {r} 1 6.0"
+
+
+def test_kubeflow_two_nodes_and_a_flag_beats_its_variable(tmp_path):
+    """Two launchers, node ranks 0 and 1 from PET_NODE_RANK, meet at PET_MASTER_ADDR:PORT
+    (node 0 hosts the store). Each is given --nproc 1 against PET_NPROC_PER_NODE=3: the
+    flag wins, as in torchrun, so the world is 2, not 6."""
+    script = _script(tmp_path, PET_WORKER)
+    port = free_port()
+    nodes = [
+        _start(
+            [*SHARDWISE, "run", "--nproc", "1", "--timeout", "20", str(script), str(tmp_path)],
+            tmp_path / f"node{node}.log",
+            **_pet(2, node, port),
+        )
+        for node in (0, 1)
+    ]
+    try:
+        codes = [p.wait(timeout=240) for p in nodes]
+    finally:
+        _kill_session(*nodes)
+    logs = [(tmp_path / f"node{n}.log").read_text()[-2000:] for n in (0, 1)]
+    assert codes == [0, 0], logs
+    assert sorted(p.name for p in tmp_path.glob("rank*")) == ["rank0", "rank1"], logs
+    for r in (0, 1):
+        assert (tmp_path / f"rank{r}").read_text() == "2 0 1 3.0"
+
+
+def test_a_malformed_kubeflow_variable_is_one_line_and_nothing_starts(tmp_path):
+    script = _script(tmp_path, PET_WORKER)
+    env = {**_pet(1, 0, free_port()), "PET_NPROC_PER_NODE": "three"}
+    log = tmp_path / "launcher.log"
+    proc = _start([*SHARDWISE, "run", str(script), str(tmp_path)], log, **env)
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        _kill_session(proc)
+    lines = log.read_text().strip().splitlines()
+    assert code == 2 and lines == [
+        "shardwise run: error: PET_NPROC_PER_NODE='three' (the default of --nproc, as "
+        "torchrun reads it): --nproc='three': use a positive integer or 'auto'. Fix the "
+        "variable or give --nproc; nothing was started."
+    ], lines
+    assert not list(tmp_path.glob("rank*"))

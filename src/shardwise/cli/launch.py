@@ -13,6 +13,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +123,80 @@ def _max_nodes(nnodes: str | int) -> int:
     return int(str(nnodes).rpartition(":")[2])
 
 
+# torchrun reads PET_<FLAG> as the default of each of its flags (torch/distributed/
+# argparse_util.py's `env` action): a flag given on the command line wins, then the
+# variable, then the flag's own default. Kubeflow Trainer's torch runtime sets these five
+# and starts torchrun with no flags, so `shardwise run` there must read them the same way:
+# without this, PET_NPROC_PER_NODE=3 started 2 ranks and nothing listened on
+# PET_MASTER_PORT. (flag, variable, parser, default when neither is given)
+_PET_FLAGS: tuple[tuple[str, str, str, Any, Any], ...] = (
+    ("nproc", "--nproc", "PET_NPROC_PER_NODE", nproc_arg, "auto"),
+    ("nnodes", "--nnodes", "PET_NNODES", nnodes_arg, "1"),
+    ("node_rank", "--node-rank", "PET_NODE_RANK", non_negative_arg("--node-rank"), "0"),
+)
+
+
+def _master_port_arg(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"use a port number in [1, 65535], got {value!r}")
+    return port
+
+
+def resolve_env_defaults(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """Fill the `run` flags left unset from torchrun's PET_* variables, then the defaults.
+
+    A malformed variable is one ValueError naming it, before anything spawns. The
+    rendezvous endpoint is PET_MASTER_ADDR:PET_MASTER_PORT (the address defaults to
+    127.0.0.1, as torchrun's --master-addr does) when the port is set and
+    --rdzv-endpoint is not; node rank 0 hosts its store, as torchrun's static rendezvous
+    has rank 0 host it (`args.rdzv_host`). Calling it twice changes nothing.
+    """
+    env = os.environ if environ is None else environ
+    for attr, flag, var, parse, default in _PET_FLAGS:
+        if getattr(args, attr, None) is not None:
+            continue  # the flag was given: it beats the variable, as in torchrun
+        value = env.get(var)
+        if value is None:
+            setattr(args, attr, parse(default))
+            continue
+        try:
+            setattr(args, attr, parse(value))
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(
+                f"{var}={value!r} (the default of {flag}, as torchrun reads it): {exc}. "
+                f"Fix the variable or give {flag}; nothing was started."
+            ) from None
+    if getattr(args, "rdzv_endpoint", None) is None and "PET_MASTER_PORT" in env:
+        value = env["PET_MASTER_PORT"]
+        try:
+            port = _master_port_arg(value)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(
+                f"PET_MASTER_PORT={value!r} (the rendezvous port, as torchrun reads it): "
+                f"{exc}. Fix the variable or give --rdzv-endpoint HOST:PORT; nothing was "
+                "started."
+            ) from None
+        addr = env.get("PET_MASTER_ADDR") or "127.0.0.1"
+        args.rdzv_endpoint = f"{addr}:{port}"
+        args.rdzv_host = args.node_rank == 0
+    elif getattr(args, "rdzv_endpoint", None) is None and env.get("PET_MASTER_ADDR"):
+        raise ValueError(
+            f"PET_MASTER_ADDR={env['PET_MASTER_ADDR']!r} without PET_MASTER_PORT: set the "
+            "port too (the rendezvous endpoint is ADDR:PORT), or give --rdzv-endpoint "
+            "HOST:PORT; nothing was started."
+        )
+    return args
+
+
 def launcher_args(args: argparse.Namespace) -> list[str]:
     """torchrun's arguments for our `run` flags (single node: --standalone)."""
+    resolve_env_defaults(args)
     nnodes = str(args.nnodes)
     out = ["--nproc_per_node", str(args.nproc), "--nnodes", nnodes]
     if _max_nodes(nnodes) == 1 and not args.rdzv_endpoint:
@@ -147,6 +220,12 @@ def launcher_args(args: argparse.Namespace) -> list[str]:
             "--rdzv_endpoint",
             args.rdzv_endpoint,
         ]
+        rdzv_host = getattr(args, "rdzv_host", None)
+        if rdzv_host is not None:
+            # The endpoint came from PET_MASTER_*: under Kubeflow it is node 0's service
+            # name, which torch's guess (the endpoint matches this machine's hostname or
+            # addresses) may not recognise, and then no node would host the store.
+            out += ["--rdzv_conf", f"is_host={int(rdzv_host)}"]
         # torch keys a rendezvous by this id: two jobs on one store with the same id (its
         # default is 'none') would join one job. Every node of a SLURM job shares its id.
         rdzv_id = getattr(args, "rdzv_id", None) or os.environ.get("SLURM_JOB_ID")

@@ -152,23 +152,28 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--nproc",
         type=nproc_arg,
-        default=nproc_arg("auto"),
-        help="processes per node, or 'auto' (GPUs, or 2 on CPU)",
+        default=None,
+        help="processes per node, or 'auto' (GPUs, or 2 on CPU; default $PET_NPROC_PER_NODE "
+        "when set, as torchrun, else auto)",
     )
     run.add_argument(
         "--nnodes",
         type=nnodes_arg,
-        default="1",
-        help="number of nodes, or MIN:MAX for an elastic job (needs --rdzv-endpoint)",
+        default=None,
+        help="number of nodes, or MIN:MAX for an elastic job (needs --rdzv-endpoint; default "
+        "$PET_NNODES when set, else 1)",
     )
     run.add_argument(
         "--node-rank",
         type=non_negative_arg("--node-rank"),
-        default=0,
-        help="this node's rank (multi-node)",
+        default=None,
+        help="this node's rank (multi-node; default $PET_NODE_RANK when set, else 0)",
     )
     run.add_argument(
-        "--rdzv-endpoint", default=None, help="HOST:PORT every node can reach (multi-node)"
+        "--rdzv-endpoint",
+        default=None,
+        help="HOST:PORT every node can reach (multi-node; default "
+        "$PET_MASTER_ADDR:$PET_MASTER_PORT when the port is set, hosted by node rank 0)",
     )
     run.add_argument(
         "--rdzv-id",
