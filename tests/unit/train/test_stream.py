@@ -135,6 +135,7 @@ def test_pack_refuses_a_document_that_is_not_token_ids():
 # --- the order of parts --------------------------------------------------------------------
 
 
+@pytest.mark.heavy  # DataLoader workers or a Runner: a second or more
 @pytest.mark.parametrize(("world", "workers"), [(2, 0), (2, 2), (4, 1), (8, 1), (1, 4), (4, 2)])
 def test_every_world_and_worker_count_takes_the_same_rows_each_step(world, workers):
     docs = documents()
@@ -166,6 +167,7 @@ def test_a_stream_of_samples_keeps_the_global_order_and_drops_the_incomplete_ste
     assert firsts(out) == [list(range(0, 6)), list(range(6, 12)), list(range(12, 18))]
 
 
+@pytest.mark.heavy  # DataLoader workers or a Runner: a second or more
 @pytest.mark.parametrize(
     ("first", "then"), [((2, 0), (2, 0)), ((2, 2), (2, 2)), ((2, 2), (1, 4)), ((2, 2), (4, 2))]
 )
@@ -188,6 +190,7 @@ def test_a_resume_takes_every_remaining_row_once(first, then):
         ]
 
 
+@pytest.mark.heavy  # DataLoader workers or a Runner: a second or more
 @pytest.mark.parametrize(("batch", "then"), [(3, (2, 2)), (3, (1, 4)), (5, (2, 1))])
 def test_a_resume_mid_cycle_of_a_ranks_parts_keeps_the_order(batch, then):
     """3 rows a rank a step over 4 parts a rank: the stop falls between parts, so the
@@ -392,6 +395,7 @@ def runner(tmp_path, train, val=None, **config):
     return Runner(engine, train, val, config=cfg)
 
 
+@pytest.mark.heavy  # DataLoader workers or a Runner: a second or more
 def test_runner_trains_a_packed_stream_and_validates_on_all_of_another(tmp_path, capsys):
     val = pack(Docs(documents(20, seed=1)), SEQ)
     # One batch a validation: each starts the stream afresh, not where the last one stopped.
@@ -422,12 +426,14 @@ def test_a_dataloader_over_a_stream_keeps_its_batch_size_and_workers():
         loaders(DataLoader(Docs(samples()), batch_size=None), 1)
 
 
+@pytest.mark.heavy  # DataLoader workers or a Runner: a second or more
 def test_every_epoch_reads_the_stream_from_its_start(tmp_path):
     one = runner(tmp_path / "one", pack(Docs(documents(40)), SEQ)).fit()
     two = runner(tmp_path / "two", pack(Docs(documents(40)), SEQ), max_epochs=2).fit()
     assert two["steps"] == 2 * one["steps"] and two["epochs"] == 2
 
 
+@pytest.mark.heavy  # DataLoader workers or a Runner: a second or more
 def test_a_resume_across_kinds_of_data_is_refused(tmp_path):
     from torch.utils.data import TensorDataset
 
