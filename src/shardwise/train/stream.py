@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
+from shardwise.distributed.process_group import rank_and_world
 from shardwise.distributed.worker_errors import refused
 from shardwise.train.packing import PackedStream, Packer, Packing, count_label_tokens, digest
 
@@ -233,26 +234,33 @@ class _WorkerParts(IterableDataset[Any]):
             yield chunk
 
 
-def _to_wire(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        return _Wire(t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+def _map(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """`value` with `fn` applied to each `kind` inside its dicts, lists and tuples."""
+    if isinstance(value, kind):
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
+        return {k: _map(v, kind, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_wire(v) for v in value)
+        return type(value)(_map(v, kind, fn) for v in value)
     return value
+
+
+def _tensor_to_wire(tensor: torch.Tensor) -> _Wire:
+    t = tensor.detach().cpu().contiguous()
+    return _Wire(t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _wire_to_tensor(wire: _Wire) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray(wire.data), dtype=torch.uint8)
+    return raw.view(wire.dtype).reshape(wire.shape)
+
+
+def _to_wire(value: Any) -> Any:
+    return _map(value, torch.Tensor, _tensor_to_wire)
 
 
 def _from_wire(value: Any) -> Any:
-    if isinstance(value, _Wire):
-        raw = torch.frombuffer(bytearray(value.data), dtype=torch.uint8)
-        return raw.view(value.dtype).reshape(value.shape)
-    if isinstance(value, dict):
-        return {k: _from_wire(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_from_wire(v) for v in value)
-    return value
+    return _map(value, _Wire, _wire_to_tensor)
 
 
 @dataclass(frozen=True)
@@ -393,7 +401,7 @@ class StreamLoader:
                     for p, _, end, _ in chunk:
                         self.starts[p] = PartStart(self.starts[p].rows + 1, *end)
                     if self.pin_memory:
-                        batch = _pin(batch)
+                        batch = _map(batch, torch.Tensor, torch.Tensor.pin_memory)
                     yield batch
         finally:
             close = getattr(samples, "close", None)
@@ -405,7 +413,7 @@ class StreamLoader:
         self.starts = {p: PartStart() for p in range(self.spec.count)}
 
     def _all_ranks(self, full: bool) -> bool:
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        if rank_and_world()[1] == 1:
             return full
         flag = torch.tensor([1.0 if full else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -418,8 +426,8 @@ class StreamLoader:
         it at the same point), with the split it was saved at."""
         mine = {p: self.starts[p].as_list() for p in self._mine()}
         found: list[Any] = [mine]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            found = [None] * dist.get_world_size()
+        if rank_and_world()[1] > 1:
+            found = [None] * rank_and_world()[1]
             dist.all_gather_object(found, mine)
         parts: dict[str, Any] = {}
         for got in found:
@@ -459,21 +467,6 @@ class StreamLoader:
         }
 
 
-def _pin(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, dict):
-        return {k: _pin(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_pin(v) for v in batch)
-    return batch
-
-
-def is_stream(data: Any) -> bool:
-    """Whether `data` (or the dataset of a DataLoader) is an IterableDataset."""
-    return isinstance(getattr(data, "dataset", data), IterableDataset)
-
-
 def micro_batches(
     loader: Any, engine: Any, epoch: int, window: Any, dp_world: int
 ) -> Iterator[tuple[Any, bool, float | None]]:
@@ -511,8 +504,9 @@ def micro_batches(
 
 
 def _all_ranks_tokens(mine: int, dp_world: int, device: torch.device) -> int:
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    world = rank_and_world()[1]
+    if world == 1:
         return mine
     moved = torch.tensor([float(mine)], dtype=torch.float64, device=device)
     dist.all_reduce(moved)
-    return round(float(moved.item()) * dp_world / dist.get_world_size())
+    return round(float(moved.item()) * dp_world / world)
