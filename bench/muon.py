@@ -23,8 +23,11 @@ bytes each rank receives from other ranks, summed over the job (an all-gather's 
 reduce-scatter's (W - 1)/W of its whole tensor per rank, an all-reduce's twice that, a
 broadcast's, gather's or scatter's piece per receiving rank). The torch functions FSDP2
 calls and DTensor's functional collectives both go through the dispatcher, so one mode
-sees both. Newton–Schulz calls are counted on every rank and summed. The step time is
-the median over rounds of the slowest rank, without the counter.
+sees both. One gradient's worth of traffic is FSDP's reduce-scatter of the gradients
+(the issue's goal: at most one more per step than FSDP with AdamW). Newton–Schulz calls
+are counted on every rank and summed. The step time is the median over rounds of the
+slowest rank, without the counter; "in Newton–Schulz" is the time inside it on the
+busiest rank (for torch's, DTensor's traffic inside it included).
 
     python bench/muon.py            # worlds 2 and 4, 6 rounds
     python bench/muon.py --smoke    # tiny sizes (seconds)
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import time
 from collections import Counter
 from typing import Any
 
@@ -184,35 +188,47 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     )
 
 
-def _float32_torch_newton_schulz(counter: Counter[str]) -> Any:
-    """torch's Newton–Schulz in float32 (its own is bf16), counted."""
+def _float32_torch_newton_schulz(counter: Counter[str], clock: dict[str, float]) -> Any:
+    """torch's Newton–Schulz in float32 (its own is bf16), counted and timed."""
     from torch.optim import _muon
 
     def run(grad: torch.Tensor, coefficients: Any, steps: int, eps: float) -> torch.Tensor:
         counter["torch_muon"] += 1
-        a, b, c = coefficients
-        x = grad.float()
-        tall = grad.size(0) > grad.size(1)
-        x = x.T if tall else x
-        x = x.div(x.norm().clamp(min=eps))
-        for _ in range(steps):
-            gram = x @ x.T
-            x = a * x + (b * gram + c * gram @ gram) @ x
-        return x.T if tall else x
+        start = time.perf_counter()
+        out = _float32(grad, coefficients, steps, eps)
+        clock["torch_muon"] += time.perf_counter() - start
+        return out
 
     _muon._zeropower_via_newtonschulz = run
     return _muon
 
 
+def _float32(grad: torch.Tensor, coefficients: Any, steps: int, eps: float) -> torch.Tensor:
+    """torch.optim.Muon's Newton–Schulz in float32 (on DTensors: DTensor's matmuls)."""
+    a, b, c = coefficients
+    x = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    x = x.T if tall else x
+    x = x.div(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
 def _rank(size: dict[str, int], batch: int, rounds: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     ns: Counter[str] = Counter()
-    _float32_torch_newton_schulz(ns)
+    clock: dict[str, float] = {name: 0.0 for name in OPTIMIZERS}
+    _float32_torch_newton_schulz(ns, clock)
     real = muon_module.newton_schulz
 
     def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
         ns["shardwise_muon"] += 1
-        return real(*args, **kwargs)
+        start = time.perf_counter()
+        out = real(*args, **kwargs)
+        clock["shardwise_muon"] += time.perf_counter() - start
+        return out
 
     muon_module.newton_schulz = counted
     runs = {}
@@ -229,12 +245,16 @@ def _rank(size: dict[str, int], batch: int, rounds: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = slice(rank * batch // world, (rank + 1) * batch // world)
 
+    in_ns: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
+
     def step(name: str) -> float:
         model, opt = runs[name]
         opt.zero_grad(set_to_none=True)
         loss = model(x[rows], y[rows])
         loss.backward()
+        before = clock[name]
         opt.step()
+        in_ns[name].append(clock[name] - before)
         return float(loss.detach())
 
     counts: dict[str, Any] = {}
@@ -253,7 +273,8 @@ def _rank(size: dict[str, int], batch: int, rounds: int) -> dict[str, Any]:
     steps = {name: functools.partial(step, name) for name in OPTIMIZERS}
     times, losses = common.timed_rounds(steps, orders, warmup=1, barrier=True)
     matrices = sum(1 for _ in runs["adamw"][0].parameters())
-    return {"counts": counts, "times": times, "losses": losses, "matrices": matrices}
+    ns_s = {name: in_ns[name][-rounds:] for name in OPTIMIZERS}  # the timed rounds'
+    return {"counts": counts, "times": times, "ns_s": ns_s, "losses": losses, "matrices": matrices}
 
 
 def run(world: int, size: dict[str, int], batch: int, rounds: int) -> dict[str, Any]:
@@ -273,10 +294,18 @@ def run(world: int, size: dict[str, int], batch: int, rounds: int) -> dict[str, 
             "collectives_per_step": sum(calls.values()) // world,
             "newton_schulz_per_step": sum(r["counts"][name]["newton_schulz"] for r in per_rank),
             "median_s": statistics.median(slowest),
+            "newton_schulz_s": statistics.median(
+                max(r["ns_s"][name][i] for r in per_rank) for i in range(rounds)
+            ),
             "rounds_s": slowest,
             "final_loss_rank0": per_rank[0]["losses"][name],
         }
     ours = figures["shardwise_muon"]
+    # One gradient's worth of traffic: FSDP's reduce-scatter of the gradients.
+    gradient = figures["adamw"]["bytes_by_kind"]["reduce_scatter"]
+    for name in ("torch_muon", "shardwise_muon"):
+        extra = figures[name]["bytes_per_step"] - figures["adamw"]["bytes_per_step"]
+        figures[name]["extra_over_adamw_in_gradients"] = extra / gradient
     for other in ("adamw", "torch_muon"):
         figures[f"shardwise_muon_over_{other}"] = {
             "bytes": common.ratio(ours["bytes_per_step"], figures[other]["bytes_per_step"]),
@@ -289,19 +318,23 @@ def table(world: int, figures: dict[str, Any]) -> str:
     lines = [
         f"world {world} ({figures['matrices']} matrices)",
         f"{'optimizer':<16} {'bytes/step':>12} {'collectives/rank':>17} {'NS calls':>9} "
-        f"{'step (median)':>14}",
+        f"{'step (median)':>14} {'in Newton-Schulz':>17}",
     ]
     for name in OPTIMIZERS:
         f = figures[name]
         lines.append(
             f"{name:<16} {f['bytes_per_step'] / 1024:>9.0f} KiB {f['collectives_per_step']:>17} "
-            f"{f['newton_schulz_per_step']:>9} {f['median_s'] * 1000:>11.1f} ms"
+            f"{f['newton_schulz_per_step']:>9} {f['median_s'] * 1000:>11.1f} ms "
+            f"{f['newton_schulz_s'] * 1000:>14.1f} ms"
         )
     for other in ("adamw", "torch_muon"):
         r = figures[f"shardwise_muon_over_{other}"]
         lines.append(
             f"shardwise_muon / {other}: bytes {r['bytes']:.2f}x, step {r['step_time']:.2f}x"
         )
+    for name in ("torch_muon", "shardwise_muon"):
+        extra = figures[name]["extra_over_adamw_in_gradients"]
+        lines.append(f"{name}: {extra:.2f} gradients' worth of traffic over AdamW's")
     return "\n".join(lines)
 
 
