@@ -20,7 +20,9 @@ the momentum exact, the next step equal to one process's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 from collections import Counter
 from typing import Any
 
@@ -187,14 +189,39 @@ CASES = [  # name, model, ParallelConfig fields, optimizer class
 ]
 
 
-def _counting_newton_schulz(counter: Counter[str]):  # type: ignore[no-untyped-def]
+def _counting_newton_schulz(counter: Counter[str], events: list[str] | None = None):  # type: ignore[no-untyped-def]
     real = muon_module.newton_schulz
 
     def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         counter["newton_schulz"] += 1
+        if events is not None:
+            events.append("n")
         return real(x, *args, **kwargs)
 
     return counted
+
+
+@contextlib.contextmanager
+def _recording(events: list[str]):  # type: ignore[no-untyped-def]
+    """Muon's collectives in the order this rank makes them (g, s, b), and a `|` where each
+    step's orthogonalise_whole begins (Newton–Schulz adds its `n`)."""
+    from unittest import mock
+
+    def record(letter: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            events.append(letter)
+            return fn(*args, **kwargs)
+
+        return call
+
+    comm = muon_module.muon_comm
+    with (
+        mock.patch.object(dist, "gather", record("g", dist.gather)),
+        mock.patch.object(dist, "scatter", record("s", dist.scatter)),
+        mock.patch.object(dist, "broadcast", record("b", dist.broadcast)),
+        mock.patch.object(comm, "orthogonalise_whole", record("|", comm.orthogonalise_whole)),
+    ):
+        yield
 
 
 def _distributed_cases(root: str, root_tp: str) -> dict:  # type: ignore[type-arg]
@@ -208,9 +235,12 @@ def _distributed_cases(root: str, root_tp: str) -> dict:  # type: ignore[type-ar
         shard = functools.partial(split_batch, rank=info.dp_rank, world_size=info.dp_size)
         opt = make_muon(model, cls)
         calls: Counter[str] = Counter()
-        with mock.patch.object(muon_module, "newton_schulz", _counting_newton_schulz(calls)):
+        events: list[str] = []
+        counted = _counting_newton_schulz(calls, events)
+        with mock.patch.object(muon_module, "newton_schulz", counted), _recording(events):
             result = train(model_name, model, opt, shard)
         result["newton_schulz"] = calls["newton_schulz"]
+        result["order"] = "".join(events).split("|")[1:]  # one string per step
         stacks = [p for g in opt.param_groups if g["use_muon"] for p in g["params"]]
         # a 3-D stack holds one matrix per expert
         result["matrices"] = sum(p.shape[0] if p.ndim == 3 else 1 for p in stacks)
@@ -458,6 +488,19 @@ def test_newton_schulz_once_per_matrix_in_the_job(case: str, ranks: list[dict]) 
     matrices = ranks[0][case]["matrices"]
     assert sum(per_rank) == matrices * STEPS, f"{case}: {per_rank} runs per rank"
     assert sum(1 for n in per_rank if n) > 1, f"{case}: every matrix on one owner {per_rank}"
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[3] is None])
+def test_owners_run_newton_schulz_at_the_same_time(case: str, ranks: list[dict]) -> None:  # type: ignore[type-arg]
+    """In each step every rank makes all its gathers before any Newton–Schulz, and its
+    scatters and broadcasts after: no owner waits for another owner's results before
+    starting its own (bucket by bucket, the step would take the sum of the owners' work)."""
+    for rank, r in enumerate(ranks):
+        order = r[case]["order"]
+        assert len(order) == STEPS, (case, rank, order)
+        for step in order:
+            assert re.fullmatch("g*n*s*b*", step), f"{case}: rank {rank} made {step}"
+    assert any("gn" in r[case]["order"][0] for r in ranks[1:]) or case == "mlp_ddp", case
 
 
 def test_traffic_is_bucketed_by_owner(ranks: list[dict]) -> None:  # type: ignore[type-arg]
