@@ -115,8 +115,10 @@ test-streams: $(STAMP)
 	$(VENV)/bin/pytest -q -m streams tests/e2e/test_streams.py
 
 # shardwise.Muon at world 4 (ddp, full_shard, shard_grad_op, hybrid 2x2, dp 2 x tp 2,
-# pp 2 x dp 2, ep 2; an MLP, a tiny llama, the llama with LoRA, a tiny mixtral) against one process, its negative control and Newton–Schulz counted
-# once per matrix in the job (about 30 s).
+# pp 2 x dp 2, ep 2; an MLP, a tiny llama, the llama with LoRA, a tiny mixtral, a tiny
+# qwen2) against one process, its negative control, Newton–Schulz counted once per matrix
+# in the job, and a checkpoint saved at world 4 loaded at world 2 and in one process
+# (about 50 s; 75 s on a loaded 2-core host).
 test-muon: $(STAMP)
 	$(VENV)/bin/pytest -q -m muon tests/distributed/test_muon.py
 

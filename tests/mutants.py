@@ -4186,6 +4186,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "muon_momentum_kept_as_local_shards",
+        "src/shardwise/train/muon.py",
+        'state["momentum_buffer"] = torch.zeros_like(p.grad)  # a DTensor like the grad',
+        'state["momentum_buffer"] = torch.zeros_like(_local(p.grad))',
+        ("tests/distributed/test_muon.py::test_checkpoint_moves_from_world_4_to_2_and_1",),
+    ),
+    Mutant(
+        "muon_owners_take_turns",
+        "src/shardwise/train/muon_comm.py",
+        "        run.gather()\n    for run in runs:\n        run.compute()\n    for run in runs:\n",
+        "        run.gather()\n        run.compute()\n",
+        ("tests/distributed/test_muon.py::test_owners_run_newton_schulz_at_the_same_time",),
+    ),
+    Mutant(
         "muon_infinite_lr_allowed",
         "src/shardwise/train/muon.py",
         "        if not (math.isfinite(float(value)) and float(value) >= 0):",

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.bench  # `make test-bench` (and .ci/run), not `make tes
         "overhead.py",
         "memory_sim.py",
         "stream_loader.py",  # needs datasets (the dev extra); torchdata if installed
+        "muon.py",  # worlds 2 and 4, spawned
         # These two need transformers / mmengine and lightning: they run with the targets
         # that test those (`make test-models`, `make test-integrations`) instead.
         pytest.param("hf_storage.py", marks=pytest.mark.models),

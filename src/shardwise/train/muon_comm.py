@@ -4,8 +4,9 @@ the collectives that take its pieces to that owner and the result back.
 Owns: `MatrixLayout` (a parameter's pieces over its mesh: the mesh dimensions that split it,
 and those that replicate it), the choice of one owner rank per matrix (balanced by size over
 the ranks of the matrix's mesh), and `orthogonalise_whole` (one step's traffic, bucketed by
-owner). The wire is float32 whatever the parameters' dtype: gloo does not check dtypes
-across ranks, so a bf16 piece sent into a float32 buffer would be read as garbage.
+owner, in phases so that every owner runs Newton–Schulz at the same time). The wire is
+float32 whatever the parameters' dtype: gloo does not check dtypes across ranks, so a bf16
+piece sent into a float32 buffer would be read as garbage.
 
 The choice, per matrix and step:
   1. The ranks that split it (FSDP's shard dimension, tp, both) send their pieces of the
@@ -218,48 +219,140 @@ class Item:
 
 def orthogonalise_whole(items: Sequence[Item], groups: Groups) -> list[torch.Tensor]:
     """Each item's local part of the orthogonalised whole matrix, Newton–Schulz run once per
-    matrix in the job (on its owner); float32, shaped like the item's local update."""
+    matrix in the job (on its owner); float32, shaped like the item's local update.
+
+    In phases, each over every bucket in the same order on every rank: all the gathers,
+    then each owner's Newton–Schulz on its own matrices (every owner at once), then all the
+    scatters, then the replicas' broadcasts. Bucket by bucket, each owner's Newton–Schulz
+    would wait for the one before it, and the step would take the sum of the owners'
+    work, not the largest."""
     out: list[torch.Tensor | None] = [None] * len(items)
     buckets: dict[tuple[object, ...], list[int]] = {}
     for i, it in enumerate(items):
         buckets.setdefault((*it.layout.key, it.owner), []).append(i)
     me = dist.get_rank() if dist.is_initialized() else 0
-    for key in sorted(buckets):  # the same order on every rank: keys are ranks and dims
-        _run_bucket([items[i] for i in buckets[key]], buckets[key], out, me, groups)
+    # The same order on every rank: keys are ranks and dims.
+    runs = [_Bucket([items[i] for i in buckets[key]], me, groups) for key in sorted(buckets)]
+    for run in runs:
+        run.gather()
+    for run in runs:
+        run.compute()
+    for run in runs:
+        run.scatter()
+    for run in runs:
+        run.broadcast()
+    for run, key in zip(runs, sorted(buckets), strict=True):
+        for i, part in zip(buckets[key], run.parts(), strict=True):
+            out[i] = part
     return [o for o in out if o is not None]
 
 
-def _run_bucket(
-    bucket: list[Item], where: list[int], out: list[torch.Tensor | None], me: int, groups: Groups
-) -> None:
-    layout, owner = bucket[0].layout, bucket[0].owner
-    if layout.ranks.numel() == 1:
-        for i, it in zip(where, bucket, strict=True):
-            out[i] = it.orthogonalise(it.local.to(WIRE_DTYPE))
-        return
-    owner_coord = layout.coordinate(owner)
-    my_coord = layout.coordinate(me)
-    # The owner's replica: the ranks whose replica coordinates are the owner's.
-    in_owner_replica = all(my_coord[d] == owner_coord[d] for d in layout.replica_dims)
-    coords = _split_coordinates(layout, owner_coord)
-    pads = [_largest_piece(it, coords) for it in bucket]
-    mine: torch.Tensor | None = None
-    if in_owner_replica:
-        mine = _gather_compute_scatter(bucket, layout, owner, coords, pads, me, groups)
-    if layout.replica_dims:
-        if mine is None:
-            mine = torch.empty(sum(pads), dtype=WIRE_DTYPE, device=bucket[0].local.device)
-        src_coord = list(my_coord)
-        for d in layout.replica_dims:
-            src_coord[d] = owner_coord[d]
-        replicas = groups.replicas(layout, me)
+class _Bucket:
+    """The matrices of one owner and layout in one step, through the phases of
+    `orthogonalise_whole`. `mine` ends as this rank's parts, flat and padded like the
+    message."""
+
+    def __init__(self, bucket: list[Item], me: int, groups: Groups) -> None:
+        self.bucket, self.me, self.groups = bucket, me, groups
+        self.layout, self.owner = bucket[0].layout, bucket[0].owner
+        self.device = bucket[0].local.device
+        self.mine: torch.Tensor | None = None
+        self.send: torch.Tensor | None = None
+        self.received: list[torch.Tensor] | None = None
+        self.scattered: list[torch.Tensor] = []
+        self.group: dist.ProcessGroup | None = None
+        self.in_owner_replica = False
+        self.coords: list[tuple[int, ...]] = []
+        self.pads: list[int] = []
+        if self.layout.ranks.numel() == 1:  # whole on this process
+            return
+        owner_coord = self.layout.coordinate(self.owner)
+        self.my_coord = self.layout.coordinate(me)
+        self.owner_coord = owner_coord
+        # The owner's replica: the ranks whose replica coordinates are the owner's.
+        self.in_owner_replica = all(
+            self.my_coord[d] == owner_coord[d] for d in self.layout.replica_dims
+        )
+        self.coords = _split_coordinates(self.layout, owner_coord)
+        self.pads = [_largest_piece(it, self.coords) for it in bucket]
+        self.members = [self.layout.rank_at(c) for c in self.coords]
+        if self.in_owner_replica:
+            self.send = torch.cat(
+                [_flat_padded(it.local, pad) for it, pad in zip(bucket, self.pads, strict=True)]
+            )
+            if self.layout.split_dims:
+                self.group = groups.pieces(self.layout, me)
+
+    def gather(self) -> None:
+        """Within the owner's replica: every piece to the owner."""
+        if not (self.in_owner_replica and self.layout.split_dims):
+            return
+        assert self.send is not None  # made for every rank of the owner's replica
+        if self.group is None:  # split over mesh dims of one rank: the piece is the whole
+            self.received = [self.send]
+            return
+        if self.me == self.owner:
+            self.received = [torch.empty_like(self.send) for _ in self.members]
+        dist.gather(self.send, self.received, dst=self.owner, group=self.group)
+
+    def compute(self) -> None:
+        """On the owner: Newton–Schulz on each whole matrix; elsewhere nothing."""
+        if self.layout.ranks.numel() == 1:
+            self.mine = torch.cat(
+                [it.orthogonalise(it.local.to(WIRE_DTYPE)).reshape(-1) for it in self.bucket]
+            )
+            self.pads = [it.local.numel() for it in self.bucket]
+            return
+        if not self.in_owner_replica or self.me != self.owner:
+            return
+        if not self.layout.split_dims:  # whole on every rank: the owner computes
+            parts = [it.orthogonalise(it.local.to(WIRE_DTYPE)) for it in self.bucket]
+            self.mine = torch.cat(
+                [_flat_padded(p, pad) for p, pad in zip(parts, self.pads, strict=True)]
+            )
+            return
+        assert self.received is not None
+        self.scattered = _place_compute_cut(
+            self.bucket, self.received, self.coords, self.pads, self.device
+        )
+
+    def scatter(self) -> None:
+        """Within the owner's replica: each rank's part of the results back."""
+        if not self.in_owner_replica or self.layout.ranks.numel() == 1:
+            return
+        if not self.layout.split_dims:  # replicas receive by the broadcast
+            if self.me != self.owner:
+                self.mine = self.send
+            return
+        if self.group is None:
+            self.mine = self.scattered[0]
+            return
+        assert self.send is not None
+        self.mine = torch.empty_like(self.send)
+        scattered = self.scattered if self.me == self.owner else None
+        dist.scatter(self.mine, scattered, src=self.owner, group=self.group)
+
+    def broadcast(self) -> None:
+        """Ranks that hold copies of the pieces: from their counterpart in the owner's
+        replica."""
+        if not self.layout.replica_dims or self.layout.ranks.numel() == 1:
+            return
+        if self.mine is None:
+            self.mine = torch.empty(sum(self.pads), dtype=WIRE_DTYPE, device=self.device)
+        src_coord = list(self.my_coord)
+        for d in self.layout.replica_dims:
+            src_coord[d] = self.owner_coord[d]
+        replicas = self.groups.replicas(self.layout, self.me)
         if replicas is not None:  # a mesh dim of one rank replicates nothing
-            dist.broadcast(mine, src=layout.rank_at(src_coord), group=replicas)
-    assert mine is not None
-    offset = 0
-    for i, it, pad in zip(where, bucket, pads, strict=True):
-        out[i] = mine[offset : offset + it.local.numel()].view(it.local.shape)
-        offset += pad
+            dist.broadcast(self.mine, src=self.layout.rank_at(src_coord), group=replicas)
+
+    def parts(self) -> list[torch.Tensor]:
+        assert self.mine is not None
+        out, offset = [], 0
+        for it, pad in zip(self.bucket, self.pads, strict=True):
+            out.append(self.mine[offset : offset + it.local.numel()].view(it.local.shape))
+            offset += pad
+        return out
 
 
 def _split_coordinates(layout: MatrixLayout, base: Sequence[int]) -> list[tuple[int, ...]]:
@@ -290,51 +383,28 @@ def _flat_padded(t: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, pad - flat.numel()))
 
 
-def _gather_compute_scatter(
+def _place_compute_cut(
     bucket: list[Item],
-    layout: MatrixLayout,
-    owner: int,
+    received: list[torch.Tensor],
     coords: list[tuple[int, ...]],
     pads: list[int],
-    me: int,
-    groups: Groups,
-) -> torch.Tensor:
-    """Within the owner's replica: pieces to the owner, Newton–Schulz there, parts back.
-    Returns this rank's parts, flat and padded like the message."""
-    device = bucket[0].local.device
-    send = torch.cat([_flat_padded(it.local, pad) for it, pad in zip(bucket, pads, strict=True)])
-    if not layout.split_dims:  # whole on every rank: the owner computes, replicas receive
-        if me != owner:
-            return send
-        parts = [it.orthogonalise(it.local.to(WIRE_DTYPE)) for it in bucket]
-        return torch.cat([_flat_padded(p, pad) for p, pad in zip(parts, pads, strict=True)])
-    members = [layout.rank_at(c) for c in coords]
-    group = groups.pieces(layout, me)
-    received = [torch.empty_like(send) for _ in members] if me == owner else None
-    if group is None:  # split over mesh dims of one rank: the piece is the whole
-        received = [send]
-    else:
-        dist.gather(send, received, dst=owner, group=group)
-    scattered = None
-    if me == owner:
-        assert received is not None
-        scattered = [torch.empty_like(send) for _ in members]
-        offset = 0
-        for it, pad in zip(bucket, pads, strict=True):
-            whole = torch.zeros(it.shape, dtype=WIRE_DTYPE, device=device)
-            indices = [piece_index(it.shape, it.layout, c) for c in coords]
-            for msg, idx in zip(received, indices, strict=True):
-                n = _numel(idx)
-                grid = torch.meshgrid(*idx, indexing="ij")
-                whole[grid] = msg[offset : offset + n].view(*(len(i) for i in idx))
-            result = it.orthogonalise(whole).to(WIRE_DTYPE)
-            for buf, idx in zip(scattered, indices, strict=True):
-                n = _numel(idx)
-                buf[offset : offset + n] = result[torch.meshgrid(*idx, indexing="ij")].reshape(-1)
-            offset += pad
-    if group is None:
-        assert scattered is not None
-        return scattered[0]
-    mine = torch.empty_like(send)
-    dist.scatter(mine, scattered, src=owner, group=group)
-    return mine
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """On the owner: each piece placed by its global indices, Newton–Schulz on each whole
+    matrix, and the result cut into each rank's message (flat and padded like the ones
+    received)."""
+    scattered = [torch.empty_like(received[0]) for _ in coords]
+    offset = 0
+    for it, pad in zip(bucket, pads, strict=True):
+        whole = torch.zeros(it.shape, dtype=WIRE_DTYPE, device=device)
+        indices = [piece_index(it.shape, it.layout, c) for c in coords]
+        for msg, idx in zip(received, indices, strict=True):
+            n = _numel(idx)
+            grid = torch.meshgrid(*idx, indexing="ij")
+            whole[grid] = msg[offset : offset + n].view(*(len(i) for i in idx))
+        result = it.orthogonalise(whole).to(WIRE_DTYPE)
+        for buf, idx in zip(scattered, indices, strict=True):
+            n = _numel(idx)
+            buf[offset : offset + n] = result[torch.meshgrid(*idx, indexing="ij")].reshape(-1)
+        offset += pad
+    return scattered
