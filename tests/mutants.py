@@ -4323,6 +4323,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if self.config.async_save is None:",
         ("tests/integrations/test_ray.py::test_an_asynchronous_save_is_refused",),
     ),
+    Mutant(
+        "container_without_forward_made_a_unit",
+        "src/shardwise/plan/planner.py",
+        "        if has_no_forward(module):",
+        "        if False:",
+        (
+            "tests/unit/plan/test_plan.py::test_a_size_policy_passes_a_container_up",
+            "tests/unit/plan/test_plan.py::test_a_policy_naming_only_containers_says_so",
+        ),
+    ),
+    Mutant(
+        "detection_stops_at_a_container",
+        "src/shardwise/plan/detect.py",
+        "        out.extend(_blocks_of(child) if has_no_forward(child) else [child])",
+        "        out.append(child)",
+        ("tests/unit/plan/test_plan.py::test_a_container_without_forward_is_never_a_unit",),
+    ),
 )
 
 

@@ -38,6 +38,20 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def has_no_forward(module: nn.Module) -> bool:
+    """A container without a forward of its own (ModuleList, ModuleDict): never a unit."""
+    return type(module).forward is nn.Module.forward
+
+
+def _blocks_of(container: nn.Module) -> list[nn.Module]:
+    """A container's children, looking through those without a forward (a ModuleList of
+    ModuleDicts holds its blocks one level down)."""
+    out: list[nn.Module] = []
+    for child in container.children():
+        out.extend(_blocks_of(child) if has_no_forward(child) else [child])
+    return out
+
+
 def _from_no_split_modules(model: nn.Module) -> DetectedBlocks:
     declared: dict[str, str] = {}
     for _, m in model.named_modules():
@@ -61,7 +75,7 @@ def _from_repeated_children(model: nn.Module) -> DetectedBlocks:
     for fqn, m in model.named_modules():
         if not isinstance(m, (nn.ModuleList, nn.Sequential)):
             continue
-        by_class = Counter(type(c) for c in m.children() if _has_params(c))
+        by_class = Counter(type(c) for c in _blocks_of(m) if _has_params(c))
         for cls, n in by_class.items():
             (candidates if n >= 2 else lone).setdefault(cls, fqn or "<root>")
     source = "repeated children"

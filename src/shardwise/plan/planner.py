@@ -26,6 +26,7 @@ from shardwise.config.names import closest
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.precision import Precision
 from shardwise.distributed.mesh import strategy_reshards
+from shardwise.plan.detect import has_no_forward
 from shardwise.plan.policies import (
     REGEX_PREFIX,
     Policy,
@@ -254,7 +255,11 @@ def _choose_units(index: ModelIndex, policy: Policy, fp32_classes: tuple[type, .
         unowned[fqn] = set()
         if not ids:
             continue
-        if fp32_classes and isinstance(module, fp32_classes):
+        if has_no_forward(module):
+            # ModuleList/ModuleDict: hooks on them never fire, so fully_shard refuses them
+            # (torch's FSDP1 size policy excluded them too). Their parameters go up.
+            unowned[fqn] = ids
+        elif fp32_classes and isinstance(module, fp32_classes):
             units.append(Unit((fqn,), "keep_fp32", fp32=True))
         elif policy(fqn, module, sum(index.params[p].numel() for p in ids)):
             units.append(Unit((fqn,), "policy"))
@@ -269,7 +274,7 @@ def _nothing_matched(model: nn.Module, policy: Policy, config: ParallelConfig) -
             (
                 (sum(p.numel() for p in m.parameters()), fqn)
                 for fqn, m in model.named_modules()
-                if fqn
+                if fqn and not has_no_forward(m)
             ),
             reverse=True,
         )[:5]
@@ -280,10 +285,23 @@ def _nothing_matched(model: nn.Module, policy: Policy, config: ParallelConfig) -
             f"made no unit below the root of {type(model).__name__}. Largest submodules: "
             f"{largest}. Lower min_num_params, or name the block classes."
         )
+    containers = sorted(
+        {
+            type(m).__name__
+            for f, m in model.named_modules()
+            if has_no_forward(m) and policy(f, m, 0)
+        }
+    )
+    why = (
+        f" It matched only {', '.join(containers)}, which has no forward of its own (FSDP "
+        "cannot shard a container): name the classes inside it."
+        if containers
+        else ""
+    )
     return ValueError(
         f"ParallelConfig.auto_wrap_policy ({policy.description}) matches no submodule of "
-        f"{type(model).__name__} that holds parameters. Parameter-holding classes present: "
-        f"{param_holding_classes(model)}."
+        f"{type(model).__name__} that holds parameters.{why} Parameter-holding classes "
+        f"present: {param_holding_classes(model)}."
     )
 
 

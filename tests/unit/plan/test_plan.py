@@ -217,7 +217,7 @@ def test_invalid_regex():
 def test_size_matching_nothing_lists_largest_modules():
     with pytest.raises(
         ValueError,
-        match=r"'size' with min_num_params=10,000,000 made no unit below the root of GPT\. Largest submodules: blocks: .* Lower min_num_params",
+        match=r"'size' with min_num_params=10,000,000 made no unit below the root of GPT\. Largest submodules: blocks\.2: 12,608, .* Lower min_num_params",
     ):
         plan_wrap(GPT(CFG), ParallelConfig(auto_wrap_policy="size", min_num_params=10_000_000))
 
@@ -512,3 +512,51 @@ def test_tied_merge_keeps_a_merged_fp32_unit_in_fp32():
         plan = plan_wrap(GPT(CFG), ParallelConfig(mixed_precision="bf16", keep_fp32=["Embedding"]))
     merged = plan.unit("tok_emb + head")
     assert (merged.reason, merged.compute_dtype) == ("tied", "float32")
+
+
+class DictBlocks(nn.Module):
+    """Blocks as ModuleDicts in a ModuleList: containers with no forward of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)}) for _ in range(3)
+        )
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer["b"](layer["a"](x))
+        return self.head(x)
+
+
+def test_a_container_without_forward_is_never_a_unit():
+    # fully_shard refuses a ModuleDict ("containers that do not implement forward"): auto
+    # looks through it to the Linears it holds.
+    plan = plan_wrap(DictBlocks(), ParallelConfig())
+    assert {u.module_class for u in plan} == {"Linear", "DictBlocks"}
+    assert [u.fqn for u in plan if u.reason == "policy"] == [
+        *(f"layers.{i}.{n}" for i in range(3) for n in "ab"),
+        "head",
+    ]
+
+
+def test_a_size_policy_passes_a_container_up():
+    # 100 is above a Linear's 72 parameters and below a ModuleDict's 144: torch's FSDP1
+    # size policy excluded ModuleList/ModuleDict, and so does shardwise's.
+    with pytest.raises(
+        ValueError,
+        match=r"made no unit below the root of DictBlocks\. Largest submodules: "
+        r"layers\.2\.b: 72, ",
+    ):
+        plan_wrap(DictBlocks(), ParallelConfig(auto_wrap_policy="size", min_num_params=100))
+
+
+def test_a_policy_naming_only_containers_says_so():
+    with pytest.raises(
+        ValueError,
+        match=r"matches no submodule of DictBlocks that holds parameters\. It matched only "
+        r"ModuleDict, which has no forward of its own \(FSDP cannot shard a container\): name "
+        r"the classes inside it\.",
+    ):
+        plan_wrap(DictBlocks(), ParallelConfig(auto_wrap_policy={nn.ModuleDict}))
