@@ -92,7 +92,7 @@ def trainer_config(parallel: ParallelConfig | Config | None, args: TrainingArgum
                 args.activation_checkpointing_kwargs,
                 "shardwise checkpoints each planned block whole (torch's non-reentrant "
                 "checkpoint), with no per-call options. Leave it unset, or set "
-                "ParallelConfig.activation_checkpointing ('full', 'selective:N').",
+                "ParallelConfig.activation_checkpointing ('full', 'every_<k>').",
             )
         if parallel.activation_checkpointing == "none":
             changes["activation_checkpointing"] = "full"
@@ -460,9 +460,10 @@ def shardwise_trainer(cls: T) -> T:
         )
     if issubclass(cls, ShardwiseTrainerMixin):
         return cls
-    refusal = _REFUSED_TRAINERS.get(cls.__name__)
-    if refusal is not None:
-        raise NotImplementedError(f"shardwise_trainer({cls.__name__}) is not built: {refusal}")
+    for base in cls.__mro__:  # a user's subclass of a refused trainer is refused too
+        refusal = _REFUSED_TRAINERS.get(base.__name__)
+        if refusal is not None:
+            raise NotImplementedError(f"shardwise_trainer({cls.__name__}) is not built: {refusal}")
     made = type(f"Shardwise{cls.__name__}", (ShardwiseTrainerMixin, cls), {})
     made.__module__ = __name__
     made.__doc__ = f"{cls.__name__} on shardwise's layout (see ShardwiseTrainerMixin)."
@@ -471,14 +472,14 @@ def shardwise_trainer(cls: T) -> T:
 
 _REFUSED_TRAINERS = {
     "DPOTrainer": (
-        "it keeps a frozen reference model beside the policy and prepares it with "
+        "it (DPOTrainer) keeps a frozen reference model beside the policy and prepares it with "
         "Accelerate (accelerator.prepare_model), outside shardwise's layout; no test "
         "shows its losses equal to DPO under the Trainer's own DDP. Use SFTTrainer, or "
         "compute the reference log-probabilities beforehand (precompute_ref_log_probs=True) "
         "with a plain Trainer."
     ),
     "GRPOTrainer": (
-        "it generates completions with the model inside the training step (model.generate, "
+        "it (GRPOTrainer) generates completions with the model inside the training step (model.generate, "
         "or vLLM), which FSDP2-sharded parameters do not serve without a gather per token, "
         "and no test shows its losses equal to the Trainer's own DDP."
     ),
