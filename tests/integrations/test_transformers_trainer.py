@@ -21,7 +21,6 @@ pytestmark = pytest.mark.trainer
 pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
-import torch  # noqa: E402
 from _host_runs import params, rel_losses, rel_params  # noqa: E402
 
 from shardwise.testing.spawn import free_port  # noqa: E402
@@ -29,9 +28,9 @@ from shardwise.testing.spawn import free_port  # noqa: E402
 WORKER = Path(__file__).with_name("_hf_worker.py")
 TOL = 1e-5
 # measured (2026-12-05, 2 CPU cores): full_shard, ddp, tied, LoRA and SFT losses equal to the
-# Trainer's DDP bit for bit, parameters at most 1.3e-7 apart; hybrid 2x2 losses equal,
+# Trainer's DDP bit for bit, grad norms 1.1e-7, parameters at most 1.3e-7 apart; hybrid 2x2 losses equal,
 # parameters 1.6e-7; dp 2 x tp 2 losses 1.2e-7, parameters 1.2e-6; the resume at world 1
-# losses 1.2e-7, parameters 3.7e-8; exports 0.
+# losses 1.2e-7, parameters 3.7e-8; exports 0; the first loss against one process 2.3e-7.
 PHASES = ("w2", "w1", "w4")
 MAX_GRAD_NORM = 0.5
 
@@ -75,7 +74,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     }
 
 
-def _same(runs: tuple[Path, dict[str, Any]], phase: str, name: str, ref: str) -> tuple[float, float]:
+def _same(
+    runs: tuple[Path, dict[str, Any]], phase: str, name: str, ref: str
+) -> tuple[float, float]:
     out, r = runs
     losses = rel_losses(r[phase][name]["losses"], r[phase][ref]["losses"])
     weights = rel_params(params(out, name, (phase,)), params(out, ref, (phase,)))
@@ -104,7 +105,7 @@ def test_clipping_is_by_the_norm_over_the_whole_mesh(runs: Any) -> None:
     r = runs[1]["w2"]
     assert min(r["hf_ddp"]["norms"]) > MAX_GRAD_NORM  # every step clips
     losses, weights = _same(runs, "w2", "local_clip", "hf_ddp")
-    assert not (losses <= TOL and weights <= TOL), (losses, weights)  # measured: 4.7e-5, 7e-4
+    assert not (losses <= TOL and weights <= TOL), (losses, weights)  # measured: 5.1e-5, 7.2e-3
 
 
 @pytest.mark.parametrize("name", ["hybrid", "tp"])
@@ -149,7 +150,10 @@ def test_logged_loss_is_the_mean_over_the_whole_batch(runs: Any) -> None:
 
 def test_evaluate_averages_across_ranks(runs: Any) -> None:
     w2 = runs[1]["w2"]
-    assert abs(w2["full_shard"]["eval_loss"] - w2["hf_ddp"]["eval_loss"]) <= TOL * w2["hf_ddp"]["eval_loss"]
+    assert (
+        abs(w2["full_shard"]["eval_loss"] - w2["hf_ddp"]["eval_loss"])
+        <= TOL * w2["hf_ddp"]["eval_loss"]
+    )
 
 
 def test_save_model_opens_in_from_pretrained(runs: Any) -> None:
@@ -186,4 +190,3 @@ def test_gradient_checkpointing_is_shardwise_checkpointing(runs: Any) -> None:
     w2 = runs[1]["w2"]
     assert w2["sft_full_shard"]["checkpointed"] == 2
     assert w2["full_shard"]["checkpointed"] == 0
-

@@ -58,7 +58,9 @@ def _refuse(name: str, value: Any, why: str) -> None:
     raise ValueError(f"ShardwiseTrainer: TrainingArguments.{name}={value!r} is refused: {why}")
 
 
-def trainer_config(parallel: ParallelConfig | Config | None, args: TrainingArguments) -> ParallelConfig:
+def trainer_config(
+    parallel: ParallelConfig | Config | None, args: TrainingArguments
+) -> ParallelConfig:
     """The `ParallelConfig` a Trainer with `args` runs under: `parallel` with the Trainer's
     arguments whose meaning shardwise keeps translated in, and those it would change
     refused in one line each, naming the argument."""
@@ -80,9 +82,10 @@ def trainer_config(parallel: ParallelConfig | Config | None, args: TrainingArgum
     if args.mixed_precision == "bf16":
         if parallel.mixed_precision not in ("fp32", "bf16"):
             raise ValueError(
-                f"ShardwiseTrainer: TrainingArguments.bf16=True and ParallelConfig.mixed_precision="
-                f"{parallel.mixed_precision!r} disagree. Say the precision once: bf16=True (shardwise's "
-                "'bf16' policy), or leave bf16 off and keep the ParallelConfig's."
+                "ShardwiseTrainer: TrainingArguments.bf16=True and ParallelConfig."
+                f"mixed_precision={parallel.mixed_precision!r} disagree. Say the precision once: "
+                "bf16=True (shardwise's 'bf16' policy), or leave bf16 off and keep the "
+                "ParallelConfig's."
             )
         changes["mixed_precision"] = "bf16"
     if args.activation_checkpointing:
@@ -124,9 +127,10 @@ def trainer_config(parallel: ParallelConfig | Config | None, args: TrainingArgum
     return host_config(parallel, {}, "ShardwiseTrainer", HOST)
 
 
-def refuse_arguments(args: TrainingArguments) -> None:
+def refuse_arguments(training_args: TrainingArguments) -> None:
     """Refuse, one line each, the Trainer and Accelerate arguments whose meaning shardwise
     would change (docs/vocabulary.md: a word keeps its meaning or is refused)."""
+    args: Any = training_args  # fields typed loosely by transformers (dict | str | None)
     if args.fsdp:
         _refuse(
             "fsdp",
@@ -211,9 +215,10 @@ def refuse_arguments(args: TrainingArguments) -> None:
 
 
 def _refuse_model(model: nn.Module) -> None:
-    if getattr(model, "is_distributed_loading_by_transformers", False) or (
-        getattr(model, "tp_size", None) or 1
-    ) > 1:
+    if (
+        getattr(model, "is_distributed_loading_by_transformers", False)
+        or (getattr(model, "tp_size", None) or 1) > 1
+    ):
         raise ValueError(
             "ShardwiseTrainer: the model was sharded when it was loaded (from_pretrained's "
             "tp_plan or distributed_config), and shardwise would shard it a second time. Load it "
@@ -244,7 +249,9 @@ class ShardwiseTrainerMixin:
     processing_class: Any
     _created_lr_scheduler: bool
 
-    def __init__(self, *args: Any, parallel: ParallelConfig | Config | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, parallel: ParallelConfig | Config | None = None, **kwargs: Any
+    ) -> None:
         names = ("model", "args")
         bound = dict(zip(names, args, strict=False)) | {k: kwargs[k] for k in names if k in kwargs}
         training_args = bound.get("args")
@@ -294,7 +301,7 @@ class ShardwiseTrainerMixin:
             return loader  # Accelerate already shards over every rank, as shardwise's dp does
         # Under tensor parallelism the data-parallel ranks are fewer than the processes:
         # the ranks of one tp group must read the same rows.
-        sampler = getattr(loader, "batch_sampler", None)
+        sampler: Any = getattr(loader, "batch_sampler", None)
         if type(sampler).__name__ != "BatchSamplerShard":
             raise NotImplementedError(
                 f"ShardwiseTrainer with tp={self.shardwise_config.tp_size}: the dataloader is "
@@ -346,7 +353,9 @@ class ShardwiseTrainerMixin:
         return self.model_wrapped, train_dataloader
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        _sharded_dir(resume_from_checkpoint)  # fails early; the load runs after the optimizer exists
+        _sharded_dir(
+            resume_from_checkpoint
+        )  # fails early; the load runs after the optimizer exists
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         pass  # _prepare_for_training loaded them with the model
@@ -367,13 +376,13 @@ class ShardwiseTrainerMixin:
     def _save_scaler(self, output_dir: str) -> None:
         pass  # no loss scale: fp16 is refused
 
-    # --- steps -------------------------------------------------------------------------------------
+    # --- steps ---------------------------------------------------------------------------
 
     def training_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         plugin = self.accelerator.gradient_state.plugin_kwargs
         sync = bool(self.accelerator.sync_gradients or plugin.get("sync_each_batch", False))
         with step_context(self.model_wrapped, sync):
-            return super().training_step(model, *args, **kwargs)  # type: ignore[misc, no-any-return]
+            return super().training_step(model, *args, **kwargs)  # type: ignore[misc]
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         return clip_grad_norm_(_trainable(self.model_wrapped), self.args.max_grad_norm)
@@ -389,7 +398,7 @@ class ShardwiseTrainerMixin:
         """Every rank calls (as the Trainer's scripts do): rank 0 writes safetensors that
         `from_pretrained` opens, or for a peft model the adapter `PeftModel.from_pretrained`
         opens, with the tokenizer and training arguments beside them."""
-        out = Path(output_dir if output_dir is not None else self.args.output_dir)
+        out = Path(output_dir if output_dir is not None else str(self.args.output_dir))
         _export_beside(self.model_wrapped, out, self.args.should_save)
         if self.args.should_save:
             if self.processing_class is not None:
@@ -455,9 +464,7 @@ def shardwise_trainer(cls: T) -> T:
     """`cls` (a `transformers.Trainer` subclass, e.g. `trl.SFTTrainer`) with shardwise's
     layout: `shardwise_trainer(SFTTrainer)(model=..., args=..., parallel=ParallelConfig(...))`."""
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
-        raise TypeError(
-            f"shardwise_trainer expects a transformers.Trainer subclass, got {cls!r}."
-        )
+        raise TypeError(f"shardwise_trainer expects a transformers.Trainer subclass, got {cls!r}.")
     if issubclass(cls, ShardwiseTrainerMixin):
         return cls
     for base in cls.__mro__:  # a user's subclass of a refused trainer is refused too
@@ -479,9 +486,10 @@ _REFUSED_TRAINERS = {
         "with a plain Trainer."
     ),
     "GRPOTrainer": (
-        "it (GRPOTrainer) generates completions with the model inside the training step (model.generate, "
-        "or vLLM), which FSDP2-sharded parameters do not serve without a gather per token, "
-        "and no test shows its losses equal to the Trainer's own DDP."
+        "it (GRPOTrainer) generates completions inside the training step (model.generate, "
+        "or vLLM with weights synced from the model), a path this adapter does not route "
+        "through shardwise's layout, and no test shows its losses equal to GRPO under the "
+        "Trainer's own DDP."
     ),
 }
 """Trainer classes refused by name, with the reason."""

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 pytest.importorskip("transformers")
-import transformers  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
+import transformers
+from transformers import Trainer, TrainingArguments
 
-from shardwise import ParallelConfig  # noqa: E402
-from shardwise.config.run_file import Config  # noqa: E402
-from shardwise.integrations.transformers import (  # noqa: E402
+from shardwise import ParallelConfig
+from shardwise.config.run_file import Config
+from shardwise.integrations.transformers import (
     ShardwiseTrainer,
     shardwise_trainer,
     trainer_config,
@@ -59,7 +59,9 @@ def test_activation_checkpointing_is_shardwise_checkpointing(tmp_path: Path) -> 
     kept = ParallelConfig(activation_checkpointing="every_2")
     assert trainer_config(kept, _args(tmp_path, activation_checkpointing=True)) == kept
     assert trainer_config(ParallelConfig(), _args(tmp_path)).activation_checkpointing == "none"
-    with pytest.raises(ValueError, match=r"activation_checkpointing_kwargs=\{'use_reentrant': True\}"):
+    with pytest.raises(
+        ValueError, match=r"activation_checkpointing_kwargs=\{'use_reentrant': True\}"
+    ):
         trainer_config(
             ParallelConfig(),
             _args(
@@ -182,12 +184,16 @@ def test_shardwise_trainer_builds_from_any_trainer_and_refuses_dpo_and_grpo() ->
     assert issubclass(made, Mine) and made.__name__ == "ShardwiseMine"
     assert shardwise_trainer(made) is made
     assert shardwise_trainer(ShardwiseTrainer) is ShardwiseTrainer
-    with pytest.raises(TypeError, match=r"expects a transformers.Trainer subclass, got <class 'int'>"):
+    with pytest.raises(
+        TypeError, match=r"expects a transformers.Trainer subclass, got <class 'int'>"
+    ):
         shardwise_trainer(int)
     for name, why in (("DPOTrainer", "reference model"), ("GRPOTrainer", "generates completions")):
         refused = type(name, (Trainer,), {})
         with pytest.raises(NotImplementedError, match=rf"shardwise_trainer\({name}\).*{why}"):
             shardwise_trainer(refused)
         subclass = type("MyTrainer", (refused,), {})  # a user's subclass is refused too
-        with pytest.raises(NotImplementedError, match=rf"\(MyTrainer\) is not built: it \({name}\) .*{why}"):
+        with pytest.raises(
+            NotImplementedError, match=rf"\(MyTrainer\) is not built: it \({name}\) .*{why}"
+        ):
             shardwise_trainer(subclass)
