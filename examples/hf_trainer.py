@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import torch
 import transformers
@@ -88,7 +89,7 @@ class _StopAt(transformers.TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if state.global_step >= self.step:
             control.should_training_stop = True
         return control
