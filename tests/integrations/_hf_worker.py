@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -122,6 +123,14 @@ class Record(TrainerCallback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self.unsynced: list[bool] = []
+
+    def on_substep_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
+        # After the first micro-batch of a step: no gradient has reached the shards when
+        # the sync waited (FSDP2 keeps the unsharded sum until the last micro-batch).
+        self.unsynced.append(all(p.grad is None for p in model.parameters()))
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
         if logs and "loss" in logs and "grad_norm" in logs:
@@ -152,7 +161,12 @@ def record(name: str, trainer: Any, rec: Record, **facts: Any) -> None:
     params = full_parameters(trainer.model_wrapped)  # every rank gathers
     if rank() == 0:
         torch.save(params, OUT / f"{PHASE}-{name}.pt")
-        RESULTS[name] = {"losses": rec.losses, "norms": rec.norms, **facts}
+        RESULTS[name] = {
+            "losses": rec.losses,
+            "norms": rec.norms,
+            "unsynced": rec.unsynced,
+            **facts,
+        }
         (OUT / f"{PHASE}.json").write_text(json.dumps(RESULTS))
 
 
@@ -177,7 +191,10 @@ def train(
         **extra,
     )
     trainer.train(resume_from_checkpoint=resume)
-    facts: dict[str, Any] = {"layout": layout(trainer.model), "checkpointed": checkpointed(trainer.model)}
+    facts: dict[str, Any] = {
+        "layout": layout(trainer.model),
+        "checkpointed": checkpointed(trainer.model),
+    }
     if evaluate:
         facts["eval_loss"] = trainer.evaluate()["eval_loss"]
     record(name, trainer, rec, **facts)
@@ -211,7 +228,9 @@ def export_check(name: str, trainer: Any, load: Any) -> None:
     if rank() == 0:
         trained = torch.load(OUT / f"{PHASE}-{name}.pt")
         opened = {k: v.float() for k, v in load(str(out)).named_parameters()}
-        worst = max(float((opened[k] - v).norm() / v.norm().clamp_min(1e-12)) for k, v in trained.items())
+        worst = max(
+            float((opened[k] - v).norm() / v.norm().clamp_min(1e-12)) for k, v in trained.items()
+        )
         RESULTS[name]["export_rel"] = worst
         RESULTS[name]["export_files"] = sorted(os.listdir(out))
         (OUT / f"{PHASE}.json").write_text(json.dumps(RESULTS))
@@ -241,11 +260,31 @@ def phase_w2() -> None:
     )
     export_check("full_shard", full, transformers.LlamaForCausalLM.from_pretrained)
     train("local_clip", LocalClip, llama(), per, ParallelConfig(strategy="full_shard"))
+    bf16 = train("bf16_full_shard", ShardwiseTrainer, llama(), per, ParallelConfig(), bf16=True)
+    if rank() == 0:
+        policy = fully_shard.state(bf16.model)._mp_policy  # type: ignore[attr-defined]
+        RESULTS["bf16_full_shard"]["policy"] = [str(policy.param_dtype), str(policy.reduce_dtype)]
+        RESULTS["bf16_full_shard"]["dtypes"] = sorted(
+            {str(p.dtype) for p in bf16.model.parameters()}
+        )
+        (OUT / f"{PHASE}.json").write_text(json.dumps(RESULTS))
     train("shardwise_ddp", ShardwiseTrainer, llama(), per, ParallelConfig(strategy="ddp"))
     train("tied_hf_ddp", Trainer, llama(tied=True), per)
-    train("tied_full_shard", ShardwiseTrainer, llama(tied=True), per, ParallelConfig(strategy="full_shard"))
+    train(
+        "tied_full_shard",
+        ShardwiseTrainer,
+        llama(tied=True),
+        per,
+        ParallelConfig(strategy="full_shard"),
+    )
     train("lora_hf_ddp", Trainer, lora_llama(), per)
-    lora = train("lora_full_shard", ShardwiseTrainer, lora_llama(), per, ParallelConfig(strategy="full_shard"))
+    lora = train(
+        "lora_full_shard",
+        ShardwiseTrainer,
+        lora_llama(),
+        per,
+        ParallelConfig(strategy="full_shard"),
+    )
     export_check("lora_full_shard", lora, open_adapter)
     sft(per)
 
@@ -295,7 +334,13 @@ def sft(per: int) -> None:
             **extra,
         )
         trainer.train()
-        record(name, trainer, rec, layout=layout(trainer.model), checkpointed=checkpointed(trainer.model))
+        record(
+            name,
+            trainer,
+            rec,
+            layout=layout(trainer.model),
+            checkpointed=checkpointed(trainer.model),
+        )
         if parallel is not None:
             export_check(name, trainer, open_adapter)
 
@@ -323,14 +368,33 @@ def phase_w1() -> None:
     )
     RESULTS["first_step"] = {"loss": float(first)}
     source = OUT / "w2-full_shard" / "checkpoint-3"
-    train("resumed", ShardwiseTrainer, llama(), MICRO, ParallelConfig(strategy="full_shard"), resume=str(source))
+    train(
+        "resumed",
+        ShardwiseTrainer,
+        llama(),
+        MICRO,
+        ParallelConfig(strategy="full_shard"),
+        resume=str(source),
+    )
 
 
 def phase_w4() -> None:
     train("hf_ddp", Trainer, llama(), MICRO // 4)
-    train("hybrid", ShardwiseTrainer, llama(), MICRO // 4, ParallelConfig(strategy="hybrid_shard", dp_shard=2))
+    train(
+        "hybrid",
+        ShardwiseTrainer,
+        llama(),
+        MICRO // 4,
+        ParallelConfig(strategy="hybrid_shard", dp_shard=2),
+    )
     train("tp", ShardwiseTrainer, llama(), MICRO // 2, ParallelConfig(strategy="full_shard", tp=2))
-    train("tp_world_share", WorldShare, llama(), MICRO // 2, ParallelConfig(strategy="full_shard", tp=2))
+    train(
+        "tp_world_share",
+        WorldShare,
+        llama(),
+        MICRO // 2,
+        ParallelConfig(strategy="full_shard", tp=2),
+    )
 
 
 def phase_sft() -> None:

@@ -101,6 +101,28 @@ def test_world2_equals_the_trainers_own_ddp(runs: Any, name: str, ref: str) -> N
     assert rel_losses(r[name]["norms"], r[ref]["norms"]) <= TOL
 
 
+def test_accumulation_skips_the_gradient_sync(runs: Any) -> None:
+    """After the first of 2 micro-batches no gradient has reached the shards: the
+    reduce-scatter waits for the last one (FSDP2's gradient-sync flag)."""
+    for phase, name in (
+        ("w2", "full_shard"),
+        ("w2", "lora_full_shard"),
+        ("w4", "hybrid"),
+        ("w4", "tp"),
+    ):
+        assert runs[1][phase][name]["unsynced"] == [True] * 6, (phase, name)
+
+
+def test_bf16_is_shardwise_bf16_policy(runs: Any) -> None:
+    """bf16=True: fp32 parameters sharded, computed in bf16, gradients reduced in fp32 (not
+    Accelerate's autocast); the losses are bf16's, near fp32's and apart from them."""
+    bf16 = runs[1]["w2"]["bf16_full_shard"]
+    assert bf16["policy"] == ["torch.bfloat16", "torch.float32"]
+    assert bf16["dtypes"] == ["torch.float32"]
+    apart = rel_losses(bf16["losses"], runs[1]["w2"]["full_shard"]["losses"])
+    assert 1e-5 < apart < 1e-2, apart
+
+
 def test_clipping_is_by_the_norm_over_the_whole_mesh(runs: Any) -> None:
     r = runs[1]["w2"]
     assert min(r["hf_ddp"]["norms"]) > MAX_GRAD_NORM  # every step clips
