@@ -4338,6 +4338,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "trainer_stream_under_tp_not_refused",
+        "src/shardwise/integrations/transformers.py",
+        '        if type(sampler).__name__ != "BatchSamplerShard":',
+        "        if False:",
+        ("tests/integrations/test_transformers_trainer.py::test_a_stream_under_tp_is_refused",),
+    ),
+    Mutant(
         "trainer_resume_loads_nothing",
         "src/shardwise/integrations/transformers.py",
         "        if resume_from_checkpoint is not None:\n            load_checkpoint(",

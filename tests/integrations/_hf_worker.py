@@ -395,6 +395,28 @@ def phase_w4() -> None:
         MICRO // 2,
         ParallelConfig(strategy="full_shard", tp=2),
     )
+    stream = ShardwiseTrainer(
+        model=llama(),
+        args=targs("tp_stream", MICRO // 2),
+        train_dataset=Stream(),
+        parallel=ParallelConfig(strategy="full_shard", tp=2),
+    )
+    try:
+        stream.get_train_dataloader()
+        refused = ""
+    except NotImplementedError as exc:
+        refused = str(exc)
+    if rank() == 0:
+        RESULTS["tp_stream"] = {"refused": refused}
+        (OUT / f"{PHASE}.json").write_text(json.dumps(RESULTS))
+
+
+class Stream(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
+    """The rows as a stream: its loader cannot be told a data-parallel rank."""
+
+    def __iter__(self) -> Any:
+        rows = Rows()
+        return iter([rows[i] for i in range(len(rows))])
 
 
 def phase_sft() -> None:

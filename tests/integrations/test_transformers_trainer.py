@@ -142,6 +142,12 @@ def test_tp_ranks_read_the_same_rows(runs: Any) -> None:
     assert losses > 1e-3 and weights > 1e-3, (losses, weights)  # measured: 3.1e-2, 0.64
 
 
+def test_a_stream_under_tp_is_refused(runs: Any) -> None:
+    refused = runs[1]["w4"]["tp_stream"]["refused"]
+    assert refused.startswith("ShardwiseTrainer with tp=2: the dataloader is "), refused
+    assert "a tensor-parallel group's ranks would read different rows" in refused
+
+
 def test_layouts_are_real(runs: Any) -> None:
     w2, w4 = runs[1]["w2"], runs[1]["w4"]
     assert set(w2["hf_ddp"]["layout"].values()) == {"plain"}

@@ -8,15 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 import transformers
 from transformers import Trainer, TrainingArguments
 
-from shardwise import ParallelConfig
+from shardwise import CheckpointError, ParallelConfig
 from shardwise.config.run_file import Config
 from shardwise.integrations.transformers import (
     ShardwiseTrainer,
+    _sharded_dir,
     shardwise_trainer,
     trainer_config,
 )
@@ -197,3 +199,33 @@ def test_shardwise_trainer_builds_from_any_trainer_and_refuses_dpo_and_grpo() ->
             NotImplementedError, match=rf"\(MyTrainer\) is not built: it \({name}\) .*{why}"
         ):
             shardwise_trainer(subclass)
+
+
+def test_save_model_replaces_its_weights_and_leaves_the_rest(tmp_path: Path) -> None:
+    trainer = ShardwiseTrainer(model=_tiny(), args=_args(tmp_path), parallel=ParallelConfig())
+    out = tmp_path / "saved"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "model-00001-of-00002.safetensors").write_text("an older, larger save")
+    trainer.save_model(str(out))
+    trainer.save_model(str(out))  # a second save over the first
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "notes.txt",
+        "training_args.bin",
+    ]
+    assert (out / "notes.txt").read_text() == "mine"
+    reopened = transformers.LlamaForCausalLM.from_pretrained(out)
+    for (name, a), b in zip(trainer.model.named_parameters(), reopened.parameters(), strict=True):
+        assert torch.equal(a.detach(), b.detach()), name
+
+
+def test_a_resume_needs_a_shardwise_checkpoint(tmp_path: Path) -> None:
+    plain = tmp_path / "checkpoint-3"
+    plain.mkdir()
+    with pytest.raises(CheckpointError, match=r"checkpoint-3 holds no shardwise/ directory"):
+        _sharded_dir(plain)
+    (plain / "shardwise").mkdir()
+    assert _sharded_dir(plain) == plain / "shardwise"
