@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-muon test-ray test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-muon test-ray test-trainer test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -127,6 +127,11 @@ test-muon: $(STAMP)
 # restart at another number of workers (about 3 minutes); .ci/run runs it.
 test-ray: $(STAMP)
 	$(VENV)/bin/pytest -q -m ray tests/integrations/test_ray.py
+
+# transformers.Trainer and TRL's SFTTrainer on shardwise (ShardwiseTrainer) against the
+# Trainer's own DDP: three launches, at worlds 2, 1 (a resume) and 4; .ci/run runs it.
+test-trainer: $(STAMP)
+	$(VENV)/bin/pytest -q -m trainer tests/integrations/test_transformers_trainer.py
 
 test-slurm: $(STAMP)
 	$(VENV)/bin/pytest -q -s -m slurm tests/e2e/test_slurm.py

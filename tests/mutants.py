@@ -4340,6 +4340,131 @@ MUTANTS: tuple[Mutant, ...] = (
         "        out.append(child)",
         ("tests/unit/plan/test_plan.py::test_a_container_without_forward_is_never_a_unit",),
     ),
+    # Issue 53, item 1: the Hugging Face Trainer and TRL on shardwise (ShardwiseTrainer).
+    Mutant(
+        "trainer_clips_nothing",
+        "src/shardwise/integrations/transformers.py",
+        "return clip_grad_norm_(_trainable(self.model_wrapped), self.args.max_grad_norm)",
+        "return clip_grad_norm_(_trainable(self.model_wrapped), None)",
+        (
+            "tests/integrations/test_transformers_trainer.py::test_world2_equals_the_trainers_own_ddp",
+        ),
+    ),
+    Mutant(
+        "trainer_syncs_every_micro_batch",
+        "src/shardwise/integrations/transformers.py",
+        'sync = bool(self.accelerator.sync_gradients or plugin.get("sync_each_batch", False))',
+        "sync = True",
+        (
+            "tests/integrations/test_transformers_trainer.py::test_accumulation_skips_the_gradient_sync",
+        ),
+    ),
+    Mutant(
+        "trainer_tp_ranks_read_by_process",
+        "src/shardwise/integrations/transformers.py",
+        "sampler.process_index = info.dp_rank",
+        "sampler.process_index = info.dist.rank % info.dp_size",
+        (
+            "tests/integrations/test_transformers_trainer.py::test_world4_equals_the_trainers_own_ddp",
+        ),
+    ),
+    Mutant(
+        "trainer_stream_under_tp_not_refused",
+        "src/shardwise/integrations/transformers.py",
+        '        if type(sampler).__name__ != "BatchSamplerShard":',
+        "        if False:",
+        ("tests/integrations/test_transformers_trainer.py::test_a_stream_under_tp_is_refused",),
+    ),
+    Mutant(
+        "trainer_resume_loads_nothing",
+        "src/shardwise/integrations/transformers.py",
+        "        if resume_from_checkpoint is not None:\n            load_checkpoint(",
+        "        if False:\n            load_checkpoint(",
+        (
+            "tests/integrations/test_transformers_trainer.py::test_resume_at_world1_equals_the_uninterrupted_run",
+        ),
+    ),
+    Mutant(
+        "trainer_bf16_not_translated",
+        "src/shardwise/integrations/transformers.py",
+        '        changes["mixed_precision"] = "bf16"',
+        "        pass",
+        (
+            "tests/unit/integrations/test_transformers_contract.py::test_bf16_is_shardwise_bf16_policy",
+        ),
+    ),
+    Mutant(
+        "trainer_checkpointing_not_translated",
+        "src/shardwise/integrations/transformers.py",
+        '            changes["activation_checkpointing"] = "full"',
+        "            pass",
+        (
+            "tests/unit/integrations/test_transformers_contract.py::test_activation_checkpointing_is_shardwise_checkpointing",
+        ),
+    ),
+    Mutant(
+        "trainer_ddp_arguments_dropped",
+        "src/shardwise/integrations/transformers.py",
+        "            changes[name] = value  # DDP's keyword",
+        "            pass  # DDP's keyword",
+        (
+            "tests/unit/integrations/test_transformers_contract.py::test_ddp_arguments_are_ddp_keywords",
+        ),
+    ),
+    Mutant(
+        "trainer_fp16_via_mixed_precision_kept",
+        "src/shardwise/integrations/transformers.py",
+        'if args.fp16 or args.mixed_precision == "fp16":',
+        "if args.fp16:",
+        (
+            "tests/unit/integrations/test_transformers_contract.py::test_arguments_shardwise_would_change_are_refused",
+        ),
+    ),
+    Mutant(
+        "trainer_torch_compile_kept",
+        "src/shardwise/integrations/transformers.py",
+        "    if args.torch_compile:",
+        "    if False:",
+        (
+            "tests/unit/integrations/test_transformers_contract.py::test_arguments_shardwise_would_change_are_refused",
+        ),
+    ),
+    Mutant(
+        "trainer_fsdp_kept",
+        "src/shardwise/integrations/transformers.py",
+        "    if args.fsdp:",
+        "    if False:",
+        (
+            "tests/unit/integrations/test_transformers_contract.py::test_arguments_shardwise_would_change_are_refused",
+        ),
+    ),
+    Mutant(
+        "trainer_deepspeed_kept",
+        "src/shardwise/integrations/transformers.py",
+        "    if args.deepspeed:",
+        "    if False:",
+        (
+            "tests/unit/integrations/test_transformers_contract.py::test_arguments_shardwise_would_change_are_refused",
+        ),
+    ),
+    Mutant(
+        "trainer_user_arguments_changed",
+        "src/shardwise/integrations/transformers.py",
+        "        own = copy.copy(training_args)",
+        "        own = training_args",
+        (
+            "tests/unit/integrations/test_transformers_contract.py::test_the_user_arguments_are_left_as_given",
+        ),
+    ),
+    Mutant(
+        "trainer_dpo_subclass_not_refused",
+        "src/shardwise/integrations/transformers.py",
+        "    for base in cls.__mro__:",
+        "    for base in (cls,):",
+        (
+            "tests/unit/integrations/test_transformers_contract.py::test_shardwise_trainer_builds_from_any_trainer_and_refuses_dpo_and_grpo",
+        ),
+    ),
 )
 
 

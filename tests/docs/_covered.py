@@ -130,6 +130,10 @@ COVERED: dict[str, RunBy] = {
     ),
     "python examples/fabric_train.py": _hosts('"examples/fabric_train.py", 2'),
     "python examples/fabric_train.py --resume": _hosts('"examples/fabric_train.py", 2'),
+    "torchrun --standalone --nproc_per_node 2 examples/hf_trainer.py": _hosts(
+        '"examples/hf_trainer.py", 2'
+    ),
+    "python examples/hf_trainer.py --resume": _hosts('"examples/hf_trainer.py", 2'),
     "torchrun --standalone --nproc_per_node 2 examples/mixin_trainer.py --use-fsdp "
     "--sharding-strategy ShardingStrategy.FULL_SHARD": RunBy(
         "tests/e2e/test_quickstart.py::test_trainer_mixin_example",

@@ -1,4 +1,4 @@
-"""docs/hosts.md's mmengine, Lightning and Fabric commands, run as written in a fresh directory.
+"""docs/hosts.md's mmengine, Lightning, Fabric and Hugging Face Trainer commands, run as written in a fresh directory.
 
 They take about a minute together (mmengine and Lightning each start their own processes),
 so they run with the other host tests under `-m integrations`, not in `make test`."""
@@ -25,6 +25,7 @@ def _commands(example: str) -> list[str]:
         ("examples/mmengine/train.py", 2),
         ("examples/lightning_train.py", 2),
         ("examples/fabric_train.py", 2),
+        ("examples/hf_trainer.py", 2),
     ],
 )
 def test_host_examples_run_as_written(example, count, tmp_path, monkeypatch):
@@ -36,5 +37,8 @@ def test_host_examples_run_as_written(example, count, tmp_path, monkeypatch):
         run_shell({"text": text, "expected": None})
     if "mmengine" in example:
         assert (tmp_path / "work_dirs" / "toy" / "last_checkpoint").is_file()
+    if "hf_trainer" in example:  # the resume exported what from_pretrained opens
+        assert (tmp_path / "hf_trainer_out" / "final" / "model.safetensors").is_file()
+        assert (tmp_path / "hf_trainer_out" / "checkpoint-4" / "shardwise").is_dir()
     if "fabric" in example:  # the second run continued the first one's checkpoint
         assert (tmp_path / "fabric_ckpt" / "step_00000020" / "shardwise.json").is_file()
