@@ -39,6 +39,7 @@ from shardwise.checkpoint.save import save_checkpoint
 from shardwise.checkpoint.trust import CheckpointError
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.run_file import Config
+from shardwise.distributed.watchdog import guard
 from shardwise.integrations.layouts import computes_in_fp16, host_config
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.wrapped import stale_parameters, unwrap, wrap_info
@@ -417,7 +418,7 @@ def _export_beside(model: nn.Module, out: Path, writes: bool) -> None:
         if staging.is_dir():  # left by a killed save
             shutil.rmtree(staging)
         out.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    _barrier("save_model: rank 0 clearing the staging directory")
     export_weights(model, staging)
     if writes:
         for old in out.iterdir():
@@ -426,7 +427,7 @@ def _export_beside(model: nn.Module, out: Path, writes: bool) -> None:
         for new in staging.iterdir():
             os.replace(new, out / new.name)
         staging.rmdir()
-    _barrier()
+    _barrier("save_model: rank 0 moving the exported files into place")
 
 
 _WEIGHT_NAMES = (
@@ -440,9 +441,12 @@ _WEIGHT_NAMES = (
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-def _barrier() -> None:
+def _barrier(what: str) -> None:
+    """A barrier within the process group's timeout (TrainingArguments.ddp_timeout) that
+    names the rank that did not arrive."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        with guard(what):
+            dist.barrier()
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
