@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise.config.optimizer import MATRIX_OPTIMIZERS
 from shardwise.parallelize.wrapped import unwrap, wrap_info
 from shardwise.train import muon_comm
 
@@ -392,3 +393,7 @@ def _layouts(
             )
         layouts[id(p)] = muon_comm.layout_of(p, group, name)
     return layouts
+
+
+# The run file's `optimizer: {name: muon}` builds this class (config sits below train).
+MATRIX_OPTIMIZERS["muon"] = Muon
