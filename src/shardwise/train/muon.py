@@ -48,6 +48,7 @@ from shardwise.config.matrices import (
 from shardwise.config.optimizer import MATRIX_OPTIMIZERS
 from shardwise.parallelize.wrapped import unwrap, wrap_info
 from shardwise.train import muon_comm
+from shardwise.train.muon_fused import SplitSetting, orthogonalise_blocks, read_splits
 
 __all__ = [
     "DEFAULT_FALLBACK_NAMES",
@@ -73,6 +74,8 @@ class MuonContext:
     """The group plain-tensor parameters are replicated over (ddp's)."""
     refused: str | None = None
     """A layout shardwise.Muon does not build, said in a few words."""
+    model: nn.Module | None = None
+    """The unwrapped model (its config gives fused projections' splits)."""
 
 
 _CONTEXT: contextvars.ContextVar[MuonContext | None] = contextvars.ContextVar(
@@ -93,7 +96,7 @@ def muon_context(model: nn.Module) -> Iterator[None]:
         for field, what in (("cp", "cp"),):
             if int(getattr(cfg, field, 1)) > 1:
                 refused = f"{what} (ParallelConfig.{field}={getattr(cfg, field)})"
-    token = _CONTEXT.set(MuonContext(names, group, refused))
+    token = _CONTEXT.set(MuonContext(names, group, refused, inner))
     try:
         yield
     finally:
@@ -158,7 +161,11 @@ class Muon(torch.optim.Optimizer):
     `fallback_names`: regular expressions sending matching parameters to the fallback;
     `matrix_names`: expressions that keep a 2-D parameter on Muon whatever its name;
     `expert_names`: expressions naming 3-D stacks of expert matrices (each expert its own).
-    `process_group`: where plain-tensor parameters are replicated (ddp's group)."""
+    `process_group`: where plain-tensor parameters are replicated (ddp's group).
+    `split_fused` (off by default): orthogonalise fused projections per block, `qkv_proj`
+    as its q, k and v rows and `gate_up_proj` as its gate and up halves (per expert in an
+    MoE stack), the split read from the model's config (True; `model` gives the model
+    outside the Engine), or {name pattern: row sizes} (muon_fused.py)."""
 
     def __init__(
         self,
@@ -178,6 +185,8 @@ class Muon(torch.optim.Optimizer):
         matrix_names: Sequence[str] = (),
         expert_names: Sequence[str] = EXPERT_NAMES,
         process_group: dist.ProcessGroup | None = None,
+        split_fused: SplitSetting = False,
+        model: nn.Module | None = None,
     ) -> None:
         _check_settings(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
         context = _CONTEXT.get()
@@ -208,6 +217,11 @@ class Muon(torch.optim.Optimizer):
         self.fallback_names = [n for n, _ in others]
         self._layouts = _layouts(matrices, group)
         self.expert_names = [n for n, p in matrices if p.ndim == 3]
+        if model is None and context is not None:
+            model = context.model
+        splits = read_splits(split_fused, matrices, model, getattr(model, "config", None))
+        self.fused_names = list(splits)  # the matrices orthogonalised per block
+        self._splits = {id(p): splits[n] for n, p in matrices if n in splits}
         self._owners = muon_comm.choose_owners(
             list(self._layouts.values()), [p.numel() for _, p in matrices]
         )
@@ -275,6 +289,8 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - m)
         update = grad.lerp(buf, m) if group["nesterov"] else buf
 
+        split = self._splits.get(id(p))
+
         def orthogonalise(whole: torch.Tensor) -> torch.Tensor:
             settings = (
                 tuple(group["ns_coefficients"]),
@@ -282,6 +298,14 @@ class Muon(torch.optim.Optimizer):
                 group["eps"],
                 _dtype(group["ns_dtype"]),  # a checkpoint gives it back as a string
             )
+            if split is not None:  # each block as the matrix it would be unfused
+                fn = group["adjust_lr_fn"]
+                return orthogonalise_blocks(
+                    whole,
+                    split,
+                    lambda m: newton_schulz(m, *settings),
+                    lambda block, matrix: adjust_lr(1.0, fn, block) / adjust_lr(1.0, fn, matrix),
+                )
             if whole.ndim == 3:  # a stack of experts: each expert's matrix on its own
                 return torch.stack([newton_schulz(m, *settings) for m in whole])
             return newton_schulz(whole, *settings)
