@@ -116,9 +116,11 @@ test-streams: $(STAMP)
 
 # shardwise.Muon at world 4 (ddp, full_shard, shard_grad_op, hybrid 2x2, dp 2 x tp 2,
 # pp 2 x dp 2, ep 2; an MLP, a tiny llama, the llama with LoRA, a tiny mixtral) against one process, its negative control and Newton–Schulz counted
-# once per matrix in the job (about 30 s).
+# once per matrix in the job (about 30 s); and test_muon_fused.py: split_fused under
+# full_shard and dp 2 x tp 2 against one process, and Muon's planned step memory against a
+# real step (another group of 4, about 25 s).
 test-muon: $(STAMP)
-	$(VENV)/bin/pytest -q -m muon tests/distributed/test_muon.py
+	$(VENV)/bin/pytest -q -m muon tests/distributed/test_muon.py tests/distributed/test_muon_fused.py
 
 # shardwise's Runner inside Ray Train's TorchTrainer on a local Ray cluster (2 CPUs): 2
 # workers equal to one, a worker killed mid-run resumed from the reported checkpoint, and a
