@@ -44,6 +44,7 @@ _MUON_KEYS = (
     "fallback",
     "fallback_names",
     "matrix_names",
+    "split_fused",
 )
 KEYS: dict[str, tuple[str, ...]] = {
     "adamw": ("betas", "eps"),
@@ -67,6 +68,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "ns_coefficients": (3.4445, -4.7750, 2.0315),
         "adjust_lr_fn": None,
         "ns_dtype": "bfloat16",
+        "split_fused": False,
     },
 }
 """What a key not given means, per optimizer."""
@@ -201,6 +203,9 @@ class OptimizerConfig:
     (None: embeddings, output heads, norms, MoE routers)."""
     matrix_names: list[str] | None = None
     """muon: regular expressions keeping a matching 2-D parameter on Muon whatever its name."""
+    split_fused: bool | None = None
+    """muon: orthogonalise fused projections per block (qkv_proj as q, k, v; gate_up_proj as
+    its halves), the split read from the model's config (None: false)."""
 
     def __post_init__(self) -> None:
         check_choice(self.name, OptimizerName, "optimizer.name")
@@ -238,7 +243,15 @@ class OptimizerConfig:
         """shardwise.Muon's keyword arguments for this section (name 'muon')."""
         out = {
             key: self.setting(key)
-            for key in ("weight_decay", "momentum", "nesterov", "eps", "ns_steps", "adjust_lr_fn")
+            for key in (
+                "weight_decay",
+                "momentum",
+                "nesterov",
+                "eps",
+                "ns_steps",
+                "adjust_lr_fn",
+                "split_fused",
+            )
         }
         out["ns_coefficients"] = tuple(self.setting("ns_coefficients"))
         out["ns_dtype"] = getattr(torch, self.setting("ns_dtype"))

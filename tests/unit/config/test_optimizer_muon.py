@@ -10,6 +10,7 @@ key, the value and the fix.
 from __future__ import annotations
 
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -203,3 +204,21 @@ def test_the_cli_reads_and_writes_muons_keys(tmp_path, capsys):
     assert main(["config", "show", "optimizer.name=muon", "optimizer.betas=[0.9,0.99]"]) != 0
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "optimizer.betas=(0.9, 0.99) is given, but optimizer.name='muon' has no betas" in line
+
+
+class _Fused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+        self.qkv_proj = nn.Linear(8, 16, bias=False)  # q 8, k 4, v 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qkv_proj(x).square().mean()
+
+
+def test_split_fused_in_a_run_file_reads_the_split_from_the_engines_model():
+    on = load_config(None, ["optimizer.name=muon", "optimizer.split_fused=true"])
+    engine = shardwise.Engine(_Fused(), on.optimizer.build)
+    assert engine.optimizer.fused_names == ["qkv_proj.weight"]
+    off = load_config(None, ["optimizer.name=muon"])
+    assert shardwise.Engine(_Fused(), off.optimizer.build).optimizer.fused_names == []
