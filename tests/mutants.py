@@ -4411,8 +4411,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return heads * head_dim, kv * head_dim, kv * head_dim",
         "    return kv * head_dim, heads * head_dim, kv * head_dim",
         (
-            "tests/unit/train/test_muon_fused.py::test_the_split_is_read_from_a_transformers_config",
-            "tests/unit/train/test_muon_fused.py::test_per_block_equals_each_block_as_its_own_matrix_and_off_differs",
+            "tests/unit/train/test_muon_blocks.py::test_the_split_is_read_from_a_transformers_config",
+            "tests/unit/train/test_muon_blocks.py::test_per_block_equals_each_block_as_its_own_matrix_and_off_differs",
             "tests/distributed/test_muon_fused.py::test_split_fused_equals_one_process",
         ),
     ),
@@ -4422,7 +4422,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "    out = [orthogonalise(b) * scale(b.shape, whole.shape) for b in blocks]",
         "    out = [orthogonalise(b) for b in blocks]",
         (
-            "tests/unit/train/test_muon_fused.py::test_per_block_equals_each_block_as_its_own_matrix_and_off_differs",
+            "tests/unit/train/test_muon_blocks.py::test_per_block_equals_each_block_as_its_own_matrix_and_off_differs",
         ),
     ),
     Mutant(
@@ -4431,7 +4431,7 @@ MUTANTS: tuple[Mutant, ...] = (
         '        dim = -1 if layout == "transposed" else -2',
         '        dim = -1 if layout == "transposed" else 0',
         (
-            "tests/unit/train/test_muon_fused.py::test_an_expert_stack_is_split_per_expert_then_per_half",
+            "tests/unit/train/test_muon_blocks.py::test_an_expert_stack_is_split_per_expert_then_per_half",
         ),
     ),
     Mutant(
@@ -4440,8 +4440,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "        split_fused: SplitSetting = False,",
         "        split_fused: SplitSetting = True,",
         (
-            "tests/unit/train/test_muon_fused.py::test_the_split_is_read_from_a_transformers_config",
-            "tests/unit/train/test_muon_fused.py::test_per_block_equals_each_block_as_its_own_matrix_and_off_differs",
+            "tests/unit/train/test_muon_blocks.py::test_the_split_is_read_from_a_transformers_config",
+            "tests/unit/train/test_muon_blocks.py::test_per_block_equals_each_block_as_its_own_matrix_and_off_differs",
         ),
     ),
     Mutant(
@@ -4450,7 +4450,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if sum(split.sizes) != rows or min(split.sizes) <= 0:",
         "    if min(split.sizes) <= 0:",
         (
-            "tests/unit/train/test_muon_fused.py::test_a_split_that_cannot_be_read_is_refused_in_one_line",
+            "tests/unit/train/test_muon_blocks.py::test_a_split_that_cannot_be_read_is_refused_in_one_line",
         ),
     ),
 )
