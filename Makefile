@@ -118,9 +118,11 @@ test-streams: $(STAMP)
 # pp 2 x dp 2, ep 2; an MLP, a tiny llama, the llama with LoRA, a tiny mixtral, a tiny
 # qwen2) against one process, its negative control, Newton–Schulz counted once per matrix
 # in the job, and a checkpoint saved at world 4 loaded at world 2 and in one process
-# (about 50 s; 75 s on a loaded 2-core host).
+# (about 50 s; 75 s on a loaded 2-core host); and test_muon_fused.py: split_fused under
+# full_shard and dp 2 x tp 2 against one process, and Muon's planned step memory against a
+# real step (another group of 4, about 25 s).
 test-muon: $(STAMP)
-	$(VENV)/bin/pytest -q -m muon tests/distributed/test_muon.py
+	$(VENV)/bin/pytest -q -m muon tests/distributed/test_muon.py tests/distributed/test_muon_fused.py
 
 # shardwise's Runner inside Ray Train's TorchTrainer on a local Ray cluster (2 CPUs): 2
 # workers equal to one, a worker killed mid-run resumed from the reported checkpoint, and a

@@ -999,9 +999,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "adam_betas_not_passed",
-        "src/shardwise/config/run_file.py",
-        "params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay",
-        "params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay",
+        "src/shardwise/config/optimizer.py",
+        'return cls(params, lr=lr, betas=s["betas"], eps=s["eps"], weight_decay=s["weight_decay"])',
+        'return cls(params, lr=lr, eps=s["eps"], weight_decay=s["weight_decay"])',
         ("tests/unit/config/test_optimizer_section.py::test_adams_fields_reach_the_optimizer",),
     ),
     Mutant(
@@ -2662,8 +2662,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "estimate_fsdp_update_as_ddps",
         "src/shardwise/memory/model_states.py",
-        '            "optimizer_step": held + (3 if ddp else 2) * s.grads,\n',
-        '            "optimizer_step": held + 3 * s.grads,\n',
+        "        step = (2 if ddp else 1) * s.grads if s.step_temporaries is None",
+        "        step = 2 * s.grads if s.step_temporaries is None",
         (
             "tests/unit/memory/test_autoplan.py::test_the_moments_of_a_step_at_sizes_where_the_wrong_ones_differ",
             "tests/unit/memory/test_autoplan.py::test_instant_estimate_within_ten_percent_of_the_simulation",
@@ -2672,8 +2672,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "estimate_fsdp_update_without_temporaries",
         "src/shardwise/memory/model_states.py",
-        '            "optimizer_step": held + (3 if ddp else 2) * s.grads,\n',
-        '            "optimizer_step": held + (3 if ddp else 1) * s.grads,\n',
+        "        step = (2 if ddp else 1) * s.grads if s.step_temporaries is None",
+        "        step = (2 if ddp else 0) * s.grads if s.step_temporaries is None",
         (
             "tests/unit/memory/test_autoplan.py::test_the_moments_of_a_step_at_sizes_where_the_wrong_ones_differ",
             "tests/unit/memory/test_autoplan.py::test_instant_estimate_within_ten_percent_of_the_simulation",
@@ -4087,28 +4087,28 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "muon_router_on_muon",
-        "src/shardwise/train/muon.py",
+        "src/shardwise/config/matrices.py",
         '    r"(^|\\.)(gate|router)\\.weight$",',
         '    r"(^|\\.)(router)\\.weight$",',
         ("tests/unit/train/test_muon_optimizer.py::test_split_by_name_and_shape",),
     ),
     Mutant(
         "muon_gate_proj_to_fallback",
-        "src/shardwise/train/muon.py",
+        "src/shardwise/config/matrices.py",
         '    r"(^|\\.)(gate|router)\\.weight$",',
         '    r"(gate|router)",',
         ("tests/unit/train/test_muon_optimizer.py::test_hidden_matrices_stay_on_muon",),
     ),
     Mutant(
         "muon_matrix_names_ignored",
-        "src/shardwise/train/muon.py",
+        "src/shardwise/config/matrices.py",
         "        forced = name is not None and any(re.search(r, name) for r in matrix_names)",
         "        forced = False",
         ("tests/unit/train/test_muon_optimizer.py::test_split_by_name_and_shape",),
     ),
     Mutant(
         "muon_unnamed_split_by_shape_silently",
-        "src/shardwise/train/muon.py",
+        "src/shardwise/config/matrices.py",
         "        if name is None and fallback_names:",
         "        if False:",
         (
@@ -4463,6 +4463,150 @@ MUTANTS: tuple[Mutant, ...] = (
         "    for base in (cls,):",
         (
             "tests/unit/integrations/test_transformers_contract.py::test_shardwise_trainer_builds_from_any_trainer_and_refuses_dpo_and_grpo",
+        ),
+    ),
+    # issue 52: optimizer: {name: muon} in run files.
+    Mutant(
+        "muon_run_file_takes_other_optimizers_keys",
+        "src/shardwise/config/optimizer.py",
+        "        if key not in KEYS[name]:",
+        '        if key not in KEYS[name] and name != "muon":',
+        (
+            "tests/unit/config/test_optimizer_muon.py::test_bad_muon_sections_are_refused_at_load_time_in_one_line",
+        ),
+    ),
+    Mutant(
+        "muon_run_file_nesterov_dropped",
+        "src/shardwise/config/optimizer.py",
+        '                "nesterov",\n                "eps",',
+        '                "eps",',
+        (
+            "tests/unit/config/test_optimizer_muon.py::test_a_run_file_with_muon_trains_as_muon_built_by_hand",
+        ),
+    ),
+    Mutant(
+        "muon_run_file_weight_decay_default_adamws",
+        "src/shardwise/config/optimizer.py",
+        '    "muon": {\n        "weight_decay": 0.1,',
+        '    "muon": {\n        "weight_decay": 0.0,',
+        (
+            "tests/unit/config/test_optimizer_muon.py::test_muon_keys_not_given_are_torchs_defaults_and_the_fallback_is_the_run_files_adamw",
+        ),
+    ),
+    Mutant(
+        "muon_run_file_fallback_lr_ignored",
+        "src/shardwise/config/optimizer.py",
+        "self.name, list(params), self.lr if self.lr is not None else lr, given",
+        "self.name, list(params), lr, given",
+        (
+            "tests/unit/config/test_optimizer_muon.py::test_a_run_file_with_muon_trains_as_muon_built_by_hand",
+        ),
+    ),
+    Mutant(
+        "muon_run_file_momentum_one_accepted",
+        "src/shardwise/config/optimizer.py",
+        '    if name == "muon" and given.get("momentum") is not None and given["momentum"] >= 1:',
+        '    if name == "muon" and given.get("momentum") is not None and given["momentum"] > 1:',
+        (
+            "tests/unit/config/test_optimizer_muon.py::test_bad_muon_sections_are_refused_at_load_time_in_one_line",
+        ),
+    ),
+    # issue 52: the memory plan counts Muon.
+    Mutant(
+        "muon_memory_two_buffers",
+        "src/shardwise/memory/muon_states.py",
+        "MUON_STATES = 1",
+        "MUON_STATES = 2",
+        (
+            "tests/unit/memory/test_muon_memory.py::test_muon_keeps_one_state_per_matrix_element_and_the_fallback_two_for_the_rest",
+            "tests/unit/memory/test_muon_memory.py::test_the_one_process_state_is_what_shardwise_muon_holds_after_a_step",
+        ),
+    ),
+    Mutant(
+        "muon_memory_every_rank_assembles_every_matrix",
+        "src/shardwise/memory/muon_states.py",
+        "    for owned in _owners(sizes, world):\n        if not owned:",
+        "    for owned in [list(range(len(sizes)))]:\n        if not owned:",
+        (
+            "tests/unit/memory/test_muon_memory.py::test_sharded_step_temporaries_count_the_busiest_owner_and_padded_pieces",
+            "tests/distributed/test_muon_fused.py::test_the_memory_plans_step_temporaries_against_a_real_step",
+        ),
+    ),
+    Mutant(
+        "muon_memory_pieces_unpadded",
+        "src/shardwise/memory/muon_states.py",
+        "    pads = [-(-s[0] // shard) * (n // s[0])",
+        "    pads = [(s[0] // shard) * (n // s[0])",
+        (
+            "tests/unit/memory/test_muon_memory.py::test_sharded_step_temporaries_count_the_busiest_owner_and_padded_pieces",
+        ),
+    ),
+    Mutant(
+        "muon_memory_owner_whole_matrix_not_counted",
+        "src/shardwise/memory/muon_states.py",
+        "        worst = max(worst, message + 2 * shard * message + whole)",
+        "        worst = max(worst, message + 2 * shard * message)",
+        (
+            "tests/unit/memory/test_muon_memory.py::test_sharded_step_temporaries_count_the_busiest_owner_and_padded_pieces",
+            "tests/distributed/test_muon_fused.py::test_the_memory_plans_step_temporaries_against_a_real_step",
+        ),
+    ),
+    Mutant(
+        "muon_memory_one_process_results_not_kept",
+        "src/shardwise/memory/muon_states.py",
+        "            kept += shares.ns_bytes * n",
+        "            kept += 0",
+        (
+            "tests/unit/memory/test_muon_memory.py::test_the_one_process_step_temporaries_are_what_a_real_step_allocates",
+        ),
+    ),
+    # issue 52: fused projections per block.
+    Mutant(
+        "muon_split_q_rows_are_kvs",
+        "src/shardwise/train/muon_fused.py",
+        "    return heads * head_dim, kv * head_dim, kv * head_dim",
+        "    return kv * head_dim, heads * head_dim, kv * head_dim",
+        (
+            "tests/unit/train/test_muon_blocks.py::test_the_split_is_read_from_a_transformers_config",
+            "tests/unit/train/test_muon_blocks.py::test_per_block_equals_each_block_as_its_own_matrix_and_off_differs",
+            "tests/distributed/test_muon_fused.py::test_split_fused_equals_one_process",
+        ),
+    ),
+    Mutant(
+        "muon_split_block_lr_not_adjusted",
+        "src/shardwise/train/muon_fused.py",
+        "    out = [orthogonalise(b) * scale(b.shape, whole.shape) for b in blocks]",
+        "    out = [orthogonalise(b) for b in blocks]",
+        (
+            "tests/unit/train/test_muon_blocks.py::test_per_block_equals_each_block_as_its_own_matrix_and_off_differs",
+        ),
+    ),
+    Mutant(
+        "muon_split_stack_halves_across_experts",
+        "src/shardwise/train/muon_fused.py",
+        '        dim = -1 if layout == "transposed" else -2',
+        '        dim = -1 if layout == "transposed" else 0',
+        (
+            "tests/unit/train/test_muon_blocks.py::test_an_expert_stack_is_split_per_expert_then_per_half",
+        ),
+    ),
+    Mutant(
+        "muon_split_fused_on_by_default",
+        "src/shardwise/train/muon.py",
+        "        split_fused: SplitSetting = False,",
+        "        split_fused: SplitSetting = True,",
+        (
+            "tests/unit/train/test_muon_blocks.py::test_the_split_is_read_from_a_transformers_config",
+            "tests/unit/train/test_muon_blocks.py::test_per_block_equals_each_block_as_its_own_matrix_and_off_differs",
+        ),
+    ),
+    Mutant(
+        "muon_split_sizes_not_checked",
+        "src/shardwise/train/muon_fused.py",
+        "    if sum(split.sizes) != rows or min(split.sizes) <= 0:",
+        "    if min(split.sizes) <= 0:",
+        (
+            "tests/unit/train/test_muon_blocks.py::test_a_split_that_cannot_be_read_is_refused_in_one_line",
         ),
     ),
 )

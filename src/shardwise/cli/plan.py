@@ -119,6 +119,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
     import torch
 
+    from shardwise.cli.plan_muon import NOT_ESTIMATED, refuse_unplanned, shares_of
     from shardwise.config.run_file import Config, load_config
     from shardwise.memory.model_states import (
         dtype_bytes,
@@ -158,6 +159,7 @@ def plan_command(args: argparse.Namespace) -> int:
             ep=parallel.ep,
             cp=parallel.cp,
         )
+    refuse_unplanned(args, config.optimizer, parallel, spec)
     factory = _load_factory(args.target)
     with torch.device("meta"):  # nothing is allocated: plans of huge models print anywhere
         model = factory()
@@ -191,7 +193,11 @@ def plan_command(args: argparse.Namespace) -> int:
         else None
     )
     estimates = estimate_memory(
-        plan, args.world, optimizer=config.optimizer.name, compute_dtype_bytes=compute
+        plan,
+        args.world,
+        optimizer=config.optimizer.name,
+        compute_dtype_bytes=compute,
+        muon=shares_of(config.optimizer, model),
     )
     parallel = config.parallel
     if args.memory_budget is not None:
@@ -209,8 +215,21 @@ def plan_command(args: argparse.Namespace) -> int:
     from shardwise.memory.auto import ALLOCATED_NOTE, format_rows, resolve_budget
 
     limit, source = resolve_budget(parallel.memory_budget)
-    rows = _plan_rows(
-        args, factory, model, parallel, estimates, config.optimizer.name, seq_len, limit, example
+    muon = config.optimizer.name == "muon"
+    rows = (
+        []
+        if muon
+        else _plan_rows(
+            args,
+            factory,
+            model,
+            parallel,
+            estimates,
+            config.optimizer.name,
+            seq_len,
+            limit,
+            example,
+        )
     )
     if not rows and args.simulate:
         raise ValueError(_NO_INPUT.format(what="--simulate needs"))
@@ -228,7 +247,7 @@ def plan_command(args: argparse.Namespace) -> int:
     print(format_memory(estimates))
     if not rows:
         print()
-        print(_NO_INPUT.format(what="the peak with activations needs"))
+        print(NOT_ESTIMATED if muon else _NO_INPUT.format(what="the peak with activations needs"))
     if rows:
         print()
         shape = (

@@ -17,6 +17,7 @@ from shardwise.config.names import (
     closest,
     normalize_strategy,
 )
+from shardwise.config.optimizer import FallbackConfig
 from shardwise.config.parallel import (
     FROZEN_POLICIES,
     ActivationCheckpointing,
@@ -69,6 +70,7 @@ __all__ = [
     "BackwardPrefetchName",
     "Config",
     "ConfigError",
+    "FallbackConfig",
     "FrozenPolicy",
     "MemoryBudget",
     "NonFinitePolicy",

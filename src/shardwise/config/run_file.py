@@ -1,6 +1,7 @@
 """The one configuration schema for files and the command line.
 
-Owns: `Config` (sections parallel, train, optimizer, scheduler, runner) and the machinery
+Owns: `Config` (sections parallel, train, optimizer, scheduler, runner; the optimizer
+section's own class lives in optimizer.py, its error in errors.py) and the machinery
 every schema shares: strict loading from YAML (`yaml.safe_load`), `section.key=value`
 overrides, dumping back to YAML, and the Markdown reference generated from the fields'
 docstrings (so the reference in docs/configuration.md cannot drift).
@@ -34,7 +35,12 @@ import torch
 import yaml
 
 from shardwise.config.adapters import AdapterConfig
+from shardwise.config.errors import ConfigError as ConfigError
+from shardwise.config.errors import check_choice
 from shardwise.config.names import closest
+from shardwise.config.optimizer import FallbackConfig as FallbackConfig
+from shardwise.config.optimizer import OptimizerConfig as OptimizerConfig
+from shardwise.config.optimizer import OptimizerName as OptimizerName
 from shardwise.config.parallel import ParallelConfig
 from shardwise.config.training import RunnerConfig, TrainConfig
 from shardwise.config.vocabulary import FOREIGN_WORDS, PLACEMENT_WORDS, integral, translate
@@ -45,69 +51,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
-    """A configuration file or override is invalid; the message names the key."""
-
-
-OptimizerName = Literal["adamw", "adam", "sgd"]
 SchedulerName = Literal["none", "constant", "cosine", "linear"]
-
-
-def _check_choice(value: object, choices: Any, where: str) -> None:
-    """A ConfigError naming `where`, the value and the allowed set, unless `value` is one of
-    the `Literal` type `choices`."""
-    allowed = get_args(choices)
-    if value not in allowed:
-        hint = closest(str(value), [str(a) for a in allowed])
-        raise ConfigError(f"{where}={value!r} is not allowed.{hint} Choose one of {list(allowed)}.")
-
-
-@dataclass(kw_only=True)
-class OptimizerConfig:
-    """The optimizer built after wrapping (Engine gets `config.build`)."""
-
-    name: OptimizerName = "adamw"
-    """Optimizer class."""
-    lr: float = 3e-4
-    """Peak learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled (adamw) or L2 (adam, sgd) weight decay."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """Adam's moment decay rates."""
-    eps: float = 1e-8
-    """Adam's term added to the denominator."""
-    momentum: float = 0.0
-    """SGD momentum."""
-
-    def __post_init__(self) -> None:
-        _check_choice(self.name, OptimizerName, "optimizer.name")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigError(
-                f"optimizer.lr={self.lr} must be a finite number > 0 (a peak learning rate "
-                "such as 3e-4)."
-            )
-        for name in ("weight_decay", "momentum", "eps"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"optimizer.{name}={value} must be a finite number >= 0.")
-        for i, beta in enumerate(self.betas):
-            if not 0 <= beta < 1:
-                raise ConfigError(
-                    f"optimizer.betas[{i}]={beta} must be in [0, 1) (a moment decay rate; "
-                    "1 never forgets and divides by zero in the bias correction). Use e.g. "
-                    "betas: [0.9, 0.95]."
-                )
-
-    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        params = list(params)
-        if self.name == "sgd":
-            return torch.optim.SGD(
-                params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
-            )
-        cls = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
-        return cls(
-            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
-        )
 
 
 @dataclass(kw_only=True)
@@ -122,7 +66,7 @@ class SchedulerConfig:
     """Final lr as a fraction of the peak (cosine, linear), in [0, 1]."""
 
     def __post_init__(self) -> None:
-        _check_choice(self.name, SchedulerName, "scheduler.name")
+        check_choice(self.name, SchedulerName, "scheduler.name")
         w = self.warmup_steps
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ConfigError(f"scheduler.warmup_steps={w!r} must be an int >= 0 (0: no warm-up).")
@@ -206,11 +150,18 @@ def _coerce(value: Any, tp: Any, path: str, translates: bool = False) -> Any:
         return tuple(value) if isinstance(value, list) else value
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
+        arm_error = None
         for arm in get_args(tp):
             try:
                 return _coerce(value, arm, path, translates)
-            except ConfigError:
+            except ConfigError as exc:
+                if (isinstance(value, (list, tuple)) and get_origin(arm) in _SEQUENCES) or (
+                    isinstance(value, str) and get_origin(arm) is Literal
+                ):
+                    arm_error = exc  # the arm of the value's kind says what is wrong
                 continue
+        if arm_error is not None:
+            raise arm_error
         if not _file_can_hold(tp):
             # The field also takes Python objects (a DeviceMesh, module classes, callables):
             # its section's own error names every accepted form, and which a file cannot give.

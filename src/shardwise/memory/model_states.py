@@ -18,9 +18,11 @@ from torch import nn
 from shardwise.config.names import STRATEGIES
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.memory.activations import ActivationTrace
+from shardwise.memory.muon_states import MUON_STATES, MuonShares, muon_state_bytes, muon_step_bytes
 from shardwise.plan.planner import WrapPlan
 
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "muon": MUON_STATES, "none": 0}
+"""Fp32 states per trainable element (muon: per matrix element; its fallback keeps its own)."""
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
@@ -48,6 +50,9 @@ class MemoryEstimate:
     """Sharding over more than one rank, the root unit's unsharded gradients (in the
     compute dtype) and their fp32 copy for its reduce-scatter, at the end of backward, less
     its sharded gradients (not yet there)."""
+    step_temporaries: int | None = None
+    """Muon's temporaries at its step on the worst rank (memory/muon_states.py); None: an
+    elementwise optimizer's, gradient-sized (PeakEstimate)."""
 
     @property
     def model_states(self) -> int:
@@ -91,6 +96,7 @@ def estimate_memory(
     strategies: tuple[str, ...] = STRATEGIES,
     tp: int = 1,
     tp_share: dict[str, float] | None = None,
+    muon: MuonShares | None = None,
 ) -> list[MemoryEstimate]:
     """An estimate per strategy that fits `world_size` (hybrid needs a 2-D mesh).
 
@@ -98,11 +104,22 @@ def estimate_memory(
     (`OPTIMIZER_STATES[optimizer]` tensors per trainable parameter). With `tp > 1`,
     `tp_share` (from `tp_shares`) says what fraction of each unit one tp rank holds; the
     strategy then shards that over the world_size // tp data-parallel ranks (ddp is not
-    offered with tp).
+    offered with tp). `optimizer="muon"` needs `muon` (`muon_shares(model)`): one state per
+    matrix element, the fallback's for the rest, and the step's temporaries.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(
             f"estimate_memory(optimizer={optimizer!r}): use one of {sorted(OPTIMIZER_STATES)}."
+        )
+    if optimizer == "muon" and muon is None:
+        raise ValueError(
+            "estimate_memory(optimizer='muon') needs muon=muon_shares(model): which "
+            "parameters are matrices (one state each) and which go to the fallback."
+        )
+    if optimizer == "muon" and tp > 1:
+        raise NotImplementedError(
+            "estimate_memory(optimizer='muon', tp>1): Muon's memory under tp is not "
+            "planned yet; plan the layout without tp, or with optimizer='adamw'."
         )
     if tp > 1 and tp_share is None:
         raise ValueError("estimate_memory(tp>1) needs tp_share: see tp_shares().")
@@ -160,7 +177,11 @@ def estimate_memory(
                 dp_shard=shard,
                 params=-(-round(stored) // shard) + whole,
                 grads=-(-trainable_bytes // shard),
-                optimizer=-(-round(trainable * 4 * states) // shard),
+                optimizer=(
+                    muon_state_bytes(muon, trainable, shard)
+                    if muon is not None and optimizer == "muon"
+                    else -(-round(trainable * 4 * states) // shard)
+                ),
                 gathered=gathered,
                 unit_buffers=(
                     (largest if spec.reshard_after_forward else 0) + 4 * largest_numel
@@ -170,6 +191,11 @@ def estimate_memory(
                 root_gather=root if sharded and spec.reshard_after_forward else 0,
                 root_reduce=(
                     round(root_numel * (root_width + 4)) - -(-root_grads // shard) if sharded else 0
+                ),
+                step_temporaries=(
+                    muon_step_bytes(muon, world_size, shard, strategy == "ddp")
+                    if muon is not None and optimizer == "muon"
+                    else None
                 ),
             )
         )
@@ -187,6 +213,10 @@ def format_memory(estimates: list[MemoryEstimate]) -> str:
         widths = [12, 12, 12, 13, 12, 12]
         cells = " ".join(f"{format_bytes(n):>{w}}" for n, w in zip(sizes, widths, strict=True))
         lines.append(f"{e.strategy:<20} {f'{e.dp_replicate}x{e.dp_shard}':>7} {cells}")
+    steps = [(e.strategy, e.step_temporaries) for e in estimates if e.step_temporaries is not None]
+    if steps:
+        shown = ", ".join(f"{name} {format_bytes(n)}" for name, n in steps)
+        lines.append(f"Muon's step temporaries on its busiest owner (transient): {shown}")
     return "\n".join(lines)
 
 
@@ -211,8 +241,8 @@ class PeakEstimate:
     unit's gradients unsharded and in fp32 for its reduce-scatter, every other gradient
     sharded. `optimizer_step`: all gradients present, plus the update's gradient-sized
     temporaries (AdamW's foreach kernels): two over DDP's plain tensors, one over FSDP's
-    DTensors, as the simulation measures them. DDP adds its buckets (one copy of the
-    gradients) throughout."""
+    DTensors, as the simulation measures them, or Muon's (`states.step_temporaries`). DDP
+    adds its buckets (one copy of the gradients) throughout."""
 
     states: MemoryEstimate
     activations: int
@@ -225,12 +255,13 @@ class PeakEstimate:
         s = self.states
         held = s.params + s.optimizer + self.ddp_buckets
         ddp = s.strategy == "ddp"
+        step = (2 if ddp else 1) * s.grads if s.step_temporaries is None else s.step_temporaries
         return {
             "start_of_backward": held + s.gathered + self.activations + self.loss_grads,
             "recompute": held + s.gathered + s.unit_buffers + self.activations + self.recompute,
             "root_gather": held + s.gathered + s.root_gather,
             "root_reduce": held + s.grads + s.root_reduce,
-            "optimizer_step": held + (3 if ddp else 2) * s.grads,
+            "optimizer_step": held + s.grads + step,
         }
 
     @property

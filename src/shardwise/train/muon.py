@@ -32,7 +32,6 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -41,26 +40,27 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise.config.matrices import (
+    DEFAULT_FALLBACK_NAMES,
+    EXPERT_NAMES,
+    split_parameters,
+)
+from shardwise.config.optimizer import MATRIX_OPTIMIZERS
 from shardwise.parallelize.wrapped import unwrap, wrap_info
 from shardwise.train import muon_comm
+from shardwise.train.muon_fused import SplitSetting, orthogonalise_blocks, read_splits
+
+__all__ = [
+    "DEFAULT_FALLBACK_NAMES",
+    "DEFAULT_NS_COEFFICIENTS",
+    "EXPERT_NAMES",
+    "Muon",
+    "muon_context",
+    "newton_schulz",
+    "split_parameters",
+]
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch's (Keller Jordan's) constants
-
-DEFAULT_FALLBACK_NAMES: tuple[str, ...] = (
-    r"embed|(^|\.)(emb|wte|wpe|tok_embeddings)\.",  # embeddings
-    r"(^|\.)(lm_head|head|output|classifier|score)\.weight$",  # output heads
-    r"norm",  # norms (1-D anyway; also named 2-D ones)
-    r"(^|\.)(gate|router)\.weight$",  # MoE routers (not gate_proj, an MLP matrix)
-)
-"""Regular expressions (re.search on the parameter's name) for parameters that go to the
-fallback optimizer. Biases, norms' weights and any other parameter that is not 2-D go there
-by shape, except a 3-D stack of experts (`EXPERT_NAMES`): each expert's matrix is
-orthogonalised on its own."""
-
-EXPERT_NAMES: tuple[str, ...] = (r"(^|\.)experts\.",)
-"""Regular expressions for 3-D parameters that stack one matrix per expert (transformers'
-`experts.gate_up_proj`, `experts.down_proj`): Muon treats each expert's matrix as a matrix,
-never the stack as one."""
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -74,6 +74,8 @@ class MuonContext:
     """The group plain-tensor parameters are replicated over (ddp's)."""
     refused: str | None = None
     """A layout shardwise.Muon does not build, said in a few words."""
+    model: nn.Module | None = None
+    """The unwrapped model (its config gives fused projections' splits)."""
 
 
 _CONTEXT: contextvars.ContextVar[MuonContext | None] = contextvars.ContextVar(
@@ -94,7 +96,7 @@ def muon_context(model: nn.Module) -> Iterator[None]:
         for field, what in (("cp", "cp"),):
             if int(getattr(cfg, field, 1)) > 1:
                 refused = f"{what} (ParallelConfig.{field}={getattr(cfg, field)})"
-    token = _CONTEXT.set(MuonContext(names, group, refused))
+    token = _CONTEXT.set(MuonContext(names, group, refused, inner))
     try:
         yield
     finally:
@@ -159,7 +161,11 @@ class Muon(torch.optim.Optimizer):
     `fallback_names`: regular expressions sending matching parameters to the fallback;
     `matrix_names`: expressions that keep a 2-D parameter on Muon whatever its name;
     `expert_names`: expressions naming 3-D stacks of expert matrices (each expert its own).
-    `process_group`: where plain-tensor parameters are replicated (ddp's group)."""
+    `process_group`: where plain-tensor parameters are replicated (ddp's group).
+    `split_fused` (off by default): orthogonalise fused projections per block, `qkv_proj`
+    as its q, k and v rows and `gate_up_proj` as its gate and up halves (per expert in an
+    MoE stack), the split read from the model's config (True; `model` gives the model
+    outside the Engine), or {name pattern: row sizes} (muon_fused.py)."""
 
     def __init__(
         self,
@@ -179,6 +185,8 @@ class Muon(torch.optim.Optimizer):
         matrix_names: Sequence[str] = (),
         expert_names: Sequence[str] = EXPERT_NAMES,
         process_group: dist.ProcessGroup | None = None,
+        split_fused: SplitSetting = False,
+        model: nn.Module | None = None,
     ) -> None:
         _check_settings(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
         context = _CONTEXT.get()
@@ -209,6 +217,11 @@ class Muon(torch.optim.Optimizer):
         self.fallback_names = [n for n, _ in others]
         self._layouts = _layouts(matrices, group)
         self.expert_names = [n for n, p in matrices if p.ndim == 3]
+        if model is None and context is not None:
+            model = context.model
+        splits = read_splits(split_fused, matrices, model, getattr(model, "config", None))
+        self.fused_names = list(splits)  # the matrices orthogonalised per block
+        self._splits = {id(p): splits[n] for n, p in matrices if n in splits}
         self._owners = muon_comm.choose_owners(
             list(self._layouts.values()), [p.numel() for _, p in matrices]
         )
@@ -276,6 +289,8 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - m)
         update = grad.lerp(buf, m) if group["nesterov"] else buf
 
+        split = self._splits.get(id(p))
+
         def orthogonalise(whole: torch.Tensor) -> torch.Tensor:
             settings = (
                 tuple(group["ns_coefficients"]),
@@ -283,6 +298,14 @@ class Muon(torch.optim.Optimizer):
                 group["eps"],
                 _dtype(group["ns_dtype"]),  # a checkpoint gives it back as a string
             )
+            if split is not None:  # each block as the matrix it would be unfused
+                fn = group["adjust_lr_fn"]
+                return orthogonalise_blocks(
+                    whole,
+                    split,
+                    lambda m: newton_schulz(m, *settings),
+                    lambda block, matrix: adjust_lr(1.0, fn, block) / adjust_lr(1.0, fn, matrix),
+                )
             if whole.ndim == 3:  # a stack of experts: each expert's matrix on its own
                 return torch.stack([newton_schulz(m, *settings) for m in whole])
             return newton_schulz(whole, *settings)
@@ -342,42 +365,6 @@ def _named(
     return out
 
 
-def split_parameters(
-    named: Sequence[tuple[str | None, nn.Parameter]],
-    fallback_names: Sequence[str] = DEFAULT_FALLBACK_NAMES,
-    matrix_names: Sequence[str] = (),
-    expert_names: Sequence[str] = EXPERT_NAMES,
-) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
-    """(matrices for Muon, the rest for the fallback): 2-D parameters whose names match no
-    `fallback_names` (or match a `matrix_names`) are matrices, and so are 3-D stacks named
-    by `expert_names` (one matrix per expert)."""
-    matrices, others = [], []
-    for i, (name, p) in enumerate(named):
-        label = name if name is not None else f"params[{i}]"
-        if p.ndim == 3 and name is not None and _any(expert_names, name):
-            if not _any(fallback_names, name):
-                matrices.append((label, p))
-            else:
-                others.append((label, p))
-            continue
-        forced = name is not None and any(re.search(r, name) for r in matrix_names)
-        if p.ndim != 2 or (not forced and name is not None and _any(fallback_names, name)):
-            others.append((label, p))
-            continue
-        if name is None and fallback_names:
-            raise ValueError(
-                f"shardwise.Muon: {label} (shape {tuple(p.shape)}) has no name, so an "
-                "embedding or output head cannot be told from a hidden matrix. Pass "
-                "model.named_parameters(), or fallback_names=() to split by shape alone."
-            )
-        matrices.append((label, p))
-    return matrices, others
-
-
-def _any(patterns: Sequence[str], name: str) -> bool:
-    return any(re.search(r, name) for r in patterns)
-
-
 def _layouts(
     matrices: Sequence[tuple[str, nn.Parameter]], group: dist.ProcessGroup | None
 ) -> dict[int, muon_comm.MatrixLayout]:
@@ -392,3 +379,7 @@ def _layouts(
             )
         layouts[id(p)] = muon_comm.layout_of(p, group, name)
     return layouts
+
+
+# The run file's `optimizer: {name: muon}` builds this class (config sits below train).
+MATRIX_OPTIMIZERS["muon"] = Muon

@@ -103,7 +103,7 @@ def test_file_then_overrides(tmp_path):
         ),
         (
             {"optimizer": {"name": "adamm"}},
-            r"optimizer\.name='adamm' is not allowed\. Did you mean 'adam'\? Choose one of \['adamw', 'adam', 'sgd'\]",
+            r"optimizer\.name='adamm' is not allowed\. Did you mean 'adam'\? Choose one of \['adamw', 'adam', 'sgd', 'muon'\]",
         ),
         ({"runner": 3}, r"runner: expected RunnerConfig, got int \(3\)"),
         (

@@ -18,6 +18,7 @@ import pytest
 
 import shardwise.config as config_package
 from shardwise.config import (
+    FallbackConfig,
     OptimizerConfig,
     ParallelConfig,
     Precision,
@@ -43,11 +44,20 @@ CLOSED_SETS: dict[tuple[type, str], tuple[str, ...]] = {
     (ParallelConfig, "frozen_policy"): ("split", "warn", "error"),
     (TrainConfig, "on_nonfinite"): ("stop", "skip"),
     (Translation, "source"): ("DeepSpeed", "Accelerate", "torchtitan"),
-    (OptimizerConfig, "name"): ("adamw", "adam", "sgd"),
+    (OptimizerConfig, "name"): ("adamw", "adam", "sgd", "muon"),
+    (OptimizerConfig, "adjust_lr_fn"): ("original", "match_rms_adamw"),
+    (OptimizerConfig, "ns_dtype"): ("bfloat16", "float32", "float64", "float16"),
+    (FallbackConfig, "name"): ("adamw", "adam", "sgd"),
     (SchedulerConfig, "name"): ("none", "constant", "cosine", "linear"),
 }
 """Each closed-set field and the strings it takes (besides other systems' spellings of them,
 which ParallelConfig translates at run time)."""
+
+ALONGSIDE: dict[tuple[type, str], dict[str, object]] = {
+    (OptimizerConfig, "adjust_lr_fn"): {"name": "muon"},
+    (OptimizerConfig, "ns_dtype"): {"name": "muon"},
+}
+"""Closed sets that only some values of another field read (muon's keys), with that value."""
 
 OPEN_STRINGS: dict[tuple[type, str], str] = {
     (ParallelConfig, "auto_wrap_policy"): "register_wrap_policy adds names; 're:<regex>' on FQNs",
@@ -109,12 +119,13 @@ def test_every_plain_string_field_is_open_for_a_reason():
 @pytest.mark.parametrize(("where", "values"), CLOSED_SETS.items(), ids=lambda x: str(x))
 def test_closed_sets_take_each_value_and_refuse_others_when_built_in_python(where, values):
     cls, name = where
+    base = ALONGSIDE.get(where, {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # backward_prefetch='post' warns that FSDP2 differs
         for value in values:
-            assert getattr(cls(**{name: value}), name) == value
+            assert getattr(cls(**base, **{name: value}), name) == value
     with pytest.raises((ValueError, ConfigError), match=r"not-a-choice"):
-        cls(**{name: "not-a-choice"})
+        cls(**base, **{name: "not-a-choice"})
 
 
 def test_other_systems_words_stay_accepted_at_run_time():

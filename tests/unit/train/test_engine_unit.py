@@ -208,7 +208,7 @@ def test_checkpoint_weights_and_memory_argument_errors(tmp_path):
     plan = engine.model._shardwise_wrap_info.plan
     with pytest.raises(
         ValueError,
-        match=r"estimate_memory\(optimizer='lion'\): use one of \['adam', 'adamw', 'none', 'sgd'\]",
+        match=r"estimate_memory\(optimizer='lion'\): use one of \['adam', 'adamw', 'muon', 'none', 'sgd'\]",
     ):
         estimate_memory(plan, 2, optimizer="lion")
 
