@@ -257,6 +257,7 @@ class _Bucket:
         self.layout, self.owner = bucket[0].layout, bucket[0].owner
         self.device = bucket[0].local.device
         self.mine: torch.Tensor | None = None
+        self.whole: list[torch.Tensor] | None = None
         self.send: torch.Tensor | None = None
         self.received: list[torch.Tensor] | None = None
         self.scattered: list[torch.Tensor] = []
@@ -297,11 +298,8 @@ class _Bucket:
 
     def compute(self) -> None:
         """On the owner: Newton–Schulz on each whole matrix; elsewhere nothing."""
-        if self.layout.ranks.numel() == 1:
-            self.mine = torch.cat(
-                [it.orthogonalise(it.local.to(WIRE_DTYPE)).reshape(-1) for it in self.bucket]
-            )
-            self.pads = [it.local.numel() for it in self.bucket]
+        if self.layout.ranks.numel() == 1:  # each result as it is: no flat copy
+            self.whole = [it.orthogonalise(it.local.to(WIRE_DTYPE)) for it in self.bucket]
             return
         if not self.in_owner_replica or self.me != self.owner:
             return
@@ -347,6 +345,8 @@ class _Bucket:
             dist.broadcast(self.mine, src=self.layout.rank_at(src_coord), group=replicas)
 
     def parts(self) -> list[torch.Tensor]:
+        if self.whole is not None:
+            return self.whole
         assert self.mine is not None
         out, offset = [], 0
         for it, pad in zip(self.bucket, self.pads, strict=True):
