@@ -133,7 +133,7 @@ def plan_command(args: argparse.Namespace) -> int:
             f"--world={args.world}: the world size to plan for must be a positive integer "
             "(the total number of ranks, e.g. --world 8 for 8 GPUs)."
         )
-    overrides = list(args.overrides)
+    overrides = [*getattr(args, "simulate_overrides", []), *args.overrides]
     if getattr(args, "pp", None) is not None:
         if any(o.startswith("parallel.pp=") for o in overrides):
             raise ValueError("--pp and parallel.pp=... both given: keep one of them.")
@@ -283,6 +283,7 @@ def _plan_rows(
                 seq_len=seq_len,
                 example_input=example,
                 optimizer=optimizer,
+                path=args.simulate,
             )
         peak = sim.peak if sim is not None else estimate
         row = Candidate(
@@ -291,6 +292,7 @@ def _plan_rows(
             estimate,
             simulated=sim.peak if sim is not None else None,
             fits=peak <= limit,
+            simulation=sim.path if sim is not None else None,
         )
         rows.append((row, sim))
     return rows
@@ -315,7 +317,7 @@ def _plan_auto(
             seq_len=seq_len,
             example_input=example,
             optimizer=optimizer,
-            simulate=args.simulate,
+            simulate=args.simulate or False,
         )
     except NoPlanFitsError as exc:
         if args.json:
@@ -352,6 +354,7 @@ def _plan_cp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any) -> 
         sim = simulate_step(
             _load_factory(args.target), parallel, world=args.world, batch=args.batch or 1,
             seq_len=seq_len, example_input=example, optimizer=args.optimizer_name,
+            path=args.simulate,
         )  # fmt: skip
     note = (
         f"peak with activations: the instant estimate does not model cp={spec.cp}; add "
@@ -391,6 +394,7 @@ def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, pla
         sim = simulate_step(
             _load_factory(args.target), parallel, world=args.world, batch=args.batch or 1,
             seq_len=seq_len, example_input=example, optimizer=args.optimizer_name,
+            path=args.simulate,
         )  # fmt: skip
     estimates = _tp_estimates(model, parallel, spec, plan, tp, args.world, args.optimizer_name)
     if args.json:
@@ -501,7 +505,7 @@ def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, 
     batch = args.batch or parallel.pp_microbatches or default_microbatches(spec.pp)
     report = simulate_step(
         factory, parallel, world=args.world, batch=batch, seq_len=seq_len,
-        optimizer=args.optimizer_name,
+        optimizer=args.optimizer_name, path=args.simulate,
     )  # fmt: skip
     print(report)
     return 0

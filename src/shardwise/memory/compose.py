@@ -1,0 +1,437 @@
+"""The fast simulation: each distinct block traced once or twice, the step's peak composed.
+
+Owns: deciding which blocks of a model's block list are the same (`block_keys`: class,
+parameter and buffer shapes and dtypes, the scalar settings of every submodule, and the
+wrap plan's units inside the block, activation checkpointing included), finding the
+longest run of blocks that repeats with a period of 1 to 4 (`find_run`: one kind of layer,
+or alternating kinds such as sliding and global attention, dense and MoE layers), building
+the model with that run cut to two short lengths (`truncated`), recording each trace's
+memory by segment of the step (`SegmentRecorder`), and composing the step at the full
+length from the two traces (`compose`).
+
+How the composition works. The step is cut into segments by the blocks' own hooks: the
+forward of block i, the backward of block i, what runs before the first block and after
+the last (each in its phase). Every segment of a block at a given distance from the start
+or from the end of the run (two periods each side, where prefetching and the first and
+last backward differ), and every segment outside the run, holds at each moment the same
+tensors whatever the run's length, plus what the run's length adds linearly: the model
+states of every block, the activations kept by the blocks before it, the gradients of the
+blocks after it. So each segment's peak (and each category at it) is affine in the run's
+length, and two traces whose runs differ by one period give it exactly at any length with
+the same phase. The blocks in the middle of the run are affine in their position too, so
+their segments peak no higher than the first or last of them, which are traced. The step's
+peak is the highest composed segment.
+
+What it assumes, and where it falls back. A block's memory depends on its key, not on its
+index in the list: attributes named like an index (`layer_idx`) are left out of the key,
+so a block whose forward reads its own index to choose what it keeps is composed as its
+neighbours are (say so in docs/memory.md). Blocks whose key differs from their neighbours'
+(a block of another width, a dense block among MoE ones) are outside the run and traced
+whole in both traces. A model with no run longer than the two traces, or whose traces do
+not have the same segments, is simulated whole (`path="full"` in the report, with the
+reason in its notes).
+
+Must not: change what one trace measures (simulate.py runs each trace exactly as the full
+simulation runs the whole model).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "BlockRun",
+    "SegmentRecorder",
+    "block_keys",
+    "compose",
+    "find_run",
+    "plan_run",
+    "truncated",
+]
+
+EDGE_PERIODS = 2
+"""Periods of the run at each end traced as their own segments: prefetching makes the
+second block from each end differ from the first, and the rest like the second."""
+MAX_PERIOD = 4
+INDEX_ATTRS = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx"})
+"""Attributes that hold a block's own index: left out of its key (see the module docstring)."""
+
+Key = tuple[Any, ...]
+
+
+def _scalar_settings(block: nn.Module) -> tuple[Any, ...]:
+    out = []
+    for name, module in block.named_modules():
+        for attr, value in sorted(vars(module).items()):
+            if attr.startswith("_") or attr in INDEX_ATTRS or attr == "training":
+                continue
+            if isinstance(value, (bool, int, float, str, type(None), torch.dtype)):
+                out.append((name, attr, repr(value)))
+    return tuple(out)
+
+
+def block_keys(container: nn.Module, name: str, plan: Any) -> list[Key]:
+    """One key per entry of `container` (named `name` in the model): what makes two blocks
+    the same for memory under `plan` (see the module docstring)."""
+    keys = []
+    for index, block in enumerate(container.children()):
+        prefix = f"{name}.{index}" if name else str(index)
+        units = tuple(
+            (
+                u.fqn[len(prefix) :],
+                u.reason,
+                u.compute_dtype,
+                u.reshard_after_forward,
+                u.activation_checkpointing,
+                u.trainable_params,
+                u.frozen_params,
+            )
+            for u in plan
+            if u.fqn == prefix or u.fqn.startswith(prefix + ".")
+        )
+        params = tuple(
+            (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in block.named_parameters()
+        )
+        buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in block.named_buffers())
+        classes = tuple(type(m).__name__ for m in block.modules())
+        keys.append((classes, params, buffers, _scalar_settings(block), units))
+    return keys
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """A run of `container`'s entries [start, end) whose keys repeat every `period`."""
+
+    container: str
+    length: int
+    period: int
+    start: int
+    end: int
+
+    @property
+    def run(self) -> int:
+        return self.end - self.start
+
+    def lengths(self) -> tuple[int, int]:
+        """The run's two traced lengths: the shortest with the run's phase and
+        EDGE_PERIODS periods at each end, and one period more."""
+        short = 2 * EDGE_PERIODS * self.period
+        short += (self.run - short) % self.period
+        return short, short + self.period
+
+    def keep(self, run: int) -> list[int]:
+        """The container's entries kept when the run is cut to `run` blocks."""
+        return [
+            *range(self.start),
+            *range(self.start, self.start + run),
+            *range(self.end, self.length),
+        ]
+
+    def role(self, index: int, run: int) -> tuple[str, int] | None:
+        """Where entry `index` of the cut container sits: before or after the run, or the
+        t-th block from the run's start or end; None in the middle (not composed)."""
+        if index < self.start:
+            return ("before", index)
+        t = index - self.start
+        if t >= run:
+            return ("after", t - run)
+        edge = EDGE_PERIODS * self.period
+        if t < edge:
+            return ("start", t)
+        if run - 1 - t < edge:
+            return ("end", run - 1 - t)
+        return None
+
+    def describe(self) -> str:
+        kinds = "one kind of block" if self.period == 1 else f"{self.period} kinds alternating"
+        short, long = self.lengths()
+        outside = self.length - self.run
+        return (
+            f"{self.container}[{self.start}:{self.end}] ({self.run} blocks, {kinds}) traced at "
+            f"{short} and {long} blocks and composed"
+            + (f"; {outside} other block(s) traced whole" if outside else "")
+        )
+
+
+def find_run(keys: list[Key], container: str) -> BlockRun | None:
+    """The longest run of entries holding parameters whose keys repeat with the smallest
+    period (1 to MAX_PERIOD); None if no run has 2 * EDGE_PERIODS + 2 periods."""
+    best: BlockRun | None = None
+    n = len(keys)
+    for period in range(1, MAX_PERIOD + 1):
+        for i in range(n):
+            j = i
+            while j + period < n and keys[j] == keys[j + period]:
+                j += 1
+            run = BlockRun(container, n, period, i, min(j + period, n))
+            enough = run.run >= period * (2 * EDGE_PERIODS + 2) and bool(keys[i][1])
+            if enough and (best is None or run.run > best.run):
+                best = run
+    return best
+
+
+def _container(model: nn.Module, plan: Any) -> tuple[str, nn.Module] | None:
+    """The ModuleList (or Sequential) most of the plan's block units are entries of."""
+    counts: dict[str, int] = {}
+    for unit in plan:
+        parent, _, last = unit.fqn.rpartition(".")
+        if unit.reason == "policy" and last.isdigit():
+            counts[parent] = counts.get(parent, 0) + 1
+    for parent in sorted(counts, key=lambda p: -counts[p]):
+        module = model.get_submodule(parent) if parent else model
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            return parent, module
+    return None
+
+
+def plan_run(model: nn.Module, config: Any) -> tuple[BlockRun | None, str]:
+    """The run to compose in `model` (built on meta) under `config`, or None and why not."""
+    from shardwise.plan.planner import PlanNotice, plan_wrap
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanNotice)
+        plan = plan_wrap(model, config)
+    found = _container(model, plan)
+    if found is None:
+        return None, "no wrap unit is an entry of a block list (ModuleList)"
+    name, container = found
+    run = find_run(block_keys(container, name, plan), name)
+    if run is None:
+        return None, (
+            f"{name} has no run of same blocks long enough to compose (each kind needs "
+            f"{2 * EDGE_PERIODS + 2} or more in a row)"
+        )
+    return run, ""
+
+
+def _cut(factory: Callable[[], nn.Module], container: str, keep: list[int]) -> nn.Module:
+    model = factory()
+    blocks = model.get_submodule(container) if container else model
+    kept = [list(blocks.children())[i] for i in keep]
+    new = type(blocks)(kept) if isinstance(blocks, nn.Sequential) else nn.ModuleList(kept)
+    if container:
+        parent, _, last = container.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, last, new)
+        return model
+    return new
+
+
+def truncated(factory: Callable[[], nn.Module], run: BlockRun, length: int) -> Any:
+    """A factory of the model with the run cut to `length` blocks (picklable when
+    `factory` is)."""
+    return functools.partial(_cut, factory, run.container, run.keep(length))
+
+
+def _copied(source: nn.Module, container: str, keep: list[int]) -> nn.Module:
+    """A copy of `source` (built on meta) with its block list cut to `keep`: parameters
+    as new meta parameters (materialised as the simulation's own are), every other tensor
+    new and empty in the caller's mode (the simulation's fake tensors), as `source`'s
+    factory would have made them there. Building the whole model again for each trace
+    costs more than the trace of a large one."""
+    memo: dict[int, Any] = {}
+    for p in source.parameters():
+        if id(p) not in memo:
+            empty = torch.empty(p.shape, dtype=p.dtype, device="meta")
+            memo[id(p)] = nn.Parameter(empty, p.requires_grad)
+    for module in source.modules():
+        others = [*module._buffers.values(), *vars(module).values()]
+        for t in others:
+            if isinstance(t, torch.Tensor) and id(t) not in memo:
+                memo[id(t)] = torch.empty(t.shape, dtype=t.dtype)
+    parent, _, last = container.rpartition(".")
+    owner = source.get_submodule(parent) if parent else source
+    blocks = owner.get_submodule(last)
+    cut = [list(blocks.children())[i] for i in keep]
+    setattr(owner, last, type(blocks)(cut) if isinstance(blocks, nn.Sequential) else nn.ModuleList(cut))
+    try:
+        return copy.deepcopy(source, memo)
+    finally:
+        setattr(owner, last, blocks)
+
+
+# --------------------------------------------------------------------------- recording
+
+
+@dataclass
+class SegmentRecorder:
+    """Each segment's peak while a tracked step runs: the segment is (position in the
+    step's order, phase, the role of the block whose forward or backward runs)."""
+
+    run: BlockRun
+    length: int
+    step: int = 0
+    phase: str = "F"
+    block: tuple[str, int] | None = None
+    segments: dict[Any, dict[str, Any]] = field(default_factory=dict)
+
+    def set_phase(self, step: int, phase: str) -> None:
+        self.step, self.phase, self.block = step, phase, None
+
+    def hook(self, model: nn.Module) -> None:
+        """Label the segments by the cut container's blocks in `model` (wrapped)."""
+        inner = getattr(model, "module", model)  # DDP
+        blocks = inner.get_submodule(self.run.container) if self.run.container else inner
+        for index, block in enumerate(blocks.children()):
+            role = self.run.role(index, self.length)
+            block.register_forward_pre_hook(functools.partial(self._forward, role))
+            block.register_forward_hook(functools.partial(self._output, role))
+
+    def _forward(self, role: Any, module: nn.Module, args: Any) -> None:
+        if self.phase == "F":
+            self.block = role or ("middle", 0)
+
+    def _output(self, role: Any, module: nn.Module, args: Any, out: Any) -> None:
+        if self.phase != "F":
+            return
+        tensors = [out] if isinstance(out, torch.Tensor) else list(_tensors(out))
+        for t in tensors:
+            if t.requires_grad:
+                t.register_hook(functools.partial(self._backward, role))
+                return
+
+    def _backward(self, role: Any, grad: torch.Tensor) -> None:
+        self.block = role or ("middle", 0)
+
+    def attach(self, tracker: Any, categories: dict[str, str]) -> None:
+        """Record the running snapshot into the current segment at every update."""
+        original = tracker._update_peak_stats
+
+        def update(peak_state: Any) -> None:
+            original(peak_state)
+            for dev_snap in tracker._curr_mem_snap.values():
+                self._record(dev_snap, categories)
+
+        tracker._update_peak_stats = update
+
+    def finish(self, extra: int) -> dict[Any, dict[str, Any]]:
+        """The segments, with `extra` bytes held throughout (DDP's buckets) added."""
+        if extra:
+            for seg in self.segments.values():
+                seg["peak"] += extra
+                seg["at_peak"]["ddp_buckets"] = seg["own"]["ddp_buckets"] = extra
+        return self.segments
+
+    def _record(self, dev_snap: dict[Any, int], categories: dict[str, str]) -> None:
+        label = (self.step, self.phase, self.block)
+        seg = self.segments.get(label)
+        total = int(dev_snap.get("Total", 0))
+        now: dict[str, int] = {}
+        for key, value in dev_snap.items():
+            if key != "Total":
+                name = categories.get(getattr(key, "value", str(key)), "other")
+                now[name] = now.get(name, 0) + int(value)
+        if seg is None:
+            seg = self.segments[label] = {"peak": -1, "at_peak": {}, "own": {}}
+        if total > seg["peak"]:
+            seg["peak"], seg["at_peak"] = total, now
+        own = seg["own"]
+        for name, value in now.items():
+            if value > own.get(name, 0):
+                own[name] = value
+
+
+def _tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif hasattr(value, "to_tuple"):  # transformers' ModelOutput
+        yield from _tensors(value.to_tuple())
+
+
+# --------------------------------------------------------------------------- composing
+
+
+def _label_text(label: Any) -> str:
+    return re.sub(r"[()' ]", "", str(label))
+
+
+def compose(
+    run: BlockRun, short: dict[Any, Any], long: dict[Any, Any], extra: int = 0
+) -> dict[str, Any]:
+    """The step at the run's full length from its traces at `run.lengths()` (their
+    segments): each segment's peak, categories at it and categories' own peaks extended
+    linearly; the highest segment is the peak. `extra` (DDP's buckets at each length is
+    linear too) is handled by the caller. Raises ValueError if the two traces' segments
+    differ (the composition would not be exact)."""
+    a_len, b_len = run.lengths()
+    steps = (run.run - a_len) // run.period
+    composed_keys = {k for k in short if k[2] is None or k[2][0] != "middle"}
+    wanted = {k for k in long if k[2] is None or k[2][0] != "middle"}
+    if composed_keys != wanted:
+        only = sorted(map(_label_text, composed_keys ^ wanted))[:4]
+        raise ValueError(f"the traces at {a_len} and {b_len} blocks differ in segments {only}")
+
+    def grow(a: int, b: int) -> int:
+        return a + steps * (b - a)
+
+    best: dict[str, Any] | None = None
+    own: dict[str, int] = {}
+    for label in composed_keys:
+        s, t = short[label], long[label]
+        peak = grow(s["peak"], t["peak"])
+        names = set(s["at_peak"]) | set(t["at_peak"])
+        at_peak = {n: grow(s["at_peak"].get(n, 0), t["at_peak"].get(n, 0)) for n in names}
+        for n in set(s["own"]) | set(t["own"]):
+            own[n] = max(own.get(n, 0), grow(s["own"].get(n, 0), t["own"].get(n, 0)))
+        if best is None or peak > best["peak"]:
+            best = {"peak": peak, "at_peak": at_peak, "label": label}
+    assert best is not None
+    return {"peak": best["peak"], "at_peak": best["at_peak"], "category_peaks": own, "label": best["label"]}
+
+
+# --------------------------------------------------------------------------- the fast path
+
+
+def composed_step(
+    kwargs: dict[str, Any], run_one: Callable[[dict[str, Any]], Any], in_process: bool = True
+) -> Any:
+    """simulate_step's fast path for one model (or one pipeline stage): `run_one` simulates
+    simulate_step's arguments `kwargs` (with `segments` to record them); the run of same
+    blocks is traced at two short lengths and the step composed, else the whole model is
+    traced (`path="full"`, the reason in the notes)."""
+    import dataclasses
+
+    with torch.device("meta"):
+        source = kwargs["model_factory"]()
+    run, why = plan_run(source, kwargs["config"])
+    if run is not None:
+        traces = []
+        for length in run.lengths():
+            factory = (
+                functools.partial(_copied, source, run.container, run.keep(length))
+                if in_process  # a subprocess builds its own (a model need not pickle)
+                else truncated(kwargs["model_factory"], run, length)
+            )
+            traces.append(run_one(dict(kwargs, model_factory=factory, segments=(run, length))))
+        try:
+            step = compose(run, traces[0].segments, traces[1].segments)
+        except ValueError as exc:
+            why = str(exc)
+        else:
+            note = f"fast simulation: {run.describe()}; peak in {_label_text(step['label'])}"
+            return dataclasses.replace(
+                traces[1],
+                peak=step["peak"],
+                at_peak=step["at_peak"],
+                category_peaks=step["category_peaks"],
+                path="fast",
+                segments={},
+                notes=[note, *traces[1].notes],
+            )
+    report = run_one(kwargs)
+    note = f"fast simulation not possible, every block traced: {why}"
+    return dataclasses.replace(report, path="full", notes=[note, *report.notes])
