@@ -42,3 +42,9 @@ def deepseek_v3() -> Any:
     import transformers
 
     return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(use_cache=False))
+
+
+def tiny_llama() -> Any:
+    """For the smoke run: 6 layers, the fewest the fast path composes."""
+    return _llama(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                       num_attention_heads=4, num_key_value_heads=2))  # fmt: skip

@@ -209,9 +209,13 @@ def plan_command(args: argparse.Namespace) -> int:
     from shardwise.memory.auto import ALLOCATED_NOTE, format_rows, resolve_budget
 
     limit, source = resolve_budget(parallel.memory_budget)
-    rows = _plan_rows(
-        args, factory, model, parallel, estimates, config.optimizer.name, seq_len, limit, example
-    )
+    from shardwise.memory.compose import reuse_builds
+
+    with reuse_builds():  # one build of the model for every strategy's simulation
+        rows = _plan_rows(
+            args, factory, model, parallel, estimates, config.optimizer.name, seq_len, limit,
+            example,
+        )  # fmt: skip
     if not rows and args.simulate:
         raise ValueError(_NO_INPUT.format(what="--simulate needs"))
     if args.json:

@@ -27,11 +27,12 @@ tensors, in a subprocess when a process group exists).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ from shardwise.config.names import StrategyName
 from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.memory.activations import trace_activations
+from shardwise.memory.compose import reuse_builds
 from shardwise.memory.fake import ExampleInput
 from shardwise.memory.model_states import estimate_memory, estimate_peak, format_bytes
 from shardwise.memory.simulate import SimPath, simulate_step
@@ -335,6 +337,22 @@ class InstantPeak:
         return estimate_peak(states, self._traces[key], cfg.checkpoint_every).peak
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _one_build(fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn` with the fast simulation building its model once for every candidate."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        with reuse_builds():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+@_one_build
 def choose_plan(
     model_factory: Callable[[], nn.Module],
     config: ParallelConfig,

@@ -37,11 +37,13 @@ simulation runs the whole model).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import functools
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +57,7 @@ __all__ = [
     "compose",
     "find_run",
     "plan_run",
+    "reuse_builds",
     "truncated",
 ]
 
@@ -129,11 +132,13 @@ class BlockRun:
         return short, short + self.period
 
     def keep(self, run: int) -> list[int]:
-        """The container's entries kept when the run is cut to `run` blocks."""
+        """The container's entries kept when the run is cut to `run` blocks: its first
+        EDGE_PERIODS periods and its last blocks (a whole number of periods is dropped
+        from the middle, so every kept block keeps its phase)."""
+        head = EDGE_PERIODS * self.period
         return [
-            *range(self.start),
-            *range(self.start, self.start + run),
-            *range(self.end, self.length),
+            *range(self.start + head),
+            *range(self.end - (run - head), self.length),
         ]
 
     def role(self, index: int, run: int) -> tuple[str, int] | None:
@@ -213,16 +218,21 @@ def plan_run(model: nn.Module, config: Any) -> tuple[BlockRun | None, str]:
     return run, ""
 
 
+def _swap_blocks(model: nn.Module, container: str, keep: list[int]) -> nn.Module:
+    """Put a list of `keep`'s entries in place of the block list `container` (a dotted
+    name below the root); returns the list taken out."""
+    parent, _, last = container.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    blocks = owner.get_submodule(last)
+    kept = [list(blocks.children())[i] for i in keep]
+    setattr(owner, last, type(blocks)(kept) if isinstance(blocks, nn.Sequential) else nn.ModuleList(kept))
+    return blocks
+
+
 def _cut(factory: Callable[[], nn.Module], container: str, keep: list[int]) -> nn.Module:
     model = factory()
-    blocks = model.get_submodule(container) if container else model
-    kept = [list(blocks.children())[i] for i in keep]
-    new = type(blocks)(kept) if isinstance(blocks, nn.Sequential) else nn.ModuleList(kept)
-    if container:
-        parent, _, last = container.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, last, new)
-        return model
-    return new
+    _swap_blocks(model, container, keep)
+    return model
 
 
 def truncated(factory: Callable[[], nn.Module], run: BlockRun, length: int) -> Any:
@@ -231,12 +241,16 @@ def truncated(factory: Callable[[], nn.Module], run: BlockRun, length: int) -> A
     return functools.partial(_cut, factory, run.container, run.keep(length))
 
 
-def _copied(source: nn.Module, container: str, keep: list[int]) -> nn.Module:
+def _copied(
+    source: nn.Module, container: str, keep: list[int], stage: tuple[Any, ...] | None = None
+) -> nn.Module:
     """A copy of `source` (built on meta) with its block list cut to `keep`: parameters
     as new meta parameters (materialised as the simulation's own are), every other tensor
     new and empty in the caller's mode (the simulation's fake tensors), as `source`'s
     factory would have made them there. Building the whole model again for each trace
-    costs more than the trace of a large one."""
+    costs more than the trace of a large one. With `stage` (pp, split, index) `source` is
+    the whole model: the copy is cut into that pipeline stage first, as the simulation's
+    stage factory cuts it, and then its block list."""
     memo: dict[int, Any] = {}
     for p in source.parameters():
         if id(p) not in memo:
@@ -247,15 +261,18 @@ def _copied(source: nn.Module, container: str, keep: list[int]) -> nn.Module:
         for t in others:
             if isinstance(t, torch.Tensor) and id(t) not in memo:
                 memo[id(t)] = torch.empty(t.shape, dtype=t.dtype)
-    parent, _, last = container.rpartition(".")
-    owner = source.get_submodule(parent) if parent else source
-    blocks = owner.get_submodule(last)
-    cut = [list(blocks.children())[i] for i in keep]
-    setattr(owner, last, type(blocks)(cut) if isinstance(blocks, nn.Sequential) else nn.ModuleList(cut))
+    if stage is not None:
+        from shardwise.memory.stages import _built_stage
+
+        model = _built_stage(lambda: copy.deepcopy(source, memo), *stage)
+        _swap_blocks(model, container, keep)
+        return model
+    blocks = _swap_blocks(source, container, keep)
     try:
         return copy.deepcopy(source, memo)
     finally:
-        setattr(owner, last, blocks)
+        parent, _, last = container.rpartition(".")
+        setattr(source.get_submodule(parent) if parent else source, last, blocks)
 
 
 # --------------------------------------------------------------------------- recording
@@ -272,6 +289,7 @@ class SegmentRecorder:
     phase: str = "F"
     block: tuple[str, int] | None = None
     segments: dict[Any, dict[str, Any]] = field(default_factory=dict)
+    _names: dict[Any, str] = field(default_factory=dict, repr=False)
 
     def set_phase(self, step: int, phase: str) -> None:
         self.step, self.phase, self.block = step, phase, None
@@ -325,9 +343,12 @@ class SegmentRecorder:
         seg = self.segments.get(label)
         total = int(dev_snap.get("Total", 0))
         now: dict[str, int] = {}
+        names = self._names
         for key, value in dev_snap.items():
+            name = names.get(key)
+            if name is None:
+                name = names[key] = categories.get(getattr(key, "value", str(key)), "other")
             if key != "Total":
-                name = categories.get(getattr(key, "value", str(key)), "other")
                 now[name] = now.get(name, 0) + int(value)
         if seg is None:
             seg = self.segments[label] = {"peak": -1, "at_peak": {}, "own": {}}
@@ -395,6 +416,38 @@ def compose(
 
 # --------------------------------------------------------------------------- the fast path
 
+_BUILDS: contextvars.ContextVar[dict[Any, nn.Module] | None] = contextvars.ContextVar(
+    "shardwise_fast_sim_builds", default=None
+)
+
+
+@contextlib.contextmanager
+def reuse_builds() -> Iterator[None]:
+    """Within it, the fast path builds each model factory's model on meta once and copies
+    it for every trace: for callers that simulate one factory several times (each stage of
+    a pipeline, each strategy of `shardwise plan`, each candidate of `choose_plan`), which
+    expect it to build the same model each time."""
+    if _BUILDS.get() is not None:
+        yield
+        return
+    token = _BUILDS.set({})
+    try:
+        yield
+    finally:
+        _BUILDS.reset(token)
+
+
+def _meta_build(factory: Callable[[], nn.Module]) -> nn.Module:
+    builds = _BUILDS.get()
+    if builds is not None and factory in builds:
+        return builds[factory]
+    with torch.device("meta"):
+        model = factory()
+    if builds is not None:
+        builds[factory] = model
+    return model
+
+
 
 def composed_step(
     kwargs: dict[str, Any], run_one: Callable[[dict[str, Any]], Any], in_process: bool = True
@@ -405,14 +458,23 @@ def composed_step(
     traced (`path="full"`, the reason in the notes)."""
     import dataclasses
 
+    from shardwise.memory.stages import _built_stage
+
+    made = kwargs["model_factory"]
+    stage = None
+    if isinstance(made, functools.partial) and made.func is _built_stage:
+        made, *rest = made.args  # a pipeline stage: the whole model, cut when copied
+        stage = tuple(rest)
+    source = _meta_build(made)
     with torch.device("meta"):
-        source = kwargs["model_factory"]()
-    run, why = plan_run(source, kwargs["config"])
+        model = _built_stage(lambda: copy.deepcopy(source), *stage) if stage else source
+    run, why = plan_run(model, kwargs["config"])
+    del model
     if run is not None:
         traces = []
         for length in run.lengths():
             factory = (
-                functools.partial(_copied, source, run.container, run.keep(length))
+                functools.partial(_copied, source, run.container, run.keep(length), stage)
                 if in_process  # a subprocess builds its own (a model need not pickle)
                 else truncated(kwargs["model_factory"], run, length)
             )

@@ -54,7 +54,7 @@ from shardwise.memory.fake import (
     unpacked_rows,
     untracked_shape_inference,
 )
-from shardwise.memory.compose import BlockRun, SegmentRecorder, composed_step
+from shardwise.memory.compose import BlockRun, SegmentRecorder, composed_step, reuse_builds
 from shardwise.memory.model_states import format_bytes
 from shardwise.memory.stages import StageSim, simulate_stages, tracked_stage
 from shardwise.memory.tracking import (
@@ -502,6 +502,7 @@ def simulate_step(
     def run(one: dict[str, Any]) -> SimReport:
         return composed_step(one, run_one, in_process) if path == "fast" else run_one(one)  # type: ignore[no-any-return]
 
-    if config.pp > 1:
-        return simulate_stages(kwargs, run)  # type: ignore[no-any-return]
-    return run(kwargs)
+    with reuse_builds():  # every stage is cut from one build of the model
+        if config.pp > 1:
+            return simulate_stages(kwargs, run)  # type: ignore[no-any-return]
+        return run(kwargs)
