@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from shardwise.cli.grace import GRACE_S
 from shardwise.cli.launch import (

@@ -41,7 +41,6 @@ import contextlib
 import contextvars
 import copy
 import functools
-import re
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -189,10 +188,10 @@ def _container(model: nn.Module, plan: Any) -> tuple[str, nn.Module] | None:
     counts: dict[str, int] = {}
     for unit in plan:
         parent, _, last = unit.fqn.rpartition(".")
-        if unit.reason == "policy" and last.isdigit():
+        if unit.reason == "policy" and last.isdigit() and parent:  # not the root itself
             counts[parent] = counts.get(parent, 0) + 1
     for parent in sorted(counts, key=lambda p: -counts[p]):
-        module = model.get_submodule(parent) if parent else model
+        module = model.get_submodule(parent)
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             return parent, module
     return None
@@ -225,7 +224,11 @@ def _swap_blocks(model: nn.Module, container: str, keep: list[int]) -> nn.Module
     owner = model.get_submodule(parent) if parent else model
     blocks = owner.get_submodule(last)
     kept = [list(blocks.children())[i] for i in keep]
-    setattr(owner, last, type(blocks)(kept) if isinstance(blocks, nn.Sequential) else nn.ModuleList(kept))
+    setattr(
+        owner,
+        last,
+        nn.Sequential(*kept) if isinstance(blocks, nn.Sequential) else nn.ModuleList(kept),
+    )
     return blocks
 
 
@@ -297,7 +300,7 @@ class SegmentRecorder:
     def hook(self, model: nn.Module) -> None:
         """Label the segments by the cut container's blocks in `model` (wrapped)."""
         inner = getattr(model, "module", model)  # DDP
-        blocks = inner.get_submodule(self.run.container) if self.run.container else inner
+        blocks = inner.get_submodule(self.run.container)
         for index, block in enumerate(blocks.children()):
             role = self.run.role(index, self.length)
             block.register_forward_pre_hook(functools.partial(self._forward, role))
@@ -376,8 +379,24 @@ def _tensors(value: Any) -> Any:
 # --------------------------------------------------------------------------- composing
 
 
+_PHASES = {"F": "the forward", "B": "the backward", "O": "the optimizer step"}
+
+
 def _label_text(label: Any) -> str:
-    return re.sub(r"[()' ]", "", str(label))
+    """'the backward of the run's last block' and the like (with the position in a
+    pipeline stage's order when there are several forwards)."""
+    step, phase, role = label
+    where = _PHASES.get(phase, phase)
+    if role is not None:
+        kind, t = role
+        block = {
+            "start": f"the run's block {t}",
+            "end": "the run's last block" if t == 0 else f"the run's block {t} from its end",
+            "before": f"block {t} before the run",
+            "after": f"block {t} after the run",
+        }.get(kind, "a block in the middle of the run")
+        where += f" of {block}"
+    return where if step in (0, 1, 2) else f"{where} (step {step} of the stage's order)"
 
 
 def compose(
@@ -411,7 +430,12 @@ def compose(
         if best is None or peak > best["peak"]:
             best = {"peak": peak, "at_peak": at_peak, "label": label}
     assert best is not None
-    return {"peak": best["peak"], "at_peak": best["at_peak"], "category_peaks": own, "label": best["label"]}
+    return {
+        "peak": best["peak"],
+        "at_peak": best["at_peak"],
+        "category_peaks": own,
+        "label": best["label"],
+    }
 
 
 # --------------------------------------------------------------------------- the fast path
@@ -446,7 +470,6 @@ def _meta_build(factory: Callable[[], nn.Module]) -> nn.Module:
     if builds is not None:
         builds[factory] = model
     return model
-
 
 
 def composed_step(

@@ -41,6 +41,7 @@ from torch import nn
 from shardwise.config.parallel import ActivationCheckpointing, ParallelConfig
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.distributed.process_group import shutdown
+from shardwise.memory.compose import BlockRun, SegmentRecorder, composed_step, reuse_builds
 from shardwise.memory.fake import (
     Backend,
     ExampleInput,
@@ -54,7 +55,6 @@ from shardwise.memory.fake import (
     unpacked_rows,
     untracked_shape_inference,
 )
-from shardwise.memory.compose import BlockRun, SegmentRecorder, composed_step, reuse_builds
 from shardwise.memory.model_states import format_bytes
 from shardwise.memory.stages import StageSim, simulate_stages, tracked_stage
 from shardwise.memory.tracking import (
@@ -500,7 +500,7 @@ def simulate_step(
         return _simulate_here(**one) if in_process else _simulate_in_subprocess(one, timeout_s)
 
     def run(one: dict[str, Any]) -> SimReport:
-        return composed_step(one, run_one, in_process) if path == "fast" else run_one(one)  # type: ignore[no-any-return]
+        return composed_step(one, run_one, in_process) if path == "fast" else run_one(one)
 
     with reuse_builds():  # every stage is cut from one build of the model
         if config.pp > 1:

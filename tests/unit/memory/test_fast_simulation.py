@@ -8,6 +8,7 @@ in every case below (peak, each category at the peak, each category's own peak).
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -69,12 +70,12 @@ def lora_llama() -> nn.Module:
 
 
 class Widening(nn.Module):
-    """Blocks whose width depends on their index from block 3 on: no run covers them."""
+    """One block, in the middle, wider than the others: its memory depends on its index."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(64, 16)
-        widths = [32, 32, 32, 32, 32, 32, 32, 48, 32]
+        widths = [32] * 7 + [48] + [32] * 6
         self.blocks = nn.ModuleList(_Block(w) for w in widths)
         self.head = nn.Linear(16, 64)
 
@@ -161,7 +162,7 @@ def test_an_index_dependent_block_is_traced_whole_and_said() -> None:
     fast, full = _both(Widening, shardwise.ParallelConfig(strategy="full_shard"), seq_len=8)
     _same(fast, full)
     assert "blocks[0:7] (7 blocks, one kind of block)" in fast.notes[0]
-    assert "2 other block(s) traced whole" in fast.notes[0]
+    assert "7 other block(s) traced whole" in fast.notes[0]
 
 
 def test_a_model_too_short_to_compose_is_simulated_whole_and_says_so() -> None:
@@ -191,5 +192,30 @@ def test_blocks_differing_in_dtype_or_checkpointing_are_not_the_same() -> None:
 def test_simulate_step_refuses_an_unknown_path() -> None:
     with pytest.raises(ValueError, match=r"path='quick'\): use 'fast'"):
         shardwise.simulate_step(
-            llama, shardwise.ParallelConfig(), world=2, batch=1, seq_len=8, path="quick"  # type: ignore[arg-type]
+            llama,
+            shardwise.ParallelConfig(),
+            world=2,
+            batch=1,
+            seq_len=8,
+            path="quick",  # type: ignore[arg-type]
         )
+
+
+def test_the_plan_says_which_simulation_made_each_figure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--simulate` is the fast path, `--simulate=full` the full one; each row says which.
+    An override right after `--simulate` is still an override."""
+    from shardwise.cli.main import main
+
+    argv = ["plan", f"{__file__}:llama", "--world", "2", "--seq-len", "8", "--memory-budget",
+            "80GB"]  # fmt: skip
+    assert main([*argv, "--simulate", "parallel.strategy=auto"]) == 0
+    fast = capsys.readouterr().out
+    assert main([*argv, "--simulate=full", "parallel.strategy=auto"]) == 0
+    full = capsys.readouterr().out
+    row = r"  ddp\s+none\s+\S+ \S+\s+(\S+ \S+) (fast|full)  yes  <- chosen"
+    fast_row, full_row = re.search(row, fast), re.search(row, full)
+    assert fast_row and full_row, (fast, full)
+    assert fast_row[2] == "fast" and full_row[2] == "full"
+    assert fast_row[1] == full_row[1]  # the same figure
