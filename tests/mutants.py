@@ -4364,10 +4364,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "simulation_keeps_dtensor_decisions_of_an_earlier_one",
+        "src/shardwise/memory/fake.py",
+        "        clear_native()\n",
+        "        pass\n",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_simulations_under_tp_in_one_process_each_use_their_own_groups",
+        ),
+    ),
+    Mutant(
         "plan_table_hides_the_path",
         "src/shardwise/memory/auto.py",
         '            sim += " " + r.simulation\n',
-        "",
+        '            sim += ""\n',
         (
             "tests/unit/memory/test_fast_simulation.py::test_the_plan_says_which_simulation_made_each_figure",
         ),

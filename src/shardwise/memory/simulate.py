@@ -47,6 +47,7 @@ from shardwise.memory.fake import (
     ExampleInput,
     backend_collectives,
     check_backend,
+    clear_sharding_caches,
     default_input,
     default_seq_len,
     fake_world_patches,
@@ -276,6 +277,7 @@ def _simulate_here(
     from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    clear_sharding_caches()
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         spec = resolve_mesh(

@@ -219,3 +219,21 @@ def test_the_plan_says_which_simulation_made_each_figure(
     assert fast_row and full_row, (fast, full)
     assert fast_row[2] == "fast" and full_row[2] == "full"
     assert fast_row[1] == full_row[1]  # the same figure
+
+
+def test_simulations_under_tp_in_one_process_each_use_their_own_groups() -> None:
+    """DTensor caches its sharding decisions with the mesh they were made on, and a mesh
+    equals one of an earlier simulation with the same layout: hybrid_shard after full_shard
+    at world 512 with tp sent a collective to a group full_shard's simulation had destroyed
+    (the fast path, two traces per answer, made it common). Each simulation forgets them."""
+    short = functools.partial(llama, 3)  # simulated whole: the cheapest
+
+    def hybrid() -> int:
+        config = shardwise.ParallelConfig(strategy="hybrid_shard", tp=2)
+        return shardwise.simulate_step(short, config, world=512, batch=1, seq_len=8).peak
+
+    first = hybrid()
+    shardwise.simulate_step(
+        short, shardwise.ParallelConfig(strategy="full_shard", tp=2), world=512, batch=1, seq_len=8
+    )
+    assert hybrid() == first
