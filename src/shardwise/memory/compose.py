@@ -64,6 +64,10 @@ EDGE_PERIODS = 2
 """Periods of the run at each end traced as their own segments: prefetching makes the
 second block from each end differ from the first, and the rest like the second."""
 MAX_PERIOD = 4
+ONLY_IF_SHORTER = True
+"""Compose only when the two traces hold fewer blocks than the run: a shorter run (a
+pipeline stage of 8 blocks) is traced whole, which is cheaper. The tests turn it off to
+check the composition on small models."""
 INDEX_ATTRS = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx"})
 """Attributes that hold a block's own index: left out of its key (see the module docstring)."""
 
@@ -493,6 +497,13 @@ def composed_step(
         model = _built_stage(lambda: copy.deepcopy(source), *stage) if stage else source
     run, why = plan_run(model, kwargs["config"])
     del model
+    if run is not None and ONLY_IF_SHORTER and sum(run.lengths()) >= run.run:
+        short, long = run.lengths()
+        why = (
+            f"{run.container} has a run of {run.run} same blocks, and composing traces "
+            f"{short} + {long}: tracing it whole is cheaper"
+        )
+        run = None
     if run is not None:
         traces = []
         for length in run.lengths():

@@ -16,10 +16,19 @@ import transformers
 from torch import nn
 
 import shardwise
+from shardwise.memory import compose
 from shardwise.memory.compose import block_keys, find_run, plan_run
 from shardwise.plan.planner import plan_wrap
 
 pytestmark = pytest.mark.heavy
+
+
+@pytest.fixture(autouse=True)
+def compose_small_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The models here are short, to keep the full simulations cheap: compose them even
+    where tracing them whole would be cheaper (test_a_run_too_short_to_save_is_traced_whole
+    checks that rule)."""
+    monkeypatch.setattr(compose, "ONLY_IF_SHORTER", False)
 
 
 def llama(layers: int = 7, **kw: object) -> nn.Module:
@@ -237,3 +246,11 @@ def test_simulations_under_tp_in_one_process_each_use_their_own_groups() -> None
         short, shardwise.ParallelConfig(strategy="full_shard", tp=2), world=512, batch=1, seq_len=8
     )
     assert hybrid() == first
+
+
+def test_a_run_too_short_to_save_is_traced_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """7 same blocks would be traced at 4 and 5: the whole model is cheaper, and says so."""
+    monkeypatch.setattr(compose, "ONLY_IF_SHORTER", True)
+    report = shardwise.simulate_step(llama, shardwise.ParallelConfig(), world=2, batch=1, seq_len=8)
+    assert report.path == "full"
+    assert "a run of 7 same blocks, and composing traces 4 + 5" in report.notes[0]
