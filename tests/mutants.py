@@ -4373,6 +4373,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "fast_composes_a_run_too_short_to_save",
+        "src/shardwise/memory/compose.py",
+        "ONLY_IF_SHORTER and sum(run.lengths()) >= run.run:",
+        "ONLY_IF_SHORTER and sum(run.lengths()) >= 10 * run.run:",
+        ("tests/unit/memory/test_fast_simulation.py::test_a_run_too_short_to_save_is_traced_whole",),
+    ),
+    Mutant(
         "plan_table_hides_the_path",
         "src/shardwise/memory/auto.py",
         '            sim += " " + r.simulation\n',

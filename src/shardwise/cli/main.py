@@ -413,7 +413,10 @@ class _SimulateAction(argparse.Action):
             setattr(namespace, self.dest, value or "fast")
             return
         if "=" not in str(value) or str(value).startswith("-"):
-            parser.error(f"--simulate={value}: use --simulate, --simulate=fast or --simulate=full")
+            parser.error(
+                f"--simulate {value}: --simulate takes fast or full (--simulate=full); give "
+                "the model (MODULE:FACTORY) before it, or write --simulate=fast"
+            )
         setattr(namespace, self.dest, "fast")
         namespace.simulate_overrides = [*getattr(namespace, "simulate_overrides", []), value]
 
