@@ -4377,7 +4377,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "src/shardwise/memory/compose.py",
         "ONLY_IF_SHORTER and sum(run.lengths()) >= run.run:",
         "ONLY_IF_SHORTER and sum(run.lengths()) >= 10 * run.run:",
-        ("tests/unit/memory/test_fast_simulation.py::test_a_run_too_short_to_save_is_traced_whole",),
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_a_run_too_short_to_save_is_traced_whole",
+        ),
     ),
     Mutant(
         "plan_table_hides_the_path",
