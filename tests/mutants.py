@@ -4609,6 +4609,96 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/train/test_muon_blocks.py::test_a_split_that_cannot_be_read_is_refused_in_one_line",
         ),
     ),
+    # Issue 54: the fast simulation (memory/compose.py) groups same blocks and composes.
+    Mutant(
+        "fast_key_ignores_dtype",
+        "src/shardwise/memory/compose.py",
+        "(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in block.named_parameters()",
+        "(n, tuple(p.shape), p.requires_grad) for n, p in block.named_parameters()",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_blocks_differing_in_dtype_or_checkpointing_are_not_the_same",
+        ),
+    ),
+    Mutant(
+        "fast_key_ignores_checkpointing",
+        "src/shardwise/memory/compose.py",
+        "                u.activation_checkpointing,\n",
+        "",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_blocks_differing_in_dtype_or_checkpointing_are_not_the_same",
+            "tests/unit/memory/test_fast_simulation.py::test_full_shard_with_every_second_block_checkpointed_groups_by_the_choice",
+        ),
+    ),
+    Mutant(
+        "fast_first_and_last_blocks_not_traced_apart",
+        "src/shardwise/memory/compose.py",
+        "EDGE_PERIODS = 2\n",
+        "EDGE_PERIODS = 1\n",
+        ("tests/unit/memory/test_fast_simulation.py::test_tp_ep_and_adapters_compose_exactly",),
+    ),
+    Mutant(
+        "fast_index_dependent_block_composed_with_its_neighbours",
+        "src/shardwise/memory/compose.py",
+        "while j + period < n and keys[j] == keys[j + period]:",
+        "while j + period < n and keys[j][0] == keys[j + period][0]:",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_an_index_dependent_block_is_traced_whole_and_said",
+        ),
+    ),
+    Mutant(
+        "fast_composition_takes_the_longer_trace",
+        "src/shardwise/memory/compose.py",
+        "        return a + steps * (b - a)\n",
+        "        return b\n",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_full_shard_with_every_second_block_checkpointed_groups_by_the_choice",
+        ),
+    ),
+    Mutant(
+        "fast_path_label_says_full",
+        "src/shardwise/memory/compose.py",
+        '                path="fast",\n',
+        '                path="full",\n',
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_full_shard_with_every_second_block_checkpointed_groups_by_the_choice",
+        ),
+    ),
+    Mutant(
+        "simulation_keeps_dtensor_decisions_of_an_earlier_one",
+        "src/shardwise/memory/fake.py",
+        "        clear_native()\n",
+        "        pass\n",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_simulations_under_tp_in_one_process_each_use_their_own_groups",
+        ),
+    ),
+    Mutant(
+        "fast_composes_a_run_too_short_to_save",
+        "src/shardwise/memory/compose.py",
+        "ONLY_IF_SHORTER and sum(run.lengths()) >= run.run:",
+        "ONLY_IF_SHORTER and sum(run.lengths()) >= 10 * run.run:",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_a_run_too_short_to_save_is_traced_whole",
+        ),
+    ),
+    Mutant(
+        "plan_table_hides_the_path",
+        "src/shardwise/memory/auto.py",
+        '            sim += " " + r.simulation\n',
+        '            sim += ""\n',
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_the_plan_says_which_simulation_made_each_figure",
+        ),
+    ),
+    Mutant(
+        "simulate_full_flag_runs_the_fast_path",
+        "src/shardwise/cli/plan.py",
+        "            simulate=args.simulate or False,\n",
+        "            simulate=bool(args.simulate),\n",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_the_plan_says_which_simulation_made_each_figure",
+        ),
+    ),
 )
 
 

@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from shardwise.cli.grace import GRACE_S
 from shardwise.cli.launch import (
@@ -237,9 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan.add_argument(
         "--simulate",
-        action="store_true",
+        nargs="?",
+        const="fast",
+        default=None,
+        action=_SimulateAction,
+        metavar="{fast,full}",
         help="also run one training step per strategy on fake tensors with a fake process "
-        "group of --world ranks (CPU, no real memory): each rank's peak, activations included",
+        "group of --world ranks (CPU, no real memory): each rank's peak, activations "
+        "included. fast (the default): each distinct block traced and the step composed; "
+        "--simulate=full traces every block, to check it",
     )
     plan.add_argument(
         "--batch",
@@ -395,6 +402,23 @@ def _rendezvous(args: argparse.Namespace) -> int:
     from shardwise.cli.launch import host_rendezvous
 
     return host_rendezvous(args.host, args.port)
+
+
+class _SimulateAction(argparse.Action):
+    """`--simulate` (fast), `--simulate=fast` or `--simulate=full`. A plain `--simulate`
+    followed by an override (`--simulate parallel.strategy=auto`) keeps the override."""
+
+    def __call__(self, parser: Any, namespace: Any, value: Any, option: Any = None) -> None:
+        if value in (None, "fast", "full"):
+            setattr(namespace, self.dest, value or "fast")
+            return
+        if "=" not in str(value) or str(value).startswith("-"):
+            parser.error(
+                f"--simulate {value}: --simulate takes fast or full (--simulate=full); give "
+                "the model (MODULE:FACTORY) before it, or write --simulate=fast"
+            )
+        setattr(namespace, self.dest, "fast")
+        namespace.simulate_overrides = [*getattr(namespace, "simulate_overrides", []), value]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -134,7 +134,7 @@ def plan_command(args: argparse.Namespace) -> int:
             f"--world={args.world}: the world size to plan for must be a positive integer "
             "(the total number of ranks, e.g. --world 8 for 8 GPUs)."
         )
-    overrides = list(args.overrides)
+    overrides = [*getattr(args, "simulate_overrides", []), *args.overrides]
     if getattr(args, "pp", None) is not None:
         if any(o.startswith("parallel.pp=") for o in overrides):
             raise ValueError("--pp and parallel.pp=... both given: keep one of them.")
@@ -215,22 +215,16 @@ def plan_command(args: argparse.Namespace) -> int:
     from shardwise.memory.auto import ALLOCATED_NOTE, format_rows, resolve_budget
 
     limit, source = resolve_budget(parallel.memory_budget)
+    from shardwise.memory.compose import reuse_builds
+
     muon = config.optimizer.name == "muon"
-    rows = (
-        []
-        if muon
-        else _plan_rows(
-            args,
-            factory,
-            model,
-            parallel,
-            estimates,
-            config.optimizer.name,
-            seq_len,
-            limit,
-            example,
-        )
-    )
+    rows = []
+    if not muon:
+        with reuse_builds():  # one build of the model for every strategy's simulation
+            rows = _plan_rows(
+                args, factory, model, parallel, estimates, config.optimizer.name, seq_len,
+                limit, example,
+            )  # fmt: skip
     if not rows and args.simulate:
         raise ValueError(_NO_INPUT.format(what="--simulate needs"))
     if args.json:
@@ -302,6 +296,7 @@ def _plan_rows(
                 seq_len=seq_len,
                 example_input=example,
                 optimizer=optimizer,
+                path=args.simulate,
             )
         peak = sim.peak if sim is not None else estimate
         row = Candidate(
@@ -310,6 +305,7 @@ def _plan_rows(
             estimate,
             simulated=sim.peak if sim is not None else None,
             fits=peak <= limit,
+            simulation=sim.path if sim is not None else None,
         )
         rows.append((row, sim))
     return rows
@@ -334,7 +330,7 @@ def _plan_auto(
             seq_len=seq_len,
             example_input=example,
             optimizer=optimizer,
-            simulate=args.simulate,
+            simulate=args.simulate or False,
         )
     except NoPlanFitsError as exc:
         if args.json:
@@ -371,6 +367,7 @@ def _plan_cp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any) -> 
         sim = simulate_step(
             _load_factory(args.target), parallel, world=args.world, batch=args.batch or 1,
             seq_len=seq_len, example_input=example, optimizer=args.optimizer_name,
+            path=args.simulate,
         )  # fmt: skip
     note = (
         f"peak with activations: the instant estimate does not model cp={spec.cp}; add "
@@ -410,6 +407,7 @@ def _plan_tp(args: argparse.Namespace, model: Any, parallel: Any, spec: Any, pla
         sim = simulate_step(
             _load_factory(args.target), parallel, world=args.world, batch=args.batch or 1,
             seq_len=seq_len, example_input=example, optimizer=args.optimizer_name,
+            path=args.simulate,
         )  # fmt: skip
     estimates = _tp_estimates(model, parallel, spec, plan, tp, args.world, args.optimizer_name)
     if args.json:
@@ -520,7 +518,7 @@ def _plan_pp(args: argparse.Namespace, factory: Any, model: Any, parallel: Any, 
     batch = args.batch or parallel.pp_microbatches or default_microbatches(spec.pp)
     report = simulate_step(
         factory, parallel, world=args.world, batch=batch, seq_len=seq_len,
-        optimizer=args.optimizer_name,
+        optimizer=args.optimizer_name, path=args.simulate,
     )  # fmt: skip
     print(report)
     return 0

@@ -60,6 +60,7 @@ def plan_experts(
         sim = simulate_step(
             factory, parallel, world=args.world, batch=args.batch or 1, seq_len=seq_len,
             example_input=example, optimizer=args.optimizer_name, expert_load=load,
+            path=args.simulate,
         )  # fmt: skip
     layers = [
         {"module": name, "num_experts": m.num_experts, "per_rank": m.num_experts // spec.ep}

@@ -27,11 +27,12 @@ tensors, in a subprocess when a process group exists).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -41,9 +42,10 @@ from shardwise.config.names import StrategyName
 from shardwise.config.parallel import ParallelConfig
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.memory.activations import trace_activations
+from shardwise.memory.compose import reuse_builds
 from shardwise.memory.fake import ExampleInput
 from shardwise.memory.model_states import estimate_memory, estimate_peak, format_bytes
-from shardwise.memory.simulate import simulate_step
+from shardwise.memory.simulate import SimPath, simulate_step
 from shardwise.plan.planner import PlanNotice, plan_wrap
 
 __all__ = ["AutoPlan", "Candidate", "NoPlanFitsError", "choose_plan", "resolve_budget"]
@@ -83,6 +85,9 @@ class Candidate:
     note: str = ""
     tp: int = 1
     sequence_parallel: bool = False
+    simulation: str | None = None
+    """Which simulation made `simulated`: "fast" (each distinct block traced, the step
+    composed) or "full" (every block traced); None where not simulated."""
 
     @property
     def peak(self) -> int | None:
@@ -157,7 +162,8 @@ def format_rows(rows: list[Candidate], *, chosen: Candidate | None = None) -> st
     """The plan table: estimate, simulation (where run) and the fit of each row."""
     layouts = [r.layout + (" +sp" if r.sequence_parallel else "") for r in rows]
     w = max([18, *(len(x) for x in layouts)])
-    header = f"  {'strategy':<{w}} {'AC':<8} {'estimate':>12} {'simulated':>12}  fits"
+    s = 17 if any(r.simulation for r in rows) else 12  # "27.58 GiB fast"
+    header = f"  {'strategy':<{w}} {'AC':<8} {'estimate':>12} {'simulated':>{s}}  fits"
     out = [header]
     for r, layout in zip(rows, layouts, strict=True):
         sim = format_bytes(r.simulated) if r.simulated is not None else "-"
@@ -170,9 +176,11 @@ def format_rows(rows: list[Candidate], *, chosen: Candidate | None = None) -> st
                 notes.append(f"estimate {gap:+.0%} off the simulation: trust the simulated")
         note = f"  ({'; '.join(notes)})" if notes else ""
         estimate = format_bytes(r.estimate) if r.estimate is not None else "-"
+        if r.simulation is not None:
+            sim += " " + r.simulation
         out.append(
             f"  {layout:<{w}} {r.activation_checkpointing:<8} "
-            f"{estimate:>12} {sim:>12}  {fits}{mark}{note}"
+            f"{estimate:>12} {sim:>{s}}  {fits}{mark}{note}"
         )
     return "\n".join(out)
 
@@ -329,6 +337,22 @@ class InstantPeak:
         return estimate_peak(states, self._traces[key], cfg.checkpoint_every).peak
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _one_build(fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn` with the fast simulation building its model once for every candidate."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        with reuse_builds():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+@_one_build
 def choose_plan(
     model_factory: Callable[[], nn.Module],
     config: ParallelConfig,
@@ -340,7 +364,7 @@ def choose_plan(
     optimizer: str = "adamw",
     budget: object = None,
     device: torch.device | str | None = None,
-    simulate: bool = True,
+    simulate: bool | SimPath = True,
 ) -> AutoPlan:
     """The cheapest strategy x activation checkpointing (see the module docstring) whose
     per-rank peak fits `budget` (default `config.memory_budget`, else 90% of `device`'s
@@ -349,7 +373,9 @@ def choose_plan(
 
     Each candidate gets the instant estimate; in cost order, candidates are simulated
     (`simulate_step`, fake tensors) until one fits, and the rest are left unsimulated.
-    With `simulate=False` the estimate decides. Raises `NoPlanFitsError` when nothing
+    `simulate=True` (or "fast") uses the fast simulation, "full" traces every block;
+    each row's `simulation` says which made it. With `simulate=False` the estimate decides.
+    Raises `NoPlanFitsError` when nothing
     fits; returns the `AutoPlan` otherwise (`.config` is the resolved config).
     """
     limit, source = resolve_budget(config.memory_budget if budget is None else budget, device)
@@ -387,8 +413,11 @@ def choose_plan(
                     seq_len=seq_len,
                     example_input=example_input,
                     optimizer=optimizer,
+                    path="full" if simulate == "full" else "fast",
                 )
-                row = dataclasses.replace(row, simulated=sim.peak, fits=sim.peak <= limit)
+                row = dataclasses.replace(
+                    row, simulated=sim.peak, fits=sim.peak <= limit, simulation=sim.path
+                )
             elif estimate is None:
                 row = dataclasses.replace(row, note="tp is only simulated: not checked")
             else:

@@ -274,6 +274,22 @@ def untracked_shape_inference(fake_mode: Any) -> Iterator[None]:
         ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
+def clear_sharding_caches() -> None:
+    """Forget DTensor's cached sharding decisions before a simulation: they hold the
+    meshes they were made on, and a mesh compares equal to one of an earlier simulation
+    with the same layout, so a cached decision could send a collective to a process group
+    that simulation destroyed ("Could not resolve the process group registered under the
+    name ..."; seen at world 512 with tp 8: full_shard, then hybrid_shard in one process)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # torch 2.13's C++ copy of the same cache
+        clear_native()
+
+
 def check_backend(backend: object) -> Backend:
     """`backend`, if the simulation models it; a ValueError naming the choices otherwise."""
     if backend not in BACKENDS:

@@ -32,7 +32,7 @@ import json
 import multiprocessing as mp
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -41,11 +41,13 @@ from torch import nn
 from shardwise.config.parallel import ActivationCheckpointing, ParallelConfig
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.distributed.process_group import shutdown
+from shardwise.memory.compose import BlockRun, SegmentRecorder, composed_step, reuse_builds
 from shardwise.memory.fake import (
     Backend,
     ExampleInput,
     backend_collectives,
     check_backend,
+    clear_sharding_caches,
     default_input,
     default_seq_len,
     fake_world_patches,
@@ -73,6 +75,8 @@ from shardwise.plan.quantized import quantized_params
 __all__ = ["SimReport", "real_step", "simulate_step", "tracked_step"]
 
 _OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+SimPath = Literal["fast", "full"]
+PATHS: tuple[SimPath, ...] = ("fast", "full")
 SimOptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 """`optimizer=` as a function of the parameters, e.g. functools.partial(AdamW, lr=1e-4)."""
 
@@ -110,6 +114,12 @@ class SimReport:
     """With pp > 1: each stage's index, peak, model states and micro-batches in flight."""
     ep: int = 1
     """Expert-parallel degree; with ep > 1 the notes state the routing simulated."""
+    path: SimPath = "full"
+    """Which simulation made the figures: "fast" (each distinct block traced, the step
+    composed: memory/compose.py) or "full" (every block traced); the notes say why a fast
+    request was answered by the full one."""
+    segments: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    """A trace's figures by segment of the step, for composing (empty in answers)."""
 
     @property
     def model_states(self) -> int:
@@ -117,7 +127,9 @@ class SimReport:
         return sum(self.at_peak.get(k, 0) for k in ("params", "grads", "optimizer"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "model_states": self.model_states}
+        out = {**dataclasses.asdict(self), "model_states": self.model_states}
+        out.pop("segments")
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -133,7 +145,8 @@ class SimReport:
         head = (
             f"{self.strategy}{tp} at world {self.world_size}, batch {self.batch} x seq "
             f"{self.seq_len}, {self.precision}, AC {self.activation_checkpointing}, "
-            f"{self.optimizer}, {self.backend}: per-rank peak {format_bytes(self.peak)}"
+            f"{self.optimizer}, {self.backend}: per-rank peak {format_bytes(self.peak)} "
+            f"({self.path} simulation)"
         )
         rows = [
             f"  {k:<16} {format_bytes(self.at_peak.get(k, 0)):>12} "
@@ -145,6 +158,7 @@ class SimReport:
         stages = [
             f"  stage {st['index']}: peak {format_bytes(st['peak'])}, model states "
             f"{format_bytes(st['model_states'])}, {st['in_flight']} micro-batch(es) in flight"
+            f" ({st.get('path', 'full')})"
             for st in self.stages
         ]
         notes = [f"  note: {n}" for n in self.notes]
@@ -256,12 +270,14 @@ def _simulate_here(
     backend: Backend,
     stage: StageSim | None = None,
     expert_load: ExpertLoad = DEFAULT_EXPERT_LOAD,
+    segments: tuple[BlockRun, int] | None = None,
 ) -> SimReport:
     import torch.distributed._tools.fake_collectives
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    clear_sharding_caches()
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         spec = resolve_mesh(
@@ -299,6 +315,10 @@ def _simulate_here(
         else:
             with fake_mode, fake_world_patches() as hooked:
                 model = wrap(model, config)
+        recorder = None
+        if segments is not None:
+            recorder = SegmentRecorder(*segments)
+            recorder.hook(model)
         with fake_mode:
             if isinstance(model, DistributedDataParallel) and model not in hooked:
                 model.register_comm_hook(None, local_comm_hook(None))
@@ -317,10 +337,12 @@ def _simulate_here(
                 _routing(spec.ep, expert_load) as routing,
             ):
                 if stage is None:
-                    result = tracked_step(model, opt, make_input)
+                    result = tracked_step(model, opt, make_input, recorder)
                 else:
                     dtype = config.precision.param_dtype or torch.float32
-                    result = tracked_stage(model, opt, stage, batch, int(seq_len or 0), dtype)
+                    result = tracked_stage(
+                        model, opt, stage, batch, int(seq_len or 0), dtype, recorder
+                    )
     finally:
         shutdown()
     notes = [f"rank 0 of {world}; ranks are symmetric ({spec.strategy}, {spec})"]
@@ -342,6 +364,7 @@ def _simulate_here(
         sequence_parallel=config.sequence_parallel,
         backend=backend,
         ep=spec.ep,
+        segments=result.get("segments", {}),
     )
 
 
@@ -415,6 +438,7 @@ def simulate_step(
     backend: Backend = "nccl",
     expert_load: ExpertLoad = DEFAULT_EXPERT_LOAD,
     timeout_s: float = 600.0,
+    path: SimPath = "fast",
 ) -> SimReport:
     """Rank 0's peak memory, by category, for one training step at `world` ranks.
 
@@ -435,6 +459,11 @@ def simulate_step(
     rows in every experts layer (2.0 by default; 1: balanced; "worst": every copy that can
     reach one rank does). The report's notes say what it received.
 
+    `path="fast"` (the default) traces each distinct block once or twice and composes the
+    step from the parts (memory/compose.py: the run of same blocks traced at two short
+    lengths); `path="full"` traces every block. The report's `path` says which made it;
+    a model the fast path cannot compose is traced whole, and its notes say why.
+
     Runs in this process with a fake process group, destroyed afterwards. If this process
     already has a process group (torch allows one default group per process), the
     simulation runs in a spawned subprocess instead: `model_factory`, `example_input`
@@ -449,6 +478,11 @@ def simulate_step(
             f"simulate_step(optimizer={optimizer!r}): use one of {list(_OPTIMIZERS)} or a "
             "callable that takes the parameters and returns a torch optimizer."
         )
+    if path not in PATHS:
+        raise ValueError(
+            f"simulate_step(path={path!r}): use 'fast' (each distinct block traced, the step "
+            "composed) or 'full' (every block traced, to check the fast figure)."
+        )
     check_backend(backend)
     check_expert_load(expert_load)
     kwargs = dict(
@@ -462,14 +496,15 @@ def simulate_step(
         backend=backend,
         expert_load=expert_load,
     )
-    if config.pp > 1:
-        in_process = not (dist.is_available() and dist.is_initialized())
-        return simulate_stages(  # type: ignore[no-any-return]
-            kwargs,
-            lambda one: (
-                _simulate_here(**one) if in_process else _simulate_in_subprocess(one, timeout_s)
-            ),
-        )
-    if dist.is_available() and dist.is_initialized():
-        return _simulate_in_subprocess(kwargs, timeout_s)
-    return _simulate_here(**kwargs)  # type: ignore[arg-type]
+    in_process = not (dist.is_available() and dist.is_initialized())
+
+    def run_one(one: dict[str, Any]) -> SimReport:
+        return _simulate_here(**one) if in_process else _simulate_in_subprocess(one, timeout_s)
+
+    def run(one: dict[str, Any]) -> SimReport:
+        return composed_step(one, run_one, in_process) if path == "fast" else run_one(one)
+
+    with reuse_builds():  # every stage is cut from one build of the model
+        if config.pp > 1:
+            return simulate_stages(kwargs, run)  # type: ignore[no-any-return]
+        return run(kwargs)

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from shardwise.config.pipeline import check_microbatches, default_microbatches
 from shardwise.memory.tracking import (
+    _CATEGORIES,
     _create_optimizer_state,
     _follow_category_peaks,
     _peaks,
@@ -135,15 +136,19 @@ def tracked_stage_step(
     make_input: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
     order: list[tuple[str, int]],
     tracker: Any,
+    recorder: Any = None,
 ) -> None:
     """The stage's step in `order`, inside `tracker` (entered here): forwards keep their
-    outputs until their backward; FSDP2 is told what PipelineStage tells it."""
+    outputs until their backward; FSDP2 is told what PipelineStage tells it. A `recorder`
+    (the fast simulation's) is told each position in the order."""
     from shardwise.memory.fake import loss_of
 
     backwards = [mb for kind, mb in order if kind == "B"]
     pending: dict[int, torch.Tensor] = {}
+    phase = recorder.set_phase if recorder is not None else lambda step, name: None
     with tracker:
-        for kind, mb in order:
+        for step, (kind, mb) in enumerate(order):
+            phase(step, kind)
             if kind == "F":
                 # The tracker keeps per-module figures for one forward of the root; its
                 # total and peak, which this measures, run on across the calls.
@@ -157,6 +162,7 @@ def tracked_stage_step(
                 model.set_reshard_after_backward(last)
                 model.set_requires_gradient_sync(last)
             pending.pop(mb).backward()
+        phase(len(order), "O")
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -220,6 +226,7 @@ def tracked_stage(
     rows: int,
     seq_len: int,
     dtype: torch.dtype,
+    recorder: Any = None,
 ) -> dict[str, Any]:
     """`tracked_step` for one pipeline stage: its micro-batches in its schedule's order."""
     _create_optimizer_state(model, optimizer)
@@ -230,10 +237,15 @@ def tracked_stage(
     received, kwargs = make_input()
     tracker = _tracker(model, optimizer, (*received, *kwargs.values()))
     _follow_category_peaks(tracker)
+    if recorder is not None:
+        recorder.attach(tracker, _CATEGORIES)
     order = stage_order(stage.schedule, stage.plan.pp, stage.index, stage.microbatches)
-    tracked_stage_step(model, optimizer, make_input, order, tracker)
+    tracked_stage_step(model, optimizer, make_input, order, tracker, recorder)
     total, at_peak, own = _peaks(tracker)
-    return {"peak": total, "at_peak": at_peak, "category_peaks": own}
+    result = {"peak": total, "at_peak": at_peak, "category_peaks": own}
+    if recorder is not None:
+        result["segments"] = recorder.finish(0)
+    return result
 
 
 def simulate_stages(kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Any]) -> Any:
@@ -281,6 +293,7 @@ def simulate_stages(kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Any]
             "peak": r.peak,
             "model_states": r.model_states,
             "in_flight": st.in_flight,
+            "path": r.path,
         }
         for st, r in reports
     ]
@@ -290,6 +303,9 @@ def simulate_stages(kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Any]
         f"row(s); each stage over world // pp = {world // pp} rank(s); the stage with the "
         "highest peak is reported"
     )
+    paths = {r.path for _, r in reports}
+    if len(paths) > 1:
+        note += "; stages simulated fast and in full (each stage's path is listed)"
     return dataclasses.replace(
         worst, world_size=world, batch=batch, pp=pp, stages=stages, notes=[note, *worst.notes]
     )

@@ -114,10 +114,25 @@ def _peaks(tracker: Any) -> tuple[int, dict[str, int], dict[str, int]]:
     return total, at_peak, own
 
 
+def _global_peak(tracker: Any) -> Any:
+    """The tracker's update of its step-wide peak alone: torch's `_update_peak_stats` also
+    updates the local peak of every module it has met (a loop over all modules at every
+    allocation, quadratic in the depth), which nothing here reads."""
+    from copy import deepcopy
+
+    def update(peak_state: Any) -> None:
+        for dev, dev_snap in tracker._curr_mem_snap.items():
+            if tracker._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                tracker._peak_mem[dev] = dev_snap["Total"]
+                tracker._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+    return update
+
+
 def _follow_category_peaks(tracker: Any) -> None:
     """Record each category's own maximum as the tracker updates its running snapshot."""
     peaks: dict[str, int] = {}
-    original = tracker._update_peak_stats
+    original = _global_peak(tracker)
 
     def update(peak_state: Any) -> None:
         original(peak_state)
@@ -150,22 +165,32 @@ def _create_optimizer_state(model: nn.Module, optimizer: Any) -> None:
 
 
 def tracked_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, make_input: ExampleInput
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    make_input: ExampleInput,
+    recorder: Any = None,
 ) -> dict[str, Any]:
     """Create the optimizer state (as in every step after the first), then run one step
     (forward, backward, optimizer step) under torch's memory tracker; return the peak and
     its categories.
 
     Shared by the simulation (fake tensors) and the real-run check (real tensors), so the
-    two measure exactly the same thing.
+    two measure exactly the same thing. A `recorder` (compose.SegmentRecorder, the fast
+    simulation's) also records each segment of the step.
     """
     _create_optimizer_state(model, optimizer)
     inputs = make_input()
     tracker = _tracker(model, optimizer, inputs)
     _follow_category_peaks(tracker)
+    phase = recorder.set_phase if recorder is not None else lambda step, name: None
+    if recorder is not None:
+        recorder.attach(tracker, _CATEGORIES)
     with tracker:
+        phase(0, "F")
         loss = loss_of(call_model(model, inputs))
+        phase(1, "B")
         loss.backward()
+        phase(2, "O")
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -175,4 +200,7 @@ def tracked_step(
     if buckets:
         at_peak["ddp_buckets"] = own["ddp_buckets"] = buckets
         total += buckets
-    return {"peak": total, "at_peak": at_peak, "category_peaks": own}
+    result = {"peak": total, "at_peak": at_peak, "category_peaks": own}
+    if recorder is not None:
+        result["segments"] = recorder.finish(buckets)
+    return result
