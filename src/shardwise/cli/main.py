@@ -405,25 +405,30 @@ def _rendezvous(args: argparse.Namespace) -> int:
 
 
 class _SimulateAction(argparse.Action):
-    """`--simulate` (fast), `--simulate=fast` or `--simulate=full`. A plain `--simulate`
-    followed by an override (`--simulate parallel.strategy=auto`) keeps the override."""
+    """`--simulate` (fast), `--simulate=fast`, `--simulate full` or `--simulate=full`."""
 
     def __call__(self, parser: Any, namespace: Any, value: Any, option: Any = None) -> None:
-        if value in (None, "fast", "full"):
-            setattr(namespace, self.dest, value or "fast")
-            return
-        if "=" not in str(value) or str(value).startswith("-"):
-            parser.error(
-                f"--simulate {value}: --simulate takes fast or full (--simulate=full); give "
-                "the model (MODULE:FACTORY) before it, or write --simulate=fast"
-            )
-        setattr(namespace, self.dest, "fast")
-        namespace.simulate_overrides = [*getattr(namespace, "simulate_overrides", []), value]
+        if value not in (None, "fast", "full"):
+            parser.error(f"--simulate={value}: --simulate takes fast or full (--simulate=full)")
+        setattr(namespace, self.dest, value or "fast")
+
+
+def _bare_simulate(argv: Sequence[str]) -> list[str]:
+    """A bare `--simulate` followed by anything but fast or full (the model, an override,
+    another option) is `--simulate=fast`: the flag never takes the next word from them, so
+    `plan --simulate MODEL:FACTORY` reads as it did when --simulate took no value."""
+    out = list(argv)
+    if next((a for a in out if not a.startswith("-")), None) != "plan":
+        return out  # `shardwise run script.py --simulate` is the script's own flag
+    for i, arg in enumerate(out):
+        if arg == "--simulate" and (i + 1 == len(out) or out[i + 1] not in ("fast", "full")):
+            out[i] = "--simulate=fast"
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_bare_simulate(sys.argv[1:] if argv is None else argv))
     # Overrides may follow options (plan X --world 4 runner.max_steps=3); argparse leaves
     # positionals after an option unparsed, so take the key=value ones here.
     if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):

@@ -134,7 +134,7 @@ def plan_command(args: argparse.Namespace) -> int:
             f"--world={args.world}: the world size to plan for must be a positive integer "
             "(the total number of ranks, e.g. --world 8 for 8 GPUs)."
         )
-    overrides = [*getattr(args, "simulate_overrides", []), *args.overrides]
+    overrides = list(args.overrides)
     if getattr(args, "pp", None) is not None:
         if any(o.startswith("parallel.pp=") for o in overrides):
             raise ValueError("--pp and parallel.pp=... both given: keep one of them.")

@@ -274,5 +274,20 @@ def test_simulate_takes_fast_or_full(capsys: pytest.CaptureFixture[str]) -> None
     from shardwise.cli.main import main
 
     with pytest.raises(SystemExit):
-        main(["plan", f"{__file__}:llama", "--world", "2", "--simulate", "quick"])
-    assert "--simulate quick: --simulate takes fast or full" in capsys.readouterr().err
+        main(["plan", f"{__file__}:llama", "--world", "2", "--simulate=quick"])
+    assert "--simulate=quick: --simulate takes fast or full" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("word", ["fast", "full"])
+def test_a_bare_simulate_never_takes_the_model(word: str) -> None:
+    from shardwise.cli.main import _bare_simulate
+
+    # Before --simulate took a value, `plan --simulate MODEL` worked: it still does.
+    assert _bare_simulate(["plan", "--simulate", "m.py:f", "--world", "2"]) == [
+        "plan", "--simulate=fast", "m.py:f", "--world", "2",
+    ]  # fmt: skip
+    assert _bare_simulate(["plan", "m.py:f", "--simulate", "a.b=1"])[2] == "--simulate=fast"
+    assert _bare_simulate(["plan", "m.py:f", "--simulate"])[-1] == "--simulate=fast"
+    assert _bare_simulate(["plan", "m.py:f", "--simulate", word])[-2:] == ["--simulate", word]
+    # A script's own --simulate under `shardwise run` is left alone.
+    assert _bare_simulate(["run", "s.py", "--simulate", "x"]) == ["run", "s.py", "--simulate", "x"]
