@@ -4702,16 +4702,44 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "bare_simulate_takes_the_next_word",
         "src/shardwise/cli/main.py",
-        "            out[i] = \"--simulate=fast\"",
+        '            out[i] = "--simulate=fast"',
         "            pass",
         ("tests/unit/memory/test_fast_simulation.py::test_a_bare_simulate_never_takes_the_model",),
     ),
     Mutant(
         "bare_simulate_rewrites_a_scripts_flag",
         "src/shardwise/cli/main.py",
-        "    if next((a for a in out if not a.startswith(\"-\")), None) != \"plan\":",
+        '    if next((a for a in out if not a.startswith("-")), None) != "plan":',
         "    if False:",
         ("tests/unit/memory/test_fast_simulation.py::test_a_bare_simulate_never_takes_the_model",),
+    ),
+    # Issue 54: pipeline stages holding the same blocks (memory/stage_groups.py).
+    Mutant(
+        "stage_groups_interpolate_from_one_end",
+        "src/shardwise/memory/stage_groups.py",
+        "    return x + -((x - y) * at // span)\n",
+        "    return x\n",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_pipeline_stages_holding_the_same_blocks_are_derived_exactly[1f1b-5-5-derived2]",
+        ),
+    ),
+    Mutant(
+        "stage_groups_key_ignores_the_blocks",
+        "src/shardwise/memory/stage_groups.py",
+        "(st.index == 0, st.index == last, st.modules, tuple(keys[b] for b in st.blocks))",
+        "(st.index == 0, st.index == last, st.modules)",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_stages_holding_different_blocks_are_each_traced",
+        ),
+    ),
+    Mutant(
+        "stage_groups_gpipe_stages_not_copied",
+        "src/shardwise/memory/stage_groups.py",
+        "            if k in by_count:\n",
+        "            if False:\n",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_pipeline_stages_holding_the_same_blocks_are_derived_exactly[gpipe-4-4-derived1]",
+        ),
     ),
 )
 
