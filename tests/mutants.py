@@ -4741,6 +4741,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/memory/test_fast_simulation.py::test_pipeline_stages_holding_the_same_blocks_are_derived_exactly[gpipe-4-4-derived1]",
         ),
     ),
+    Mutant(
+        "adam_warm_up_makes_no_state",
+        "src/shardwise/memory/tracking.py",
+        "            optimizer._init_group(group, [], [], [], [], [], [])\n",
+        "",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_adams_state_made_without_a_step_is_the_steps",
+        ),
+    ),
 )
 
 

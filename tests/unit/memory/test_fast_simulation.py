@@ -342,3 +342,24 @@ def test_stages_holding_different_blocks_are_each_traced(monkeypatch: pytest.Mon
     )
     assert _derived(fast) == [2] and fast.peak == full.peak  # the reported stage is a traced one
     assert fast.stages[2]["peak"] != full.stages[2]["peak"]
+
+
+class _SteppedAdamW(torch.optim.AdamW):
+    """Not AdamW itself: its warm-up state comes from a whole step on zero gradients."""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
+def test_adams_state_made_without_a_step_is_the_steps(strategy: str) -> None:
+    """Adam and AdamW make their state for the tracked step without the warm-up step's
+    arithmetic (memory/tracking.py): the figures equal those of a warm-up step (a subclass
+    takes that path). Measured: equal to the byte."""
+    config = shardwise.ParallelConfig(strategy=strategy, mixed_precision="bf16")
+    kw = {"world": 2, "batch": 2, "seq_len": 16, "path": "full"}
+    made = functools.partial(torch.optim.AdamW, lr=1e-4, foreach=True)
+    fast = shardwise.simulate_step(llama, config, optimizer=made, **kw)
+    stepped = shardwise.simulate_step(
+        llama, config, optimizer=made.__class__(_SteppedAdamW, **made.keywords), **kw
+    )
+    _same_figures = (fast.peak, fast.at_peak, fast.category_peaks)
+    assert _same_figures == (stepped.peak, stepped.at_peak, stepped.category_peaks)
+    assert fast.at_peak["optimizer"] > 0
