@@ -4702,14 +4702,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "bare_simulate_takes_the_next_word",
         "src/shardwise/cli/main.py",
-        "            out[i] = \"--simulate=fast\"",
+        '            out[i] = "--simulate=fast"',
         "            pass",
         ("tests/unit/memory/test_fast_simulation.py::test_a_bare_simulate_never_takes_the_model",),
     ),
     Mutant(
         "bare_simulate_rewrites_a_scripts_flag",
         "src/shardwise/cli/main.py",
-        "    if next((a for a in out if not a.startswith(\"-\")), None) != \"plan\":",
+        '    if next((a for a in out if not a.startswith("-")), None) != "plan":',
         "    if False:",
         ("tests/unit/memory/test_fast_simulation.py::test_a_bare_simulate_never_takes_the_model",),
     ),
