@@ -360,7 +360,9 @@ def test_plan_any_model_from_the_current_directory_with_its_own_input(tmp_path):
                 "--memory-budget", "1GiB", "parallel.strategy=auto"])  # fmt: skip
     assert auto.returncode == 0, auto.stderr
     assert "strategy='auto' at world 2, the example batch" in auto.stdout
-    assert re.search(r"ddp\s+none\s+[\d.]+ [KM]iB\s+[\d.]+ [KM]iB\s+yes\s+<- chosen", auto.stdout)
+    assert re.search(
+        r"ddp\s+none\s+[\d.]+ [KM]iB\s+[\d.]+ [KM]iB (fast|full)\s+yes\s+<- chosen", auto.stdout
+    )
     ignored = run([*shardwise_cli, "--world", "2", "--simulate"])
     assert ignored.returncode == 2
     assert "--simulate needs the batch the model trains on" in ignored.stderr

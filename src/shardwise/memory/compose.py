@@ -44,7 +44,7 @@ import functools
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -283,6 +283,18 @@ def _copied(
 
 
 # --------------------------------------------------------------------------- recording
+
+
+SegmentLabel = tuple[int, str, "tuple[str, int] | None"]
+"""A segment of the step: (position in the step's order, phase, the block's role)."""
+
+
+class Segment(TypedDict):
+    """One segment's figures: its peak, the categories at it, each category's own peak."""
+
+    peak: int
+    at_peak: dict[str, int]
+    own: dict[str, int]
 
 
 @dataclass

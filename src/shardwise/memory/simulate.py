@@ -42,7 +42,14 @@ from shardwise.config.parallel import ActivationCheckpointing, ParallelConfig
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.distributed.process_group import shutdown
 from shardwise.memory import stage_groups
-from shardwise.memory.compose import BlockRun, SegmentRecorder, composed_step, reuse_builds
+from shardwise.memory.compose import (
+    BlockRun,
+    Segment,
+    SegmentLabel,
+    SegmentRecorder,
+    composed_step,
+    reuse_builds,
+)
 from shardwise.memory.fake import (
     Backend,
     ExampleInput,
@@ -119,7 +126,7 @@ class SimReport:
     """Which simulation made the figures: "fast" (each distinct block traced, the step
     composed: memory/compose.py) or "full" (every block traced); the notes say why a fast
     request was answered by the full one."""
-    segments: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    segments: dict[SegmentLabel, Segment] = field(default_factory=dict, repr=False, compare=False)
     """A trace's figures by segment of the step, for composing (empty in answers)."""
 
     @property
