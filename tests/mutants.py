@@ -4713,6 +4713,43 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if False:",
         ("tests/unit/memory/test_fast_simulation.py::test_a_bare_simulate_never_takes_the_model",),
     ),
+    # Issue 54: pipeline stages holding the same blocks (memory/stage_groups.py).
+    Mutant(
+        "stage_groups_interpolate_from_one_end",
+        "src/shardwise/memory/stage_groups.py",
+        "    return x + -((x - y) * at // span)\n",
+        "    return x\n",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_pipeline_stages_holding_the_same_blocks_are_derived_exactly[1f1b-5-5-derived2]",
+        ),
+    ),
+    Mutant(
+        "stage_groups_key_ignores_the_blocks",
+        "src/shardwise/memory/stage_groups.py",
+        "(st.index == 0, st.index == last, st.modules, tuple(keys[b] for b in st.blocks))",
+        "(st.index == 0, st.index == last, st.modules)",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_stages_holding_different_blocks_are_each_traced",
+        ),
+    ),
+    Mutant(
+        "stage_groups_gpipe_stages_not_copied",
+        "src/shardwise/memory/stage_groups.py",
+        "            if k in by_count:\n",
+        "            if False:\n",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_pipeline_stages_holding_the_same_blocks_are_derived_exactly[gpipe-4-4-derived1]",
+        ),
+    ),
+    Mutant(
+        "adam_warm_up_makes_no_state",
+        "src/shardwise/memory/tracking.py",
+        "            optimizer._init_group(group, [], [], [], [], [], [])\n",
+        "",
+        (
+            "tests/unit/memory/test_fast_simulation.py::test_adams_state_made_without_a_step_is_the_steps",
+        ),
+    ),
 )
 
 

@@ -41,6 +41,7 @@ from torch import nn
 from shardwise.config.parallel import ActivationCheckpointing, ParallelConfig
 from shardwise.distributed.mesh import resolve_mesh
 from shardwise.distributed.process_group import shutdown
+from shardwise.memory import stage_groups
 from shardwise.memory.compose import (
     BlockRun,
     Segment,
@@ -513,5 +514,6 @@ def simulate_step(
 
     with reuse_builds():  # every stage is cut from one build of the model
         if config.pp > 1:
-            return simulate_stages(kwargs, run)  # type: ignore[no-any-return]
+            grouping = stage_groups if path == "fast" else None
+            return simulate_stages(kwargs, run, grouping)  # type: ignore[no-any-return]
         return run(kwargs)

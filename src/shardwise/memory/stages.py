@@ -248,10 +248,14 @@ def tracked_stage(
     return result
 
 
-def simulate_stages(kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Any]) -> Any:
+def simulate_stages(
+    kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Any], grouping: Any = None
+) -> Any:
     """Each stage simulated alone over its own data- and tensor-parallel ranks (`run`
     simulates one, given simulate_step's arguments and `stage`); the report of the stage
-    with the highest peak, listing every stage."""
+    with the highest peak, listing every stage. `grouping` (the fast path's
+    memory/stage_groups.py): stages holding the same blocks are simulated once per
+    in-flight count needed, the others derived."""
     config = kwargs["config"]
     pp, world, batch = config.pp, kwargs["world"], kwargs["batch"]
     if world % pp:
@@ -275,9 +279,12 @@ def simulate_stages(kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Any]
         whole = kwargs["model_factory"]()
     plan = plan_stages(whole, pp, config.pp_split)
     hidden = hidden_width(whole, plan)
+    traced = grouping.traced_stages(whole, plan, config, microbatches) if grouping else {}
     reports = []
     for index in range(pp):
         stage = StageSim(plan, index, config.pp_schedule, microbatches, hidden)
+        if index in traced and traced[index] is not None:
+            continue
         one = dict(
             kwargs,
             model_factory=stage_factory(kwargs["model_factory"], pp, config.pp_split, index),
@@ -287,6 +294,12 @@ def simulate_stages(kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Any]
             stage=stage,
         )
         reports.append((stage, run(one)))
+    derived = (
+        grouping.derived_stages(plan, config.pp_schedule, microbatches, hidden, traced, reports)
+        if grouping
+        else []
+    )
+    reports = sorted([*reports, *derived], key=lambda sr: sr[0].index)
     stages = [
         {
             "index": st.index,
@@ -306,6 +319,12 @@ def simulate_stages(kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Any]
     paths = {r.path for _, r in reports}
     if len(paths) > 1:
         note += "; stages simulated fast and in full (each stage's path is listed)"
+    if derived:
+        note += (
+            f"; stage(s) {', '.join(str(st.index) for st, _ in derived)} hold the same blocks "
+            "as other stages and were derived from them (same micro-batches in flight: "
+            "copied; 1F1B, between two traced in-flight counts: interpolated)"
+        )
     return dataclasses.replace(
         worst, world_size=world, batch=batch, pp=pp, stages=stages, notes=[note, *worst.notes]
     )

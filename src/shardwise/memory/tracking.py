@@ -156,6 +156,17 @@ def _create_optimizer_state(model: nn.Module, optimizer: Any) -> None:
     """
     if optimizer is None:
         return
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        # The state alone, as the first step makes it (the same tensors), without the
+        # step's arithmetic, which costs as much as the tracked step's under fake tensors.
+        for group in optimizer.param_groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            with torch.no_grad():
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+            optimizer._init_group(group, [], [], [], [], [], [])
+        optimizer.zero_grad(set_to_none=True)
+        return
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
