@@ -4750,6 +4750,58 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/memory/test_fast_simulation.py::test_adams_state_made_without_a_step_is_the_steps",
         ),
     ),
+    # Issue 54: a plan's traces side by side in forked workers (memory/workers.py).
+    Mutant(
+        "workers_gather_answers_swapped",
+        "src/shardwise/memory/workers.py",
+        "zip(order, reports, strict=True)",
+        "zip(order, reports[::-1], strict=True)",
+        (
+            "tests/unit/memory/test_workers.py::test_gather_asks_every_jobs_traces_together_and_answers_each_its_own",
+            "tests/unit/memory/test_fast_simulation.py::test_traces_side_by_side_give_the_reports_of_traces_one_after_another",
+        ),
+    ),
+    Mutant(
+        "workers_child_keeps_the_parents_thread_pool",
+        "src/shardwise/memory/workers.py",
+        "    torch.set_num_threads(1)\n",
+        "",
+        (
+            "tests/unit/memory/test_workers.py::test_a_child_runs_real_ops_after_the_parent_used_its_thread_pool",
+        ),
+    ),
+    Mutant(
+        "workers_child_exception_loses_its_type",
+        "src/shardwise/memory/workers.py",
+        "                    raise payload from ChildTraceback(text)",
+        "                    raise RuntimeError(str(payload)) from ChildTraceback(text)",
+        (
+            "tests/unit/memory/test_workers.py::test_a_childs_exception_is_raised_here_with_its_type_and_traceback",
+        ),
+    ),
+    Mutant(
+        "workers_child_forks_again",
+        "src/shardwise/memory/workers.py",
+        'return sys.platform.startswith("linux") and not _IN_CHILD',
+        'return sys.platform.startswith("linux")',
+        ("tests/unit/memory/test_workers.py::test_a_forked_child_does_not_fork_again",),
+    ),
+    Mutant(
+        "workers_timeout_never_fires",
+        "src/shardwise/memory/workers.py",
+        "            if left <= 0:\n",
+        "            if left < -1e9:\n",
+        (
+            "tests/unit/memory/test_workers.py::test_a_trace_over_the_timeout_is_named_and_every_child_killed",
+        ),
+    ),
+    Mutant(
+        "workers_a_dead_child_is_not_named",
+        "src/shardwise/memory/workers.py",
+        "                except EOFError:\n                    proc.join(5)\n                    raise RuntimeError(",
+        "                except EOFError:\n                    proc.join(5)\n                    raise EOFError(",
+        ("tests/unit/memory/test_workers.py::test_a_child_that_dies_is_named",),
+    ),
 )
 
 

@@ -276,28 +276,28 @@ def _plan_rows(
     """A row per strategy: the instant peak with activations, the simulated one with
     --simulate, and whether it fits the budget. Empty when the sequence length is unknown."""
     from shardwise.memory.auto import Candidate, InstantPeak
-    from shardwise.memory.simulate import simulate_step
+    from shardwise.memory.simulate import simulate_steps
 
     if seq_len is None and example is None:
         return []
     batch = args.batch or 1
     instant = InstantPeak(model, args.world, batch, seq_len, optimizer, example_input=example)
+    configs = [dataclasses.replace(parallel, strategy=e.strategy) for e in estimates]
+    sims: list[Any] = [None] * len(configs)
+    if args.simulate:  # every strategy's traces side by side
+        sims = simulate_steps(
+            factory,
+            configs,
+            world=args.world,
+            batch=batch,
+            seq_len=seq_len,
+            example_input=example,
+            optimizer=optimizer,
+            path=args.simulate,
+        )
     rows = []
-    for e in estimates:
-        cfg = dataclasses.replace(parallel, strategy=e.strategy)
+    for e, cfg, sim in zip(estimates, configs, sims, strict=True):
         estimate = instant(cfg)
-        sim = None
-        if args.simulate:
-            sim = simulate_step(
-                factory,
-                cfg,
-                world=args.world,
-                batch=batch,
-                seq_len=seq_len,
-                example_input=example,
-                optimizer=optimizer,
-                path=args.simulate,
-            )
         peak = sim.peak if sim is not None else estimate
         row = Candidate(
             e.strategy,

@@ -36,6 +36,7 @@ from shardwise.memory.simulate import (
     SimReport,
     real_step,
     simulate_step,
+    simulate_steps,
     tracked_step,
 )
 
@@ -67,6 +68,7 @@ __all__ = [
     "real_step",
     "resolve_budget",
     "simulate_step",
+    "simulate_steps",
     "trace_activations",
     "tracked_step",
 ]

@@ -49,6 +49,8 @@ from typing import Any, TypedDict
 import torch
 from torch import nn
 
+from shardwise.memory.workers import Job
+
 __all__ = [
     "BlockRun",
     "SegmentRecorder",
@@ -488,13 +490,11 @@ def _meta_build(factory: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
-def composed_step(
-    kwargs: dict[str, Any], run_one: Callable[[dict[str, Any]], Any], in_process: bool = True
-) -> Any:
-    """simulate_step's fast path for one model (or one pipeline stage): `run_one` simulates
-    simulate_step's arguments `kwargs` (with `segments` to record them); the run of same
-    blocks is traced at two short lengths and the step composed, else the whole model is
-    traced (`path="full"`, the reason in the notes)."""
+def composed_step(kwargs: dict[str, Any], in_process: bool = True) -> Job:
+    """simulate_step's fast path for one model (or one pipeline stage), as a job
+    (memory/workers.py): it asks for traces of simulate_step's arguments `kwargs` (with
+    `segments` to record them): the run of same blocks at two short lengths, both at once,
+    and composes the step; else the whole model (`path="full"`, the reason in the notes)."""
     import dataclasses
 
     from shardwise.memory.stages import _built_stage
@@ -517,14 +517,15 @@ def composed_step(
         )
         run = None
     if run is not None:
-        traces = []
+        wanted = []
         for length in run.lengths():
             factory = (
                 functools.partial(_copied, source, run.container, run.keep(length), stage)
                 if in_process  # a subprocess builds its own (a model need not pickle)
                 else truncated(kwargs["model_factory"], run, length)
             )
-            traces.append(run_one(dict(kwargs, model_factory=factory, segments=(run, length))))
+            wanted.append(dict(kwargs, model_factory=factory, segments=(run, length)))
+        traces = yield wanted
         try:
             step = compose(run, traces[0].segments, traces[1].segments)
         except ValueError as exc:
@@ -540,6 +541,6 @@ def composed_step(
                 segments={},
                 notes=[note, *traces[1].notes],
             )
-    report = run_one(kwargs)
+    (report,) = yield [kwargs]
     note = f"fast simulation not possible, every block traced: {why}"
     return dataclasses.replace(report, path="full", notes=[note, *report.notes])

@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,6 +70,7 @@ from shardwise.memory.tracking import (
     CATEGORIES,
     tracked_step,
 )
+from shardwise.memory.workers import Job, check_workers, drive, gather, run_jobs
 from shardwise.parallelize.apply import wrap
 from shardwise.parallelize.experts import (
     ExpertLoad,
@@ -80,7 +81,7 @@ from shardwise.parallelize.experts import (
 from shardwise.parallelize.materialize import init_empty
 from shardwise.plan.quantized import quantized_params
 
-__all__ = ["SimReport", "real_step", "simulate_step", "tracked_step"]
+__all__ = ["SimReport", "real_step", "simulate_step", "simulate_steps", "tracked_step"]
 
 _OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 SimPath = Literal["fast", "full"]
@@ -447,6 +448,7 @@ def simulate_step(
     expert_load: ExpertLoad = DEFAULT_EXPERT_LOAD,
     timeout_s: float = 600.0,
     path: SimPath = "fast",
+    workers: int | None = None,
 ) -> SimReport:
     """Rank 0's peak memory, by category, for one training step at `world` ranks.
 
@@ -472,11 +474,54 @@ def simulate_step(
     lengths); `path="full"` traces every block. The report's `path` says which made it;
     a model the fast path cannot compose is traced whole, and its notes say why.
 
+    Traces that do not depend on each other (the fast path's two, each pipeline stage's)
+    run side by side in forked processes on Linux, `workers` at a time (None: the CPUs
+    this process may use; 1: one after another in this process). The figures are the
+    same whatever the number (memory/workers.py).
+
     Runs in this process with a fake process group, destroyed afterwards. If this process
     already has a process group (torch allows one default group per process), the
     simulation runs in a spawned subprocess instead: `model_factory`, `example_input`
     and `optimizer` must then be picklable (module-level functions or classes).
     """
+    (report,) = simulate_steps(
+        model_factory,
+        [config],
+        world=world,
+        example_input=example_input,
+        batch=batch,
+        seq_len=seq_len,
+        optimizer=optimizer,
+        activation_checkpointing=activation_checkpointing,
+        backend=backend,
+        expert_load=expert_load,
+        timeout_s=timeout_s,
+        path=path,
+        workers=workers,
+    )
+    return report
+
+
+def simulate_steps(
+    model_factory: Callable[[], nn.Module],
+    configs: Sequence[ParallelConfig],
+    *,
+    world: int,
+    example_input: ExampleInput | None = None,
+    batch: int,
+    seq_len: int | None,
+    optimizer: str | SimOptimizerFactory = "adamw",
+    activation_checkpointing: ActivationCheckpointing = None,
+    backend: Backend = "nccl",
+    expert_load: ExpertLoad = DEFAULT_EXPERT_LOAD,
+    timeout_s: float = 600.0,
+    path: SimPath = "fast",
+    workers: int | None = None,
+) -> list[SimReport]:
+    """`simulate_step` of one model under each of `configs` (a plan's strategies), in
+    order: every config's traces are asked together, so they run side by side (`workers`
+    at a time), and the model is built on meta once. The reports are the ones
+    `simulate_step` gives for each config alone."""
     if world < 1:
         raise ValueError(f"simulate_step(world={world}): the world size must be >= 1.")
     if batch < 1:
@@ -493,9 +538,9 @@ def simulate_step(
         )
     check_backend(backend)
     check_expert_load(expert_load)
-    kwargs = dict(
+    workers = check_workers(workers)
+    same = dict(
         model_factory=model_factory,
-        config=_resolve_config(config, activation_checkpointing),
         world=world,
         example_input=example_input,
         batch=batch,
@@ -509,11 +554,23 @@ def simulate_step(
     def run_one(one: dict[str, Any]) -> SimReport:
         return _simulate_here(**one) if in_process else _simulate_in_subprocess(one, timeout_s)
 
-    def run(one: dict[str, Any]) -> SimReport:
-        return composed_step(one, run_one, in_process) if path == "fast" else run_one(one)
+    def run(one: dict[str, Any]) -> Job:
+        return composed_step(one, in_process) if path == "fast" else _whole(one)
 
-    with reuse_builds():  # every stage is cut from one build of the model
-        if config.pp > 1:
-            grouping = stage_groups if path == "fast" else None
-            return simulate_stages(kwargs, run, grouping)  # type: ignore[no-any-return]
-        return run(kwargs)
+    def runs(wanted: list[dict[str, Any]]) -> list[SimReport]:
+        return run_jobs(wanted, run_one, workers if in_process else 1, timeout_s)
+
+    grouping = stage_groups if path == "fast" else None
+    jobs = []
+    for config in configs:
+        kwargs = dict(same, config=_resolve_config(config, activation_checkpointing))
+        # every stage is cut from one build of the model
+        jobs.append(simulate_stages(kwargs, run, grouping) if config.pp > 1 else run(kwargs))
+    with reuse_builds():  # one build of the model for every config and stage
+        return drive(gather(jobs), runs)  # type: ignore[no-any-return]
+
+
+def _whole(one: dict[str, Any]) -> Job:
+    """The full path's job: one trace of the whole model (or stage)."""
+    (report,) = yield [one]
+    return report

@@ -33,6 +33,7 @@ from shardwise.memory.tracking import (
     _peaks,
     _tracker,
 )
+from shardwise.memory.workers import Job, gather
 from shardwise.parallelize.materialize import init_empty
 from shardwise.parallelize.pipeline import build_stage
 from shardwise.plan.stages import StagePlan, plan_stages
@@ -249,11 +250,12 @@ def tracked_stage(
 
 
 def simulate_stages(
-    kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Any], grouping: Any = None
-) -> Any:
-    """Each stage simulated alone over its own data- and tensor-parallel ranks (`run`
-    simulates one, given simulate_step's arguments and `stage`); the report of the stage
-    with the highest peak, listing every stage. `grouping` (the fast path's
+    kwargs: dict[str, Any], run: Callable[[dict[str, Any]], Job], grouping: Any = None
+) -> Job:
+    """Each stage simulated alone over its own data- and tensor-parallel ranks (`run` is
+    the job simulating one, given simulate_step's arguments and `stage`; every stage's
+    traces are asked together), as a job whose answer is the report of the stage with the
+    highest peak, listing every stage. `grouping` (the fast path's
     memory/stage_groups.py): stages holding the same blocks are simulated once per
     in-flight count needed, the others derived."""
     config = kwargs["config"]
@@ -280,7 +282,7 @@ def simulate_stages(
     plan = plan_stages(whole, pp, config.pp_split)
     hidden = hidden_width(whole, plan)
     traced = grouping.traced_stages(whole, plan, config, microbatches) if grouping else {}
-    reports = []
+    simulated = []
     for index in range(pp):
         stage = StageSim(plan, index, config.pp_schedule, microbatches, hidden)
         if index in traced and traced[index] is not None:
@@ -293,7 +295,9 @@ def simulate_stages(
             batch=batch // microbatches,
             stage=stage,
         )
-        reports.append((stage, run(one)))
+        simulated.append((stage, run(one)))
+    answers = yield from gather([job for _, job in simulated])
+    reports = [(stage, report) for (stage, _), report in zip(simulated, answers, strict=True)]
     derived = (
         grouping.derived_stages(plan, config.pp_schedule, microbatches, hidden, traced, reports)
         if grouping

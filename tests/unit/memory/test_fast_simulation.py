@@ -363,3 +363,24 @@ def test_adams_state_made_without_a_step_is_the_steps(strategy: str) -> None:
     _same_figures = (fast.peak, fast.at_peak, fast.category_peaks)
     assert _same_figures == (stepped.peak, stepped.at_peak, stepped.category_peaks)
     assert fast.at_peak["optimizer"] > 0
+
+
+def test_traces_side_by_side_give_the_reports_of_traces_one_after_another() -> None:
+    """simulate_steps runs every config's traces (each stage's too) in forked workers
+    (memory/workers.py): each report equals, field for field, the one made in this
+    process one trace after another, and simulate_step's for that config alone."""
+    import dataclasses
+
+    configs = [
+        shardwise.ParallelConfig(strategy="ddp"),
+        shardwise.ParallelConfig(strategy="full_shard", mixed_precision="bf16"),
+        shardwise.ParallelConfig(strategy="full_shard", pp=2, pp_microbatches=2),
+    ]
+    kw = {"world": 4, "batch": 2, "seq_len": 16}
+    build = functools.partial(llama, 16)
+    forked = shardwise.memory.simulate_steps(build, configs, workers=2, **kw)
+    here = shardwise.memory.simulate_steps(build, configs, workers=1, **kw)
+    alone = shardwise.simulate_step(build, configs[1], workers=1, **kw)
+    assert [r.path for r in forked] == ["fast", "fast", "fast"]
+    assert [dataclasses.asdict(r) for r in forked] == [dataclasses.asdict(r) for r in here]
+    assert dataclasses.asdict(forked[1]) == dataclasses.asdict(alone)
