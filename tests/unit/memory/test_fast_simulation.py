@@ -21,6 +21,8 @@ from shardwise.memory.compose import block_keys, find_run, plan_run
 from shardwise.plan.planner import plan_wrap
 
 pytestmark = pytest.mark.heavy
+# The comparisons of many models and layouts (minutes) are the `simulation` tier: `make
+# test-simulation`, which .ci/run runs; `make test` keeps one model under each path.
 
 
 @pytest.fixture(autouse=True)
@@ -121,6 +123,7 @@ def _same(fast: shardwise.SimReport, full: shardwise.SimReport, paths: bool = Tr
     assert {k: v for k, v in fast.category_peaks.items() if v} == own
 
 
+@pytest.mark.simulation
 @pytest.mark.parametrize("strategy", ["ddp", "no_shard", "shard_grad_op", "hybrid_shard"])
 def test_the_fast_path_equals_the_full_simulation_on_a_dense_model(strategy: str) -> None:
     for ac in ("none", "full"):
@@ -137,6 +140,7 @@ def test_full_shard_with_every_second_block_checkpointed_groups_by_the_choice() 
     assert "2 kinds alternating" in fast.notes[0]
 
 
+@pytest.mark.simulation
 @pytest.mark.parametrize("factory", [gemma2, qwen2_moe, mixtral], ids=lambda f: f.__name__)
 def test_alternating_attention_and_moe_models_compose_exactly(factory) -> None:  # type: ignore[no-untyped-def]
     config = shardwise.ParallelConfig(strategy="full_shard")
@@ -151,6 +155,7 @@ def test_the_sliding_and_global_layers_are_two_kinds() -> None:
     assert run is not None and run.period == 2 and run.run == 12
 
 
+@pytest.mark.simulation
 def test_tp_ep_and_adapters_compose_exactly() -> None:
     _same(*_both(llama, shardwise.ParallelConfig(strategy="full_shard", tp=2)))
     sp = shardwise.ParallelConfig(tp=2, sequence_parallel=True, activation_checkpointing="full")
@@ -160,6 +165,7 @@ def test_tp_ep_and_adapters_compose_exactly() -> None:
     _same(*_both(lora_llama, shardwise.ParallelConfig(strategy="ddp")))
 
 
+@pytest.mark.simulation
 def test_each_pipeline_stage_composes_exactly() -> None:
     config = shardwise.ParallelConfig(pp=2, pp_microbatches=2, activation_checkpointing="full")
     fast, full = _both(functools.partial(llama, 16), config)
@@ -302,6 +308,7 @@ def _derived(report: shardwise.SimReport) -> list[int]:
     return [int(i) for i in found.group(1).split(", ")] if found else []
 
 
+@pytest.mark.simulation
 @pytest.mark.parametrize(
     ("schedule", "pp", "world", "derived"),
     [("1f1b", 4, 8, []), ("gpipe", 4, 4, [2]), ("1f1b", 5, 5, [2])],
@@ -323,6 +330,7 @@ def test_pipeline_stages_holding_the_same_blocks_are_derived_exactly(
     assert len({s["peak"] for s in full.stages}) == distinct
 
 
+@pytest.mark.simulation
 def test_stages_holding_different_blocks_are_each_traced(monkeypatch: pytest.MonkeyPatch) -> None:
     """pp_split gives the middle stages 2, 3 and 2 blocks: stage 2 is not derived from
     stages 1 and 3 (which are, with 4 and 2 in flight, both traced). The negative control:
