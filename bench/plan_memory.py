@@ -7,7 +7,7 @@ included, with the process's CPU time and peak RSS (from the kernel, `os.wait4`)
 - llama3-8b: `shardwise plan bench/plan_models.py:llama3_8b --world 8 --simulate`, every
   strategy (the plan command itself, `--json`), bf16, AC full, one 8192-token row;
 - llama3-70b-tp8: the 70B shape at world 512 with tp 8, every FSDP strategy under tp, in
-  one process (`simulate_step` per strategy, as the plan would);
+  one process (`simulate_steps` over the strategies, as the plan does);
 - llama3-405b-pp8 / -pp16 (world 512 and 2048): tp 8 x pp 8 or 16, 1F1B, pp micro-batches,
   every stage simulated;
 - deepseek-v3-ep64: transformers' DeepSeek-V3 at world 256, ep 64, load 2.0, seq 4096.
@@ -76,25 +76,26 @@ import torch
 sys.path.insert(0, {here!r})
 import plan_models
 from shardwise import ParallelConfig
-from shardwise.memory import simulate_step
+from shardwise.memory import simulate_steps
 
 torch.set_num_threads(1)
 spec = json.loads(sys.argv[1])
 factory = getattr(plan_models, spec["factory"])
-out = []
-for strategy in spec["strategies"]:
-    config = ParallelConfig(strategy=strategy, mixed_precision="bf16",
-                            tp=spec.get("tp", 1), pp=spec.get("pp", 1), ep=spec.get("ep", 1),
-                            pp_microbatches=spec.get("pp") if spec.get("pp", 1) > 1 else None)
-    try:
-        r = simulate_step(factory, config, world=spec["world"], batch=spec["batch"],
-                          seq_len=spec["seq_len"], activation_checkpointing="full",
-                          expert_load=spec.get("expert_load", 2.0), path=spec["path"])
-    except (ValueError, NotImplementedError) as exc:
-        out.append({{"strategy": strategy, "refused": str(exc)[:300]}})
-        continue
-    out.append({{"strategy": strategy, "peak": r.peak, "path": r.path, "notes": r.notes[:1],
-                "stages": [s["peak"] for s in r.stages]}})
+configs = [
+    ParallelConfig(strategy=strategy, mixed_precision="bf16",
+                   tp=spec.get("tp", 1), pp=spec.get("pp", 1), ep=spec.get("ep", 1),
+                   pp_microbatches=spec.get("pp") if spec.get("pp", 1) > 1 else None)
+    for strategy in spec["strategies"]
+]
+# every strategy together, as `shardwise plan` simulates its rows
+reports = simulate_steps(factory, configs, world=spec["world"], batch=spec["batch"],
+                         seq_len=spec["seq_len"], activation_checkpointing="full",
+                         expert_load=spec.get("expert_load", 2.0), path=spec["path"])
+out = [
+    {{"strategy": c.strategy, "peak": r.peak, "path": r.path, "notes": r.notes[:1],
+     "stages": [s["peak"] for s in r.stages]}}
+    for c, r in zip(configs, reports)
+]
 print(json.dumps(out))
 """
 

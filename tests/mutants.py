@@ -4796,6 +4796,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "workers_first_trace_not_run_here",
+        "src/shardwise/memory/workers.py",
+        "    if len(jobs) > workers:\n",
+        "    if False:\n",
+        ("tests/unit/memory/test_workers.py::test_answers_in_order_whatever_the_workers",),
+    ),
+    Mutant(
+        "workers_background_runs_in_this_process",
+        "src/shardwise/memory/workers.py",
+        "    if not can_fork():\n        return fn\n",
+        "    return fn\n",
+        (
+            "tests/unit/memory/test_workers.py::test_in_background_runs_beside_this_process_and_answers_later",
+        ),
+    ),
+    Mutant(
         "workers_a_dead_child_is_not_named",
         "src/shardwise/memory/workers.py",
         "                except EOFError:\n                    proc.join(5)\n                    raise RuntimeError(",

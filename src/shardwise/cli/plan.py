@@ -220,7 +220,7 @@ def plan_command(args: argparse.Namespace) -> int:
     muon = config.optimizer.name == "muon"
     rows = []
     if not muon:
-        with reuse_builds():  # one build of the model for every strategy's simulation
+        with reuse_builds({factory: model}):  # the model above, for every simulation
             rows = _plan_rows(
                 args, factory, model, parallel, estimates, config.optimizer.name, seq_len,
                 limit, example,
@@ -277,6 +277,7 @@ def _plan_rows(
     --simulate, and whether it fits the budget. Empty when the sequence length is unknown."""
     from shardwise.memory.auto import Candidate, InstantPeak
     from shardwise.memory.simulate import simulate_steps
+    from shardwise.memory.workers import in_background
 
     if seq_len is None and example is None:
         return []
@@ -284,7 +285,9 @@ def _plan_rows(
     instant = InstantPeak(model, args.world, batch, seq_len, optimizer, example_input=example)
     configs = [dataclasses.replace(parallel, strategy=e.strategy) for e in estimates]
     sims: list[Any] = [None] * len(configs)
-    if args.simulate:  # every strategy's traces side by side
+    instants = lambda: [instant(cfg) for cfg in configs]  # noqa: E731
+    if args.simulate:  # every strategy's traces side by side, and the estimates beside them
+        instants = in_background(instants, "the instant estimates", 600.0)
         sims = simulate_steps(
             factory,
             configs,
@@ -296,8 +299,7 @@ def _plan_rows(
             path=args.simulate,
         )
     rows = []
-    for e, cfg, sim in zip(estimates, configs, sims, strict=True):
-        estimate = instant(cfg)
+    for e, sim, estimate in zip(estimates, sims, instants(), strict=True):
         peak = sim.peak if sim is not None else estimate
         row = Candidate(
             e.strategy,

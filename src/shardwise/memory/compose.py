@@ -464,15 +464,16 @@ _BUILDS: contextvars.ContextVar[dict[Any, nn.Module] | None] = contextvars.Conte
 
 
 @contextlib.contextmanager
-def reuse_builds() -> Iterator[None]:
+def reuse_builds(built: dict[Any, nn.Module] | None = None) -> Iterator[None]:
     """Within it, the fast path builds each model factory's model on meta once and copies
     it for every trace: for callers that simulate one factory several times (each stage of
     a pipeline, each strategy of `shardwise plan`, each candidate of `choose_plan`), which
-    expect it to build the same model each time."""
+    expect it to build the same model each time. `built`: factories already built on
+    meta by the caller (`{factory: model}`), not built again."""
     if _BUILDS.get() is not None:
         yield
         return
-    token = _BUILDS.set({})
+    token = _BUILDS.set(dict(built or {}))
     try:
         yield
     finally:

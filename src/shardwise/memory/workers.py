@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Job", "default_workers", "drive", "gather", "run_jobs"]
+__all__ = ["Job", "default_workers", "drive", "gather", "in_background", "run_jobs"]
 
 Job = Generator[list[dict[str, Any]], list[Any], Any]
 """A simulation's job: yields the traces it needs, is sent their reports, returns its answer."""
@@ -108,12 +108,18 @@ def run_jobs(
     timeout_s: float,
 ) -> list[Any]:
     """`run(job)` for each job, in order: in forked children, `workers` at a time, where
-    more than one job and worker and fork allows; else here, one after another."""
+    more than one job and worker and fork allows (the first here when there are more jobs
+    than workers); else here, one after another."""
     if workers <= 1 or len(jobs) <= 1 or not can_fork():
         return [run(job) for job in jobs]
     ctx = mp.get_context("fork")
     results: list[Any] = [None] * len(jobs)
     waiting = list(enumerate(jobs))
+    if len(jobs) > workers:
+        # The first trace here: the children inherit what it leaves warm (lazy imports,
+        # fake tensors' dispatch cache), which makes each of theirs about a fifth cheaper.
+        index, job = waiting.pop(0)
+        results[index] = run(job)
     running: dict[Any, tuple[int, Any, float]] = {}
     reader: Any
     try:
@@ -160,6 +166,46 @@ def run_jobs(
             proc.join()
             reader.close()
     return results
+
+
+def in_background(fn: Callable[[], Any], what: str, timeout_s: float) -> Callable[[], Any]:
+    """`fn()` started now in a forked child, where fork allows, beside what this process
+    does next; returns the function that waits for its answer (raising its error, or
+    naming `what` if it dies or runs over `timeout_s`). Elsewhere `fn` runs when that
+    function is called."""
+    if not can_fork():
+        return fn
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(writer, lambda _: fn(), {}), daemon=True)
+    proc.start()
+    writer.close()
+    started = time.monotonic()
+
+    def answer() -> Any:
+        try:
+            if not reader.poll(max(0.0, timeout_s - (time.monotonic() - started))):
+                raise TimeoutError(f"{what} ran over {timeout_s}s in its forked worker.")
+            try:
+                status, payload, text = reader.recv()
+            except EOFError:
+                proc.join(5)
+                raise RuntimeError(
+                    f"the forked worker of {what} died (exit code {proc.exitcode})."
+                ) from None
+        finally:
+            reader.close()
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if status == "raise":
+            raise payload from ChildTraceback(text)
+        if status == "error":
+            raise RuntimeError(f"{what} failed: {payload}") from ChildTraceback(text)
+        return payload
+
+    return answer
 
 
 def gather(jobs: list[Job]) -> Job:

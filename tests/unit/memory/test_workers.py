@@ -30,17 +30,19 @@ def _jobs(n: int) -> list[dict[str, Any]]:
 def test_answers_in_order_whatever_the_workers(n_workers: int) -> None:
     out = run_jobs(_jobs(5), _square, n_workers, timeout_s=60)
     assert [v for v, _ in out] == [x * x for x in range(5)]
-    pids = {pid for _, pid in out}
+    pids = [pid for _, pid in out]
     if n_workers == 1:
-        assert pids == {os.getpid()}  # here, one after another
-    else:
-        assert os.getpid() not in pids and len(pids) == 5  # a fresh fork per job
+        assert set(pids) == {os.getpid()}  # here, one after another
+    else:  # the first here (it warms what the children inherit), a fresh fork for each other
+        assert pids[0] == os.getpid() and os.getpid() not in pids[1:] and len(set(pids)) == 5
     assert not mp.active_children()
 
 
-def test_one_job_runs_here() -> None:
+def test_one_job_runs_here_and_as_many_jobs_as_workers_all_fork() -> None:
     ((_, pid),) = run_jobs(_jobs(1), _square, 4, timeout_s=60)
     assert pid == os.getpid()
+    pids = [pid for _, pid in run_jobs(_jobs(2), _square, 2, timeout_s=60)]
+    assert os.getpid() not in pids and len(set(pids)) == 2
 
 
 def _raise(job: dict[str, Any]) -> None:
@@ -100,7 +102,7 @@ def _sleep(job: dict[str, Any]) -> None:
 def test_a_trace_over_the_timeout_is_named_and_every_child_killed() -> None:
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ran over 1.0s in its forked worker"):
-        run_jobs([{"x": 30}, {"x": 30}, {"x": 30}], _sleep, 2, timeout_s=1.0)
+        run_jobs([{"x": 30}, {"x": 30}], _sleep, 2, timeout_s=1.0)
     assert time.monotonic() - t0 < 20
     assert not mp.active_children()
 
@@ -186,3 +188,28 @@ def test_a_child_runs_real_ops_after_the_parent_used_its_thread_pool() -> None:
     finally:
         torch.set_num_threads(threads)
     assert out == [256.0, 256.0]
+
+
+def test_in_background_runs_beside_this_process_and_answers_later() -> None:
+    from shardwise.memory.workers import in_background
+
+    answer = in_background(lambda: (os.getpid(), 6 * 7), "the instant estimates", 30)
+    pid, value = answer()
+    assert value == 42 and pid != os.getpid()
+    assert not mp.active_children()
+
+
+def test_in_background_raises_the_childs_error_and_names_a_death_or_a_timeout() -> None:
+    from shardwise.memory.workers import in_background
+
+    def refuse() -> None:
+        raise NotImplementedError("tp is only simulated")
+
+    with pytest.raises(NotImplementedError, match="tp is only simulated") as info:
+        in_background(refuse, "the instant estimates", 30)()
+    assert isinstance(info.value.__cause__, ChildTraceback)
+    with pytest.raises(RuntimeError, match=r"worker of the instant estimates died \(exit code 5\)"):
+        in_background(lambda: os._exit(5), "the instant estimates", 30)()
+    with pytest.raises(TimeoutError, match="the instant estimates ran over 0.5s"):
+        in_background(lambda: time.sleep(30), "the instant estimates", 0.5)()
+    assert not mp.active_children()
