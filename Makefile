@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-muon test-ray test-trainer test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
+.PHONY: demo test test-models test-integrations test-bench test-batch-stats test-adapters test-pipeline test-experts test-tp test-cp test-reshard test-launcher test-foreign test-elastic test-streams test-muon test-ray test-trainer test-simulation test-slurm lint typecheck unit layout bench gpu-check gpu-check-multi soak clean install docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,12 @@ test-pipeline: $(STAMP)
 # loaded in one process; .ci/run runs it.
 test-experts: $(STAMP)
 	$(VENV)/bin/pytest -q -m experts tests/distributed/test_expert_parallel.py tests/e2e/test_bench_smoke.py
+
+# The fast memory simulation against the full one, to the byte, on small models of every
+# kind: dense under every strategy, Gemma 2, Qwen2-MoE, Mixtral, tp, ep, LoRA, pipeline
+# stages (about 2 min); `make test` keeps one model under each path. .ci/run runs it.
+test-simulation: $(STAMP)
+	$(VENV)/bin/pytest -q -m simulation tests/unit/memory/test_fast_simulation.py
 
 # Tensor parallel (dp 2 x tp 2 at world 4) against one process: ten transformers families
 # with their own plans, sequence and loss parallel, checkpoints; .ci/run runs it.

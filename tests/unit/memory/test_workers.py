@@ -210,6 +210,6 @@ def test_in_background_raises_the_childs_error_and_names_a_death_or_a_timeout() 
     assert isinstance(info.value.__cause__, ChildTraceback)
     with pytest.raises(RuntimeError, match=r"worker of the instant estimates died \(exit code 5\)"):
         in_background(lambda: os._exit(5), "the instant estimates", 30)()
-    with pytest.raises(TimeoutError, match="the instant estimates ran over 0.5s"):
+    with pytest.raises(TimeoutError, match=r"the instant estimates ran over 0\.5s"):
         in_background(lambda: time.sleep(30), "the instant estimates", 0.5)()
     assert not mp.active_children()
