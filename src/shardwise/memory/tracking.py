@@ -118,13 +118,12 @@ def _global_peak(tracker: Any) -> Any:
     """The tracker's update of its step-wide peak alone: torch's `_update_peak_stats` also
     updates the local peak of every module it has met (a loop over all modules at every
     allocation, quadratic in the depth), which nothing here reads."""
-    from copy import deepcopy
 
     def update(peak_state: Any) -> None:
         for dev, dev_snap in tracker._curr_mem_snap.items():
             if tracker._peak_mem.get(dev, 0) < dev_snap["Total"]:
                 tracker._peak_mem[dev] = dev_snap["Total"]
-                tracker._peak_mem_snap[dev] = deepcopy(dev_snap)
+                tracker._peak_mem_snap[dev] = dict(dev_snap)  # keys and values immutable
 
     return update
 
@@ -132,16 +131,19 @@ def _global_peak(tracker: Any) -> Any:
 def _follow_category_peaks(tracker: Any) -> None:
     """Record each category's own maximum as the tracker updates its running snapshot."""
     peaks: dict[str, int] = {}
+    names: dict[Any, str] = {}  # the tracker's keys are few: each named once ("" for Total)
     original = _global_peak(tracker)
 
     def update(peak_state: Any) -> None:
-        original(peak_state)
+        original(peak_state)  # at every allocation: kept cheap
         for dev_snap in tracker._curr_mem_snap.values():
             for key, value in dev_snap.items():
-                if key == "Total":
-                    continue
-                name = _CATEGORIES.get(getattr(key, "value", str(key)), "other")
-                peaks[name] = max(peaks.get(name, 0), int(value))
+                name = names.get(key)
+                if name is None:
+                    label = "" if key == "Total" else getattr(key, "value", str(key))
+                    name = names[key] = label and _CATEGORIES.get(label, "other")
+                if name and value > peaks.get(name, -1):
+                    peaks[name] = max(int(value), 0)
 
     tracker._update_peak_stats = update
     tracker._shardwise_category_peaks = peaks
