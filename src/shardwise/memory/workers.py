@@ -115,32 +115,39 @@ def run_jobs(
     ctx = mp.get_context("fork")
     results: list[Any] = [None] * len(jobs)
     waiting = list(enumerate(jobs))
-    if len(jobs) > workers:
-        # The first trace here: the children inherit what it leaves warm (lazy imports,
-        # fake tensors' dispatch cache), which makes each of theirs about a fifth cheaper.
-        index, job = waiting.pop(0)
-        results[index] = run(job)
     running: dict[Any, tuple[int, Any, float]] = {}
     reader: Any
+
+    def start(index: int, job: dict[str, Any]) -> None:
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(writer, run, job), daemon=True)
+        proc.start()
+        writer.close()
+        running[reader] = (index, proc, time.monotonic())
+
     try:
+        if len(jobs) > workers:
+            # `workers` children start now, and this process traces the first job beside
+            # them: the children started after it inherit what it leaves warm (lazy
+            # imports, fake tensors' dispatch cache), which makes each of theirs about a
+            # fifth cheaper. (One process more than workers for that while.)
+            first = waiting.pop(0)
+            for _ in range(workers):
+                start(*waiting.pop(0))
+            results[first[0]] = run(first[1])
         while waiting or running:
             while waiting and len(running) < workers:
-                index, job = waiting.pop(0)
-                reader, writer = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_child, args=(writer, run, job), daemon=True)
-                proc.start()
-                writer.close()
-                running[reader] = (index, proc, time.monotonic())
+                start(*waiting.pop(0))
             oldest = min(started for _, _, started in running.values())
             left = timeout_s - (time.monotonic() - oldest)
-            if left <= 0:
+            ready = wait(list(running), timeout=max(left, 0.0))
+            if not ready and left <= 0:
                 index = next(i for i, _, s in running.values() if s == oldest)
                 raise TimeoutError(
                     f"simulate_step: the trace of {_describe(jobs[index])} ran over "
                     f"{timeout_s}s in its forked worker (simulate_step(timeout_s=...))."
                 )
-            for ready in wait(list(running), timeout=left):
-                reader = ready
+            for reader in ready:
                 index, proc, _ = running.pop(reader)
                 try:
                     status, payload, text = reader.recv()
