@@ -4750,6 +4750,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/memory/test_fast_simulation.py::test_adams_state_made_without_a_step_is_the_steps",
         ),
     ),
+    Mutant(
+        "trainer_save_model_barrier_unguarded",
+        "src/shardwise/integrations/transformers.py",
+        "        with guard(what):\n            dist.barrier()\n",
+        "        if what:\n            dist.barrier()\n",
+        (
+            "tests/unit/integrations/test_transformers_contract.py::test_save_models_barriers_are_guarded_and_say_what_they_wait_for",
+        ),
+    ),
     # Issue 54: a plan's traces side by side in forked workers (memory/workers.py).
     Mutant(
         "workers_gather_answers_swapped",

@@ -95,8 +95,9 @@ def lora_llama() -> Any:
     return model
 
 
-def targs(name: str, per_device: int, **kw: Any) -> TrainingArguments:
-    base: dict[str, Any] = dict(
+def base_args(name: str, per_device: int) -> dict[str, Any]:
+    """The arguments every scenario shares, the Trainer's and TRL's SFTConfig alike."""
+    return dict(
         output_dir=str(OUT / f"{PHASE}-{name}"),
         per_device_train_batch_size=per_device,
         per_device_eval_batch_size=per_device,
@@ -115,8 +116,10 @@ def targs(name: str, per_device: int, **kw: Any) -> TrainingArguments:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    base.update(kw)
-    return TrainingArguments(**base)
+
+
+def targs(name: str, per_device: int, **kw: Any) -> TrainingArguments:
+    return TrainingArguments(**{**base_args(name, per_device), **kw})
 
 
 class Record(TrainerCallback):
@@ -305,19 +308,7 @@ def sft(per: int) -> None:
     ):
         rec = Record()
         args = SFTConfig(
-            **{k: v for k, v in targs(name, per).to_dict().items() if k in ("output_dir",)},
-            per_device_train_batch_size=per,
-            gradient_accumulation_steps=2,
-            max_steps=6,
-            max_grad_norm=0.5,
-            learning_rate=5e-3,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            train_sampling_strategy="sequential",
-            use_cpu=True,
-            seed=0,
-            disable_tqdm=True,
+            **base_args(name, per),
             bf16=False,  # TRL defaults to True: compare in fp32 (bf16 is its own check)
             packing=True,
             max_length=SEQ,

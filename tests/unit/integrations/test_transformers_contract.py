@@ -229,3 +229,33 @@ def test_a_resume_needs_a_shardwise_checkpoint(tmp_path: Path) -> None:
         _sharded_dir(plain)
     (plain / "shardwise").mkdir()
     assert _sharded_dir(plain) == plain / "shardwise"
+
+
+def test_save_models_barriers_are_guarded_and_say_what_they_wait_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank missing at either barrier of save_model is named by watchdog.guard (its own
+    tests show the message): both barriers run inside it, each saying what it waits for."""
+    import contextlib
+
+    import shardwise.integrations.transformers as hf
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def guard(what: str) -> Any:
+        events.append(f"enter {what}")
+        yield
+        events.append("exit")
+
+    with monkeypatch.context() as m:  # undone before the suite's own process-group check
+        m.setattr(hf, "guard", guard)
+        m.setattr(hf.dist, "is_initialized", lambda: True)
+        m.setattr(hf.dist, "barrier", lambda: events.append("barrier"))
+        m.setattr(hf, "export_weights", lambda model, out: events.append("export"))
+        hf._export_beside(torch.nn.Linear(2, 2), tmp_path / "out", writes=False)
+    assert events == [
+        "enter save_model: rank 0 clearing the staging directory", "barrier", "exit",
+        "export",
+        "enter save_model: rank 0 moving the exported files into place", "barrier", "exit",
+    ]  # fmt: skip
