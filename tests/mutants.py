@@ -1031,8 +1031,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "category_peak_is_the_last_value",
         "src/shardwise/memory/tracking.py",
-        "peaks[name] = max(peaks.get(name, 0), int(value))",
-        "peaks[name] = int(value)",
+        "                if name and value > peaks.get(name, -1):\n",
+        "                if name:\n",
         ("tests/unit/memory/test_simulate.py::test_model_states_match_the_analytic_plan",),
     ),
     Mutant(
@@ -4798,8 +4798,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "workers_timeout_never_fires",
         "src/shardwise/memory/workers.py",
-        "            if left <= 0:\n",
-        "            if left < -1e9:\n",
+        "            if not ready and left <= 0:\n",
+        "            if not ready and left < -1e9:\n",
         (
             "tests/unit/memory/test_workers.py::test_a_trace_over_the_timeout_is_named_and_every_child_killed",
         ),
