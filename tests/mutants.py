@@ -4821,6 +4821,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "workers_default_not_capped",
+        "src/shardwise/memory/workers.py",
+        "    return min(cpus, MAX_DEFAULT_WORKERS)\n",
+        "    return cpus\n",
+        (
+            "tests/unit/memory/test_workers.py::test_workers_default_to_this_process_cpus_at_most_four",
+        ),
+    ),
+    Mutant(
         "workers_a_dead_child_is_not_named",
         "src/shardwise/memory/workers.py",
         "                except EOFError:\n                    proc.join(5)\n                    raise RuntimeError(",

@@ -476,8 +476,8 @@ def simulate_step(
 
     Traces that do not depend on each other (the fast path's two, each pipeline stage's)
     run side by side in forked processes on Linux, `workers` at a time (None: the CPUs
-    this process may use; 1: one after another in this process). The figures are the
-    same whatever the number (memory/workers.py).
+    this process may use, at most 4; 1: one after another in this process). The figures
+    are the same whatever the number (memory/workers.py).
 
     Runs in this process with a fake process group, destroyed afterwards. If this process
     already has a process group (torch allows one default group per process), the

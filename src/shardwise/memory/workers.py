@@ -53,12 +53,18 @@ def can_fork() -> bool:
     return sys.platform.startswith("linux") and not _IN_CHILD
 
 
+MAX_DEFAULT_WORKERS = 4
+"""The default's ceiling: a plan runs up to workers + 2 processes of about 0.5 GiB each,
+which stays under 4 GiB of host memory; `workers=N` asks for more."""
+
+
 def default_workers() -> int:
-    """The CPUs this process may run on."""
+    """The CPUs this process may run on, at most MAX_DEFAULT_WORKERS."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    return min(cpus, MAX_DEFAULT_WORKERS)
 
 
 def check_workers(workers: int | None) -> int:

@@ -160,9 +160,15 @@ def test_nested_gathers_are_one_job() -> None:
     assert calls == [6, 1]
 
 
-def test_workers_default_to_this_process_cpus() -> None:
-    assert workers.check_workers(None) == len(os.sched_getaffinity(0))
-    assert workers.check_workers(3) == 3
+def test_workers_default_to_this_process_cpus_at_most_four(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert workers.check_workers(None) == min(len(os.sched_getaffinity(0)), 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert workers.check_workers(None) == 4  # a plan's host memory stays under 4 GiB
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert workers.check_workers(None) == 3
+    assert workers.check_workers(9) == 9
 
 
 @pytest.mark.parametrize("bad", [0, -2, True, 1.5, "2"])
