@@ -4782,8 +4782,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "workers_child_exception_loses_its_type",
         "src/shardwise/memory/workers.py",
-        "                    raise payload from ChildTraceback(text)",
-        "                    raise RuntimeError(str(payload)) from ChildTraceback(text)",
+        "        raise payload from ChildTraceback(text)",
+        "        raise RuntimeError(str(payload)) from ChildTraceback(text)",
         (
             "tests/unit/memory/test_workers.py::test_a_childs_exception_is_raised_here_with_its_type_and_traceback",
         ),
@@ -4830,11 +4830,23 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "workers_children_start_after_the_warm_up_trace",
+        "src/shardwise/memory/workers.py",
+        "            for _ in range(workers):\n                start(*waiting.pop(0))\n            results[first[0]] = run(first[1])\n",
+        "            results[first[0]] = run(first[1])\n            for _ in range(workers):\n                start(*waiting.pop(0))\n",
+        (
+            "tests/unit/memory/test_workers.py::test_the_first_children_start_beside_the_parents_trace_and_the_rest_after_it",
+        ),
+    ),
+    Mutant(
         "workers_a_dead_child_is_not_named",
         "src/shardwise/memory/workers.py",
-        "                except EOFError:\n                    proc.join(5)\n                    raise RuntimeError(",
-        "                except EOFError:\n                    proc.join(5)\n                    raise EOFError(",
-        ("tests/unit/memory/test_workers.py::test_a_child_that_dies_is_named",),
+        "        raise RuntimeError(died.format(code=proc.exitcode)) from None",
+        "        raise EOFError(died.format(code=proc.exitcode)) from None",
+        (
+            "tests/unit/memory/test_workers.py::test_a_child_that_dies_is_named",
+            "tests/unit/memory/test_workers.py::test_in_background_raises_the_childs_error_and_names_a_death_or_a_timeout",
+        ),
     ),
 )
 

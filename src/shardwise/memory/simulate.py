@@ -564,7 +564,6 @@ def simulate_steps(
     jobs = []
     for config in configs:
         kwargs = dict(same, config=_resolve_config(config, activation_checkpointing))
-        # every stage is cut from one build of the model
         jobs.append(simulate_stages(kwargs, run, grouping) if config.pp > 1 else run(kwargs))
     with reuse_builds():  # one build of the model for every config and stage
         return drive(gather(jobs), runs)  # type: ignore[no-any-return]

@@ -107,6 +107,25 @@ def _describe(job: dict[str, Any]) -> str:
     return what
 
 
+def _receive(reader: Any, proc: Any, died: str, failed: str) -> Any:
+    """A forked child's answer from `reader` (closed after), once it is ready: its report,
+    or its exception raised here with its traceback as the cause; `died` (with {code}) if
+    it sent nothing, `failed` before the text of an exception that did not pickle."""
+    try:
+        status, payload, text = reader.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(died.format(code=proc.exitcode)) from None
+    finally:
+        reader.close()
+    proc.join(5)
+    if status == "raise":
+        raise payload from ChildTraceback(text)
+    if status == "error":
+        raise RuntimeError(f"{failed}: {payload}") from ChildTraceback(text)
+    return payload
+
+
 def run_jobs(
     jobs: list[dict[str, Any]],
     run: Callable[[dict[str, Any]], Any],
@@ -155,24 +174,14 @@ def run_jobs(
                 )
             for reader in ready:
                 index, proc, _ = running.pop(reader)
-                try:
-                    status, payload, text = reader.recv()
-                except EOFError:
-                    proc.join(5)
-                    raise RuntimeError(
-                        f"simulate_step: the forked worker tracing {_describe(jobs[index])} "
-                        f"died (exit code {proc.exitcode}) before sending its report."
-                    ) from None
-                finally:
-                    reader.close()
-                proc.join(5)
-                if status == "raise":
-                    raise payload from ChildTraceback(text)
-                if status == "error":
-                    raise RuntimeError(
-                        f"simulate_step: tracing {_describe(jobs[index])} failed: {payload}"
-                    ) from ChildTraceback(text)
-                results[index] = payload
+                what = _describe(jobs[index])
+                results[index] = _receive(
+                    reader,
+                    proc,
+                    f"simulate_step: the forked worker tracing {what} died (exit code "
+                    "{code}) before sending its report.",
+                    f"simulate_step: tracing {what} failed",
+                )
     finally:
         for reader, (_, proc, _) in running.items():
             proc.kill()
@@ -199,24 +208,14 @@ def in_background(fn: Callable[[], Any], what: str, timeout_s: float) -> Callabl
         try:
             if not reader.poll(max(0.0, timeout_s - (time.monotonic() - started))):
                 raise TimeoutError(f"{what} ran over {timeout_s}s in its forked worker.")
-            try:
-                status, payload, text = reader.recv()
-            except EOFError:
-                proc.join(5)
-                raise RuntimeError(
-                    f"the forked worker of {what} died (exit code {proc.exitcode})."
-                ) from None
+            return _receive(
+                reader, proc, f"the forked worker of {what} died (exit code {{code}}).", what
+            )
         finally:
             reader.close()
-            proc.join(5)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        if status == "raise":
-            raise payload from ChildTraceback(text)
-        if status == "error":
-            raise RuntimeError(f"{what} failed: {payload}") from ChildTraceback(text)
-        return payload
 
     return answer
 

@@ -38,6 +38,20 @@ def test_answers_in_order_whatever_the_workers(n_workers: int) -> None:
     assert not mp.active_children()
 
 
+def _timed(job: dict[str, Any]) -> tuple[float, float]:
+    start = time.monotonic()
+    if job["x"] == 0:
+        time.sleep(1.0)
+    return start, time.monotonic()
+
+
+def test_the_first_children_start_beside_the_parents_trace_and_the_rest_after_it() -> None:
+    """With more jobs than workers, `workers` children run while this process traces the
+    first job (no core idles), and the rest fork after it (inheriting what it warmed)."""
+    (_, here_end), *forked = run_jobs(_jobs(4), _timed, 2, timeout_s=60)
+    assert [start < here_end for start, _ in forked] == [True, True, False]
+
+
 def test_one_job_runs_here_and_as_many_jobs_as_workers_all_fork() -> None:
     ((_, pid),) = run_jobs(_jobs(1), _square, 4, timeout_s=60)
     assert pid == os.getpid()
